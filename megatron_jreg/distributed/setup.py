@@ -1,0 +1,80 @@
+"""Process-group and model-parallel setup for CPU (gloo) and GPU (NCCL) runs alike."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_jreg.model.config import ModelConfig, ParallelConfig
+
+
+def use_cpu() -> bool:
+    """CPU when no GPU is present or MEGATRON_JREG_DEVICE=cpu is set."""
+    return os.environ.get("MEGATRON_JREG_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available()
+
+
+def initialize_distributed(timeout_minutes: int = 30) -> None:
+    """Start the default process group (torchrun env, or a single local process).
+
+    On CPU this activates :mod:`megatron_jreg.platform.cpu` and uses gloo; on GPU NCCL.
+    """
+    from megatron_jreg.platform import mcore_fixes
+
+    mcore_fixes.apply()
+    cpu = use_cpu()
+    if cpu:
+        from megatron_jreg.platform import cpu as cpu_platform
+
+        cpu_platform.activate()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if not cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend="gloo" if cpu else "nccl", timeout=timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """megatron's TP/PP/DP groups; raises if the world does not fit the split."""
+    world = dist.get_world_size()
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise ValueError(
+            f"world size {world} is not divisible by TP {tp} x PP {pp}; launch a multiple of "
+            f"{tp * pp} processes")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=parallel.virtual_stages(model.num_layers),
+        create_gloo_process_groups=use_cpu(),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Init RNG (same on every rank) plus megatron's model-parallel RNG streams."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,180 @@
+"""JREG inside megatron-core: a TransformerLayer that measures and penalises its displacement.
+
+Each layer computes Psi_l = mean over tokens of (1 - cos(h_{l-1}, h_l)) / 2 on the rank and
+pipeline stage where it runs. The penalty lambda * w_l * Psi_l is attached to the layer's
+output with :class:`JregLossCarrier` (identity forward; backward injects the penalty's
+gradient), the way megatron-core carries MoE auxiliary losses: the last stage's loss never
+needs another stage's tensors.
+
+Hidden states are [s, b, h]. Under sequence parallelism each TP rank holds s/tp tokens: the
+token mean divides by the global count, and the logged value is summed over the TP group.
+Without it the states are replicated over TP and each rank holds the full value.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_jreg.jreg import layer_weights
+from megatron_jreg.model.config import JregConfig
+from megatron_jreg.ops import token_displacement
+
+
+class JregLossCarrier(torch.autograd.Function):
+    """Identity on ``output``; backward hands ``penalty`` the gradient ``scale``.
+
+    ``scale`` must equal the main loss's backward scale: the optimizer's loss scale divided
+    by the number of micro-batches (the schedule divides the LM loss by it). Set it each
+    step with :meth:`JregTracker.set_loss_scale`.
+    """
+
+    @staticmethod
+    def forward(ctx, output, penalty, tracker):
+        ctx.save_for_backward(penalty)
+        ctx.tracker = tracker
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (penalty,) = ctx.saved_tensors
+        return grad_output, torch.full_like(penalty, ctx.tracker.loss_scale), None
+
+
+class JregTracker:
+    """Per-process JREG state shared by the model's layers.
+
+    Holds the config and layer weights, the backward scale of the penalty, and per-layer
+    accumulators of Psi_l over the micro-batches of one step (or one evaluation). The
+    accumulators live on the activations' device and are reduced only by :meth:`reduce`.
+    """
+
+    def __init__(self, config: JregConfig, num_layers: int, sequence_parallel: bool = False):
+        self.config = config
+        self.num_layers = num_layers
+        self.sequence_parallel = sequence_parallel
+        self.weights = layer_weights(num_layers, config.alpha, config.weighting)
+        self._weights_list = self.weights.tolist()
+        self.loss_scale = 1.0
+        self.token_mask: Optional[torch.Tensor] = None  # [b, s] bool of the current micro-batch
+        self._sums: Optional[torch.Tensor] = None  # [L] sum over micro-batches of Psi_l partials
+        self._counts = [0] * num_layers  # micro-batches seen per layer
+
+    # ---- per step -------------------------------------------------------------------------
+    def set_loss_scale(self, loss_scale: float, num_microbatches: int) -> None:
+        self.loss_scale = float(loss_scale) / num_microbatches
+
+    def set_token_mask(self, mask: Optional[torch.Tensor]) -> None:
+        """[b, s] bool, True = counted, for the next forward; None counts every token."""
+        self.token_mask = mask
+
+    def reset(self) -> None:
+        self._sums = None
+        self._counts = [0] * self.num_layers
+
+    # ---- called by each layer -------------------------------------------------------------
+    def _local_mask(self, tokens_shape) -> Optional[torch.Tensor]:
+        """The current mask as [s_local, b] for this rank's slice of the sequence."""
+        if self.token_mask is None:
+            return None
+        mask = self.token_mask.t()  # [s, b]
+        if self.sequence_parallel:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            mask = mask.chunk(tp, dim=0)[rank]
+        if tuple(mask.shape) != tuple(tokens_shape):
+            raise ValueError(
+                f"JREG token mask {tuple(mask.shape)} does not match the layer's tokens "
+                f"{tuple(tokens_shape)} ([s, b]); set_token_mask takes [b, s]")
+        return mask
+
+    def _global_count(self, psi: torch.Tensor, mask: Optional[torch.Tensor]):
+        """Tokens counted in the whole micro-batch (all TP ranks' slices under SP)."""
+        if mask is None:
+            tokens = psi.numel()
+            if self.sequence_parallel:
+                tokens *= parallel_state.get_tensor_model_parallel_world_size()
+            return float(tokens)
+        # the full-sequence mask is known on every TP rank: no communication needed
+        return self.token_mask.sum().to(device=psi.device, dtype=torch.float32).clamp(min=1.0)
+
+    def observe(self, layer_number: int, h_prev: torch.Tensor, h_next: torch.Tensor) -> torch.Tensor:
+        """Measure layer ``layer_number`` (global, 1-based) and attach its penalty.
+
+        Returns ``h_next``, carrying the penalty's gradient when grad is enabled.
+        """
+        grad = torch.is_grad_enabled()
+        # Full recompute runs each layer twice: once without grad (record here), once in
+        # backward with grad (attach here). Record once, attach only where grad flows.
+        record = not (grad and tp_random.is_checkpointing())
+        attach = grad and self.config.lam > 0.0
+        if not (record or attach):
+            return h_next
+        with torch.set_grad_enabled(attach):
+            psi = token_displacement(h_prev, h_next, impl=self.config.impl)  # [s_local, b] fp32
+            mask = self._local_mask(psi.shape)
+            total = psi.sum() if mask is None else torch.where(mask, psi, torch.zeros_like(psi)).sum()
+            partial = total / self._global_count(psi, mask)
+        if record:
+            self._record(layer_number, partial.detach())
+        if attach:
+            penalty = partial * (self.config.lam * self._weights_list[layer_number - 1])
+            h_next = JregLossCarrier.apply(h_next, penalty, self)
+        return h_next
+
+    def _record(self, layer_number: int, partial: torch.Tensor) -> None:
+        if self._sums is None:
+            self._sums = torch.zeros(self.num_layers, dtype=torch.float32, device=partial.device)
+        self._sums[layer_number - 1] += partial
+        self._counts[layer_number - 1] += 1
+
+    # ---- per step, collective -----------------------------------------------------------
+    def reduce(self) -> Dict[str, object]:
+        """Psi_1..Psi_L (global layer numbers) averaged over micro-batches and DP ranks.
+
+        Collective over the TP (with sequence parallelism), PP and DP groups: every rank
+        calls it. Returns {"psi": [L floats], "R": float, "penalty": float}.
+        """
+        device = self._sums.device if self._sums is not None else _default_device()
+        sums = self._sums if self._sums is not None else torch.zeros(self.num_layers, device=device)
+        counts = torch.tensor(self._counts, dtype=torch.float32, device=device)
+        psi = sums / counts.clamp(min=1.0)
+        if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+            if self.sequence_parallel:
+                dist.all_reduce(psi, group=parallel_state.get_tensor_model_parallel_group())
+            # each layer lives on exactly one pipeline rank: the others contribute zeros
+            dist.all_reduce(psi, group=parallel_state.get_pipeline_model_parallel_group())
+            dp_group = parallel_state.get_data_parallel_group()
+            dist.all_reduce(psi, group=dp_group)
+            psi = psi / dist.get_world_size(group=dp_group)
+        values: List[float] = psi.tolist()
+        r = float(sum(w * p for w, p in zip(self._weights_list, values)))
+        return {"psi": values, "R": r, "penalty": self.config.lam * r}
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class JregTransformerLayer(TransformerLayer):
+    """megatron-core's TransformerLayer, reporting (input, output) to a :class:`JregTracker`.
+
+    Swapped in through the layer spec (``ModuleSpec(module=JregTransformerLayer,
+    params={"jreg_tracker": tracker})``); all of the layer's own computation is megatron's.
+    """
+
+    def __init__(self, *args, jreg_tracker: Optional[JregTracker] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.jreg_tracker = jreg_tracker
+
+    def forward(self, *args, **kwargs):
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [s, b, h]
+        output, context = super().forward(*args, **kwargs)
+        if self.jreg_tracker is not None:
+            output = self.jreg_tracker.observe(self.layer_number, hidden_states, output)
+        return output, context

@@ -1,0 +1,183 @@
+"""Run megatron-core 0.16.1 on CPU with the gloo backend.
+
+megatron-core assumes CUDA in about fifteen places. On a CPU run (tests, CI, the README's
+demo) :func:`activate` redirects each of them; on a GPU run it is never called. Every
+patch names the megatron file and the behaviour it answers to; ``tests/platform`` covers
+each one. The redirections are process-global and idempotent.
+
+Bugs of 0.16.1 that also hit GPU users without Apex/TE live in
+:mod:`megatron_jreg.platform.mcore_fixes`, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+
+import torch
+
+_ACTIVE = False
+
+# torch factories that megatron calls with device="cuda" or device=torch.cuda.current_device().
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def _names_cuda(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare device index means a CUDA ordinal
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _redirect_device(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _names_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    wrapper._megatron_jreg_cpu = True
+    return wrapper
+
+
+def _patch_torch_devices() -> None:
+    # optimizer/optimizer.py (found_inf, _scale), optimizer/clip_grads.py (total_norm),
+    # pipeline_parallel/schedules.py (loss tensors), distributed buffers: device="cuda".
+    for name in _FACTORIES:
+        fn = getattr(torch, name)
+        if not getattr(fn, "_megatron_jreg_cpu", False):
+            setattr(torch, name, _redirect_device(fn))
+    # Used as device=... in distributed/param_and_grad_buffer.py and
+    # models/common/embeddings/rotary_pos_embedding.py (inv_freq).
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    # pipeline_parallel/p2p_communication.py and dist_checkpointing save/load synchronize.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    # optimizer/distrib_optimizer.py moves checkpoint state with .cuda() (fully_reshardable).
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    # optimizer/optimizer.py, optimizer/distrib_optimizer.py and optimizer/clip_grads.py
+    # dispatch on param.type() == 'torch.cuda.FloatTensor' / 'torch.cuda.BFloat16Tensor'
+    # and raise on anything else: report CPU tensors under their CUDA type names.
+    original_type = torch.Tensor.type
+    if not getattr(original_type, "_megatron_jreg_cpu", False):
+
+        def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+            if dtype is None:
+                name = original_type(self)
+                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            return original_type(self, dtype, non_blocking, **kwargs)
+
+        tensor_type._megatron_jreg_cpu = True
+        torch.Tensor.type = tensor_type
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """tensor_parallel/random.py keeps named CUDA generator states (model-parallel
+        dropout/init streams); here the same named states are CPU generator states."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"cuda rng state {name} already exists")
+            self.seeds_.add(seed)
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            self.states_[name] = generator.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"cuda rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    # initialize_rng_tracker() would otherwise replace the CPU tracker with a CUDA one.
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # CheckpointFunction snapshots the CUDA RNG for recompute; the CPU RNG and the tracker
+    # states are snapshotted separately by the same code, so the CUDA part is empty.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+
+    # CheckpointWithoutOutput.__init__(fp8=False) stores fp8 = (fp8 is not None), i.e. True,
+    # then reaches for Transformer Engine's FP8 state (NameError without TE) under selective
+    # recompute of layernorm/mlp. Without TE there is no FP8.
+    cls = mrandom.CheckpointWithoutOutput
+    if not getattr(cls.__init__, "_megatron_jreg_cpu", False):
+        original_init = cls.__init__
+
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            if not mrandom.HAVE_TE:
+                self.fp8 = False
+
+        init._megatron_jreg_cpu = True
+        cls.__init__ = init
+
+
+def _patch_sequence_parallel_norm() -> None:
+    # transformer/torch_norm.py: WrappedTorchNorm (the local spec's norm) asserts
+    # `not config.sequence_parallel`. Sequence parallelism only needs the norm weights
+    # marked `sequence_parallel`, so finalize_model_grads all-reduces them over TP.
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls.__new__, "_megatron_jreg_cpu", False):
+        return
+    original_new = cls.__new__
+
+    def new(cls_, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original_new(cls_, config, hidden_size, eps, persist_layer_norm,
+                                zero_centered_gamma, normalization)
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new._megatron_jreg_cpu = True
+    cls.__new__ = new
+
+
+def _patch_checkpoint_writer() -> None:
+    # dist_checkpointing/strategies/filesystem_async.py: the writer's result queue is a
+    # spawn-context Manager().Queue(), which starts a server process that re-imports
+    # __main__. Synchronous saves run the writer in this process, so a plain queue works.
+    # (Asynchronous saves are a GPU-run feature and are not used on CPU.)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = queue.Queue()
+
+
+def activate() -> None:
+    """Apply every CPU redirection (idempotent). Call before building models/optimizers."""
+    global _ACTIVE
+    if _ACTIVE:
+        return
+    _patch_torch_devices()
+    _patch_rng()
+    _patch_sequence_parallel_norm()
+    _patch_checkpoint_writer()
+    from megatron_jreg.platform import mcore_fixes
+
+    mcore_fixes.apply()
+    _ACTIVE = True

@@ -1,0 +1,77 @@
+"""One forward/backward over a step's micro-batches through megatron's pipeline schedules."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, Iterator, List, Optional
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_jreg.model.builder import causal_attention_mask
+from megatron_jreg.model.jreg_layer import JregTracker
+
+# A batch is a dict of [b, s] tensors: tokens, labels, loss_mask, position_ids; optionally
+# token_mask (bool, True = counted by JREG; default every token).
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """LM loss: mean token cross-entropy over the loss mask. output_tensor: [b, s]."""
+    losses = output_tensor.float()
+    mask = loss_mask.float()
+    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.clone().detach()}
+
+
+def _forward_step(tracker: Optional[JregTracker], data_iterator, model):
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    if tracker is not None:
+        tracker.set_token_mask(batch.get("token_mask"))
+    attention_mask = causal_attention_mask(tokens.shape[1], device=tokens.device)
+    output = model(tokens, batch["position_ids"], attention_mask, labels=batch["labels"])
+    return output, partial(_masked_mean_loss, batch["loss_mask"])
+
+
+def forward_backward(
+    model: List[torch.nn.Module],
+    batches: List[Dict[str, torch.Tensor]],
+    seq_length: int,
+    micro_batch_size: int,
+    tracker: Optional[JregTracker],
+    forward_only: bool = False,
+) -> Dict[str, object]:
+    """Run one step's micro-batches (forward, and backward unless ``forward_only``).
+
+    ``batches`` are this data-parallel rank's micro-batches; every pipeline stage gets the
+    same list (the first stage reads tokens, the last labels). Returns the LM loss averaged
+    over micro-batches (on the last stage; None elsewhere) and the JREG metrics reduced
+    over TP/PP/DP (every rank). Gradients accumulate in the model's grad buffers.
+    """
+    num_microbatches = len(batches)
+    config = model[0].config
+    if tracker is not None:
+        tracker.reset()
+        scale = 1.0
+        if config.grad_scale_func is not None and not forward_only:
+            device = next(model[0].parameters()).device
+            scale = float(config.grad_scale_func(torch.ones(1, device=device)).item())
+        tracker.set_loss_scale(scale, num_microbatches)
+    # one iterator per model chunk: each chunk reads every micro-batch once
+    iterators: List[Iterator] = [iter(batches) for _ in model]
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, tracker),
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    lm_loss = None
+    if losses:
+        lm_loss = float(torch.stack([x["lm loss"] for x in losses]).mean())
+    result: Dict[str, object] = {"lm_loss": lm_loss}
+    if tracker is not None:
+        result.update(tracker.reduce())
+    return result
