@@ -1,6 +1,9 @@
 """Install megatron-jreg. torch must already be installed (see README): the C++/CUDA
 extension is built against it, so install with ``pip install --no-build-isolation -e .``."""
 
+import os
+import shutil
+
 from setuptools import find_packages, setup
 
 INSTALL_REQUIRES = [
@@ -22,6 +25,48 @@ EXTRAS = {
     "stats": ["scipy"],
 }
 
+
+def _extension_build():
+    """The fused displacement extension ``megatron_jreg._C``: the CPU kernel always, the CUDA
+    kernel when torch is a CUDA build and nvcc is found (MEGATRON_JREG_NO_CUDA=1 skips it).
+    A compile error fails the install; it never turns into an import error later."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError as err:
+        raise RuntimeError(
+            "megatron-jreg builds a C++ extension against the installed torch: install torch "
+            "first, then `pip install --no-build-isolation -e .`"
+        ) from err
+
+    sources = ["csrc/bindings.cpp", "csrc/displacement_cpu.cpp", "csrc/displacement_cuda_glue.cpp"]
+    cxx = ["-O3", "-fopenmp"]
+    skip_cuda = os.environ.get("MEGATRON_JREG_NO_CUDA", "0") not in ("", "0")
+    nvcc = CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc"))
+    if torch.version.cuda is not None and nvcc and not skip_cuda:
+        print("megatron-jreg: building the fused displacement kernel for CPU and CUDA")
+        ext = CUDAExtension(
+            "megatron_jreg._C",
+            sources + ["csrc/displacement_cuda.cu"],
+            define_macros=[("WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        why = (
+            "MEGATRON_JREG_NO_CUDA is set" if skip_cuda
+            else "torch is a CPU build" if torch.version.cuda is None
+            else "nvcc was not found (set CUDA_HOME)"
+        )
+        print(f"megatron-jreg: building the fused displacement kernel for CPU only ({why})")
+        ext = CppExtension(
+            "megatron_jreg._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+        )
+    return [ext], {"build_ext": BuildExtension}
+
+
+EXT_MODULES, CMDCLASS = _extension_build()
+
 setup(
     name="megatron-jreg",
     version="0.1.0",
@@ -30,4 +75,6 @@ setup(
     packages=find_packages(include=["megatron_jreg", "megatron_jreg.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
 )
