@@ -1,26 +1,151 @@
-"""Per-token displacement psi = (1 - cos(a, b)) / 2: fused kernel or PyTorch reference."""
+"""Per-token displacement psi = (1 - cos(a, b)) / 2: fused kernel or PyTorch reference.
+
+Three layers, as in flash-attention/apex:
+
+- ``megatron_jreg._C`` (csrc/): the raw kernels, CPU (C++/OpenMP) and CUDA.
+- ``torch.ops.megatron_jreg.token_displacement_{fwd,bwd}``: the kernels as
+  ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces them.
+- ``FusedTokenDisplacement``: the autograd op over the two. It saves ``a`` and ``b`` (which
+  the model keeps alive anyway) and three fp32 scalars per token, nothing of size
+  ``[tokens, h]``; the reference path keeps fp32 copies of both inputs for backward.
+
+The reference (``megatron_jreg.jreg.token_displacement_reference``) is what the kernel is
+tested against; ``impl="torch"`` selects it.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Tuple, Union
 
 import torch
 
 from megatron_jreg.jreg import token_displacement_reference
 
+try:
+    from megatron_jreg import _C
+except ImportError as err:  # a source checkout that was never built; the tests require _C
+    _C = None
+    _IMPORT_ERROR: Union[ImportError, None] = err
+else:
+    _IMPORT_ERROR = None
+
 IMPLS = ("auto", "fused", "torch")
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+NUM_STATS = 3  # per token, saved for backward: 1/(|a||b|), c/|a|^2, c/|b|^2
+
+# Read once: torch.compile must not trace a pybind call to decide the dispatch.
+_CUDA_BUILT = _C is not None and bool(_C.cuda_built())
 
 
-def fused_available(device: torch.device) -> bool:
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("megatron_jreg::token_displacement_fwd", mutates_args=())
+def _fused_forward(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(psi [...], stats [tokens, 3]) from a, b [..., h]."""
+    psi, stats = _C.forward(a, b)
+    return psi, stats
+
+
+@_fused_forward.register_fake
+def _fused_forward_fake(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    if a.shape != b.shape or a.dtype != b.dtype or a.dim() < 1:
+        raise ValueError(
+            f"token_displacement: a and b must share shape and dtype, got {tuple(a.shape)} "
+            f"{a.dtype} and {tuple(b.shape)} {b.dtype}"
+        )
+    acc = _acc_dtype(a.dtype)
+    tokens = math.prod(a.shape[:-1])
+    return a.new_empty(a.shape[:-1], dtype=acc), a.new_empty((tokens, NUM_STATS), dtype=acc)
+
+
+@torch.library.custom_op("megatron_jreg::token_displacement_bwd", mutates_args=())
+def _fused_backward(
+    grad_psi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, stats: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad_a, grad_b), contiguous, in the inputs' dtype."""
+    grad_a, grad_b = _C.backward(grad_psi, a, b, stats)
+    return grad_a, grad_b
+
+
+@_fused_backward.register_fake
+def _fused_backward_fake(
+    grad_psi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, stats: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(a, memory_format=torch.contiguous_format), torch.empty_like(
+        b, memory_format=torch.contiguous_format
+    )
+
+
+class FusedTokenDisplacement(torch.autograd.Function):
+    """psi = (1 - cos(a, b)) / 2 per token through the fused kernel; differentiable in a and b.
+
+    Backward: dpsi/da = -(b/(|a||b|) - c a/|a|^2)/2 and symmetrically for b, zero for the
+    |a|^2, |b|^2 terms where the eps clamp is active (as the reference's clamp). Both
+    gradients are computed in one pass; double backward is not supported.
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        psi, stats = torch.ops.megatron_jreg.token_displacement_fwd(a, b)
+        ctx.save_for_backward(a, b, stats)
+        return psi
+
+    @staticmethod
+    def backward(ctx, grad_psi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        a, b, stats = ctx.saved_tensors
+        grad_a, grad_b = torch.ops.megatron_jreg.token_displacement_bwd(
+            grad_psi.to(stats.dtype), a, b, stats
+        )
+        return grad_a, grad_b
+
+
+def fused_available(device: Union[torch.device, str]) -> bool:
     """True when the fused kernel is built for tensors on ``device``."""
-    return False
+    device_type = torch.device(device).type
+    if _C is None:
+        return False
+    if device_type == "cpu":
+        return True
+    return device_type == "cuda" and _CUDA_BUILT
+
+
+def resolve_impl(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> str:
+    """The implementation ``token_displacement`` runs for these inputs: "fused" or "torch".
+
+    ``auto`` takes the fused kernel when it is built for the device and the inputs share a
+    dtype it takes (fp32, fp16, bf16, fp64); ``fused`` raises where it is not built.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"token_displacement: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return "torch"
+    if impl == "fused":
+        if not fused_available(a.device):
+            why = (
+                f"the extension megatron_jreg._C failed to import ({_IMPORT_ERROR})"
+                if _C is None
+                else f"the extension was built without {a.device.type.upper()} support"
+            )
+            raise RuntimeError(
+                f"token_displacement: impl='fused' but the fused kernel is not built for "
+                f"{a.device.type} tensors: {why}. Reinstall with "
+                f"`pip install --no-build-isolation -e .` (a CUDA torch and nvcc for GPUs), "
+                f"or use impl='torch' (--jreg-impl torch)"
+            )
+        return "fused"
+    fits = a.dtype == b.dtype and a.dtype in FUSED_DTYPES and a.device == b.device
+    return "fused" if fits and fused_available(a.device) else "torch"
 
 
 def token_displacement(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """Per-token psi in fp32, shape of ``a`` without its last dimension; differentiable."""
-    if impl not in IMPLS:
-        raise ValueError(f"token_displacement: impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "fused" and not fused_available(a.device):
-        raise RuntimeError(
-            f"token_displacement: impl='fused' but the fused kernel is not built for "
-            f"{a.device.type}; reinstall with the extension or use impl='torch'"
-        )
+    """Per-token psi = (1 - cos(a, b)) / 2 over the last dimension; differentiable in a and b.
+
+    a, b: [..., h], same shape. Returns [...] in fp32 (float64 for float64 input).
+    impl: "auto" | "fused" | "torch" (see ``resolve_impl``).
+    """
+    if resolve_impl(a, b, impl) == "fused":
+        return FusedTokenDisplacement.apply(a, b)
     return token_displacement_reference(a, b)
