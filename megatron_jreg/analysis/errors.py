@@ -1,0 +1,19 @@
+"""The one error type the analysis tools turn into a clean message and exit code 2."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """A problem with what the user gave us (a path, a flag, a file's contents).
+
+    The message names the bad value and the fix; ``tools/*.py`` print it on one line and
+    exit with status 2, without a traceback.
+    """
+
+
+def missing_extra(package: str, extra: str, purpose: str) -> InputError:
+    """The error for an optional dependency that is not installed."""
+    return InputError(
+        f"{package} is not installed but is needed for {purpose}; "
+        f"install it with `pip install megatron-jreg[{extra}]`"
+    )

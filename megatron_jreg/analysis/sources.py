@@ -1,0 +1,117 @@
+"""Where hidden states come from: the source interface and the registry of source kinds.
+
+A *source* is one loaded model that can tokenize text and push the per-layer pairs
+(h_{l-1}, h_l) of a padded batch into a :class:`JumpAccumulator`. A *source kind* is a
+family of sources with its own command-line flags (``--hf-model`` here; a checkpoint
+kind adds ``--load``); ``tools/eval_jump.py`` knows only this registry.
+
+Adding a kind (e.g. our trainer's checkpoints):
+
+1. Write a class satisfying :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource``).
+2. Write a :class:`SourceKind` whose ``build`` checks the flags and returns one
+   :class:`SourceEntry` per model to evaluate (one per iteration for a trajectory; set
+   ``iteration`` so eval_jump prints the trajectory table and plot).
+3. Append it to :func:`builtin_source_kinds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Protocol, runtime_checkable
+
+import torch
+
+from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
+
+
+@runtime_checkable
+class HiddenStateSource(Protocol):
+    """One loaded model, ready to measure."""
+
+    name: str
+    """The default label of the model in reports."""
+    num_layers: int
+    """L."""
+    include_final_norm: bool
+    """Whether ``accumulate`` applies the final norm to h_L."""
+    vocab_size: int
+    """Token ids fed to ``accumulate`` are < vocab_size (checked for pre-tokenized data)."""
+    pad_id: int
+    """The id put in padding positions (never counted; any valid id works)."""
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of one document, special tokens as the model's tokenizer adds them."""
+
+    def accumulate(self, input_ids: torch.Tensor, mask: torch.Tensor, acc: JumpAccumulator) -> None:
+        """Run one batch and call ``acc.add(l, h_{l-1}, h_l, token_mask)`` for l = 1..L.
+
+        input_ids: [b, s] int64, right-padded; mask: [b, s] bool, True on real tokens.
+        The source passes the mask in its own layout (Megatron's [s, b, h] states take
+        ``mask.t()``), or reduces the sums itself and calls ``acc.add_sums``.
+        """
+
+
+@dataclass(kw_only=True)
+class SourceEntry:
+    """One model to evaluate, opened lazily so a trajectory holds one model at a time."""
+
+    label: str
+    """The model name written in the report."""
+    open: Callable[[], HiddenStateSource]
+    """Loads the model (may raise InputError)."""
+    iteration: Optional[int] = None
+    """The training iteration, for checkpoints of a run (trajectory output)."""
+    describe: str = ""
+    """Where the model came from (a path), written to the report's ``source`` key."""
+
+
+@dataclass(kw_only=True)
+class SourceKind:
+    """A family of sources and its command-line flags."""
+
+    name: str
+    """Short name, used in error messages."""
+    flag: str
+    """The flag that selects this kind (e.g. ``--hf-model``)."""
+    add_arguments: Callable[[argparse._ArgumentGroup], None]
+    """Adds the kind's flags to the parser."""
+    selected: Callable[[argparse.Namespace], bool]
+    """True when the parsed flags ask for this kind."""
+    build: Callable[[argparse.Namespace], List[SourceEntry]]
+    """Validates the flags (raising InputError) and lists the models to evaluate."""
+
+
+def builtin_source_kinds() -> List[SourceKind]:
+    """Every source kind eval_jump offers. Add a kind here."""
+    from megatron_jreg.analysis.hf_source import HF_SOURCE_KIND
+
+    return [HF_SOURCE_KIND]
+
+
+def add_source_arguments(parser: argparse.ArgumentParser, kinds: List[SourceKind]) -> None:
+    group = parser.add_argument_group("model to measure (one kind)")
+    for kind in kinds:
+        kind.add_arguments(group)
+
+
+def build_sources(args: argparse.Namespace, kinds: List[SourceKind]) -> List[SourceEntry]:
+    """The models the flags ask for: none, or those of exactly one kind."""
+    chosen = [kind for kind in kinds if kind.selected(args)]
+    if len(chosen) > 1:
+        flags = " and ".join(kind.flag for kind in chosen)
+        raise InputError(f"{flags} were both given; measure one kind of model per run")
+    if not chosen:
+        return []
+    entries = chosen[0].build(args)
+    labels = getattr(args, "label", None) or []
+    if labels:
+        if len(labels) != len(entries):
+            raise InputError(
+                f"--label was given {len(labels)} times for {len(entries)} models; "
+                "give one --label per model, in order"
+            )
+        for entry, label in zip(entries, labels):
+            entry.label = label
+    return entries
