@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""Is JREG better than the baseline across seeds? One-sided t-test on paired differences.
+
+    python tools/compare_seeds.py scores.csv [--confidence 0.95] [--json out.json]
+
+The CSV is long (columns seed, task, baseline, jreg) or wide (seed, <task>_baseline,
+<task>_jreg, ...); see docs/evaluation.md. Prints, per task and for the per-seed average
+over tasks: mean difference (jreg - baseline), t, df, one-sided p-value and the lower
+bound of the one-sided interval.
+"""
+
+import argparse
+import json
+import sys
+
+from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic
+from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.analysis.seed_stats import BACKENDS, compare_seed_scores, format_seed_table, read_seed_scores
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="compare_seeds", description=__doc__.split("\n\n")[0])
+    parser.add_argument("csv", help="per-seed scores of the baseline and JREG runs")
+    parser.add_argument("--confidence", type=float, default=0.95, help="one-sided interval level (default: 0.95)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="t distribution from scipy or the built-in exact code (default: scipy if installed)")
+    parser.add_argument("--json", metavar="OUT.json", help="also write the results as JSON")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.json:
+            check_output_path(args.json, "--json")
+        results = compare_seed_scores(read_seed_scores(args.csv), args.confidence, args.backend)
+    except InputError as e:
+        print(f"compare_seeds: error: {e}", file=sys.stderr)
+        return 2
+    print(format_seed_table(results))
+    if args.json:
+        write_text_atomic(args.json, json.dumps({task: r.to_dict() for task, r in results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Measure the final-layer jump of a model: Psi_l per layer and zeta_L, zeta_{L-1}, zeta_{L-2}.
+
+    python tools/eval_jump.py --hf-model DIR --text-file eval.txt --json out.json
+
+Options and the report format: ``--help`` and docs/evaluation.md. The logic lives in
+``megatron_jreg.analysis``; model kinds plug in through ``megatron_jreg.analysis.sources``.
+"""
+
+import sys
+
+from megatron_jreg.analysis.eval_jump_cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
