@@ -1,0 +1,272 @@
+"""Worker side of preprocessing: a chunk of raw lines in, packed token arrays out.
+
+Workers parse, validate and tokenise a whole chunk per inter-process message and return
+numpy buffers, so the parent only writes bytes. Nothing here imports megatron-core or
+torch (seconds of import time per worker, and not needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy
+
+from megatron_jreg.data.text_sources import Chunk
+from megatron_jreg.data.tokenizers import build_tokenizer
+
+# Skip reasons, as counted and printed with --skip-invalid.
+MALFORMED_JSON = "malformed JSON"
+NOT_AN_OBJECT = "not a JSON object"
+MISSING_KEY = "missing key"
+NON_STRING = "non-string value"
+INVALID_UTF8 = "invalid UTF-8"
+EMPTY_DOCUMENT = "empty document"
+
+
+def token_dtype(vocab_size: int) -> type[numpy.number]:
+    """uint16 when every id fits, else int32: megatron-core's ``DType.optimal_dtype`` rule.
+
+    Restated here so workers need not import megatron-core; a test pins it to the original.
+    """
+    return numpy.uint16 if vocab_size < 65500 else numpy.int32
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Everything a worker needs; picklable, so it also works with the spawn start method."""
+
+    tokenizer_type: str
+    tokenizer_model: str | None
+    vocab_size: int | None
+    json_keys: tuple[str, ...]
+    append_eod: bool
+    skip_invalid: bool
+    split_sentences: bool = False
+    keep_newlines: bool = False
+
+
+@dataclass
+class EncodedKey:
+    """One JSON key's documents from one chunk, ready to append to its dataset."""
+
+    tokens: bytes
+    """All token ids, concatenated, in the dataset's dtype."""
+    sequence_lengths: numpy.ndarray
+    """int32 tokens per sequence (one sequence per document unless splitting sentences)."""
+    sequences_per_document: numpy.ndarray | None
+    """int32 sequences per document; None when every document is one sequence."""
+
+
+@dataclass
+class EncodedChunk:
+    """A worker's answer for one chunk."""
+
+    keys: list[EncodedKey] = field(default_factory=list)
+    documents: int = 0
+    tokens: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    first_skipped: dict[str, int] = field(default_factory=dict)
+    """Reason -> first chunk-relative line (0-based) skipped for it, for the log."""
+    error: tuple[int, str] | None = None
+    """(chunk-relative 0-based line, message) of the first bad line without --skip-invalid."""
+
+
+class _BadLine(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class _SentenceSplitter:
+    """nltk punkt, as Megatron-LM's ``--split-sentences`` uses; optional dependency."""
+
+    def __init__(self, keep_newlines: bool) -> None:
+        import nltk
+
+        try:
+            splitter = nltk.load("tokenizers/punkt/english.pickle")
+        except LookupError:
+            raise RuntimeError(
+                "--split-sentences needs nltk's punkt data; run "
+                "python -c \"import nltk; nltk.download('punkt')\""
+            ) from None
+        if keep_newlines:
+            # Punkt drops newlines between sentences; this keeps them, as Megatron-LM does.
+            splitter = nltk.tokenize.punkt.PunktSentenceTokenizer(
+                train_text=splitter._params, lang_vars=_newline_lang_vars(nltk)()
+            )
+        self._splitter = splitter
+
+    def split(self, text: str) -> list[str]:
+        return self._splitter.tokenize(text)
+
+
+def _newline_lang_vars(nltk):
+    class NewlineLangVars(nltk.tokenize.punkt.PunktLanguageVars):
+        _period_context_fmt = r"""
+            \S*                          # some word material
+            %(SentEndChars)s             # a potential sentence ending
+            \s*                       #  <-- THIS is what I changed
+            (?=(?P<after_tok>
+                %(NonWord)s              # either other punctuation
+                |
+                (?P<next_tok>\S+)     #  <-- Normally you would have \s+ here
+            ))"""
+
+    return NewlineLangVars
+
+
+class DocumentEncoder:
+    """Turns chunks into ``EncodedChunk``s with one tokenizer, in any process."""
+
+    def __init__(self, spec: EncoderSpec) -> None:
+        self.spec = spec
+        self.tokenizer = build_tokenizer(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size)
+        self.dtype = token_dtype(self.tokenizer.vocab_size)
+        self._splitter = _SentenceSplitter(spec.keep_newlines) if spec.split_sentences else None
+
+    # -- parsing ---------------------------------------------------------------------------
+    def _lines(self, payload: bytes) -> list[str | _BadLine]:
+        """Decoded lines; a line that is not UTF-8 becomes a _BadLine in its place."""
+        try:
+            lines: list = payload.decode("utf-8").split("\n")
+        except UnicodeDecodeError:
+            lines = []
+            for raw in payload.split(b"\n"):
+                try:
+                    lines.append(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    lines.append(_BadLine(INVALID_UTF8, (
+                        f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
+                        f"of the line)")))
+        if payload.endswith(b"\n"):
+            lines.pop()  # the empty string after the final newline is not a line
+        return lines
+
+    def _texts_from_record(self, record) -> list[str]:
+        if not isinstance(record, dict):
+            raise _BadLine(NOT_AN_OBJECT, f"expected a JSON object, got {type(record).__name__}")
+        texts = []
+        for key in self.spec.json_keys:
+            if key not in record:
+                present = ", ".join(list(record)[:8]) or "none"
+                raise _BadLine(MISSING_KEY, f"missing key {key!r} (keys present: {present})")
+            value = record[key]
+            if not isinstance(value, str):
+                raise _BadLine(
+                    NON_STRING, f"value of {key!r} is {type(value).__name__}, expected a string"
+                )
+            if not value.strip():
+                raise _BadLine(EMPTY_DOCUMENT, f"empty document in {key!r}")
+            texts.append(value)
+        return texts
+
+    def _parse(self, chunk: Chunk, kind: str) -> list[tuple[int, list[str] | _BadLine]]:
+        """(chunk-relative line, texts per key or the problem) for every non-blank line."""
+        out = []
+        if chunk.rows is not None:
+            for i, row in enumerate(chunk.rows):
+                try:
+                    out.append((i, self._texts_from_record(row)))
+                except _BadLine as bad:
+                    out.append((i, bad))
+            return out
+        for i, line in enumerate(self._lines(chunk.lines)):
+            if isinstance(line, _BadLine):
+                out.append((i, line))
+            elif kind == "text":
+                text = line.removesuffix("\r")
+                out.append((i, [text] if text.strip() else _BadLine(
+                    EMPTY_DOCUMENT, "empty document (a blank line)")))
+            elif line.strip():  # blank lines between JSON records are not documents
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    out.append((i, _BadLine(MALFORMED_JSON, f"malformed JSON ({e})")))
+                    continue
+                try:
+                    out.append((i, self._texts_from_record(record)))
+                except _BadLine as bad:
+                    out.append((i, bad))
+        return out
+
+    # -- encoding --------------------------------------------------------------------------
+    def _encode_documents(self, texts: list[str]) -> EncodedKey:
+        tok = self.tokenizer
+        eod = [tok.eod] if self.spec.append_eod else []
+        if self._splitter is None:
+            docs = [tok.encode(t) for t in texts]
+            if eod:
+                for ids in docs:
+                    ids.append(tok.eod)
+            lengths = numpy.fromiter(map(len, docs), numpy.int32, count=len(docs))
+            per_doc = None
+            flat = docs
+        else:
+            # Megatron-LM's rule: sentences that encode to nothing are dropped, and EOD
+            # joins the document's last sentence.
+            flat, counts = [], []
+            for text in texts:
+                sentences = [s for s in map(tok.encode, self._splitter.split(text)) if s]
+                if sentences and eod:
+                    sentences[-1].append(tok.eod)
+                flat.extend(sentences)
+                counts.append(len(sentences))
+            lengths = numpy.fromiter(map(len, flat), numpy.int32, count=len(flat))
+            per_doc = numpy.asarray(counts, dtype=numpy.int32)
+        total = int(lengths.sum())
+        tokens = numpy.fromiter(chain.from_iterable(flat), self.dtype, count=total)
+        return EncodedKey(tokens.tobytes(), lengths, per_doc)
+
+    def encode_chunk(self, chunk: Chunk, kind: str) -> EncodedChunk:
+        result = EncodedChunk()
+        good: list[list[str]] = []
+        good_lines: list[int] = []
+        for line, item in self._parse(chunk, kind):
+            if isinstance(item, _BadLine):
+                if not self.spec.skip_invalid:
+                    result.error = (line, item.detail)
+                    return result
+                result.skipped[item.reason] += 1
+                result.first_skipped.setdefault(item.reason, line)
+            else:
+                good.append(item)
+                good_lines.append(line)
+        for k in range(len(self.spec.json_keys)):
+            encoded = self._encode_documents([texts[k] for texts in good])
+            if self._splitter is None and (encoded.sequence_lengths == 0).any():
+                # Only reachable without --append-eod: a zero-length document would
+                # break GPTDataset's document walk.
+                doc = int(numpy.argmax(encoded.sequence_lengths == 0))
+                result.error = (good_lines[doc], "document encodes to no tokens")
+                return result
+            result.keys.append(encoded)
+            result.tokens += len(encoded.tokens) // numpy.dtype(self.dtype).itemsize
+        result.documents = len(good)
+        return result
+
+
+# -- multiprocessing entry points ------------------------------------------------------------
+_ENCODER: DocumentEncoder | None = None
+
+
+def init_worker(spec: EncoderSpec) -> None:
+    """Pool initializer: build the tokenizer once per worker process."""
+    global _ENCODER
+    # The parent owns Ctrl-C and SIGTERM: it stops the pool and removes partial files.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # One thread per worker: parallelism comes from the worker count.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _ENCODER = DocumentEncoder(spec)
+
+
+def encode_chunk_in_worker(chunk: Chunk) -> EncodedChunk:
+    assert _ENCODER is not None, "init_worker was not run in this process"
+    return _ENCODER.encode_chunk(chunk, chunk.segment.kind)

@@ -1,0 +1,407 @@
+"""Raw text to megatron-core indexed datasets: ``tools/preprocess_data.py`` lives here.
+
+Pipeline: the parent reads line-aligned chunks (about ``chunk_bytes`` each) and hands them
+to a pool of workers, which parse, validate and tokenise a whole chunk per message and send
+back packed token buffers. The parent takes results in submission order and only writes
+bytes, so the output is identical for any worker count. At most ``4 * workers`` chunks are
+in flight, so memory does not grow with the corpus.
+
+With ``--partitions N`` the input is cut into N contiguous line-aligned parts, each
+processed by its own process (with ``workers // N`` workers) into a partial dataset; the
+parts are then merged in order with ``add_index``, which gives the same bytes as one pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+
+from megatron_jreg.data.document_encoder import (
+    DocumentEncoder,
+    EncoderSpec,
+    encode_chunk_in_worker,
+    init_worker,
+)
+from megatron_jreg.data.progress import Progress, RunStats
+from megatron_jreg.data.text_sources import (
+    INPUT_FORMATS,
+    InputError,
+    Segment,
+    iter_chunks,
+    resolve_inputs,
+    split_into_partitions,
+)
+from megatron_jreg.data.tokenizers import TOKENIZER_TYPES
+
+EXIT_USAGE = 2  # bad flags, inputs or data: the user must fix something (argparse uses 2 too)
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class PreprocessError(Exception):
+    """A problem the user must fix; the message names it and the fix. Exit code 2."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the parent so cleanup runs like it does for Ctrl-C."""
+
+
+@dataclass(kw_only=True)
+class PreprocessConfig:
+    """One preprocessing run; field names follow Megatron-LM's flags."""
+
+    input: list[str]
+    """JSONL files, globs or directories (``.gz``/``.zst`` and Parquet where installed)."""
+    output_prefix: str
+    """Writes ``<output_prefix>_<key>_document.bin/.idx`` per JSON key."""
+    tokenizer_type: str
+    """One of ``TOKENIZER_TYPES``."""
+    tokenizer_model: str | None = None
+    """The tokenizer file (not needed for ByteTokenizer)."""
+    vocab_size: int | None = None
+    """ByteTokenizer only: pad its vocabulary to this size."""
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    """Keys to extract; each gives its own dataset, documents aligned across them."""
+    input_format: str = "jsonl"
+    """``jsonl`` or ``text`` (one document per line); ``.parquet`` files are detected."""
+    workers: int = 1
+    """Tokenising processes; the parent only reads and writes."""
+    partitions: int = 1
+    """Cut the input into this many parts, processed concurrently, then merged."""
+    append_eod: bool = False
+    """Append the tokenizer's EOD id to every document (what GPT pretraining wants)."""
+    split_sentences: bool = False
+    """One sequence per sentence (nltk punkt); output key level becomes ``sentence``."""
+    keep_newlines: bool = False
+    """With ``split_sentences``: keep newlines between sentences."""
+    skip_invalid: bool = False
+    """Skip and count bad lines instead of stopping at the first one."""
+    overwrite: bool = False
+    """Replace existing outputs instead of refusing."""
+    log_interval: int = 10000
+    """Documents between progress log lines (when not on a terminal)."""
+    chunk_bytes: int = 1 << 18
+    """Bytes of input per worker message: big enough to amortise the message, small enough
+    for load balance and bounded memory."""
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "partitions", "log_interval", "chunk_bytes"):
+            value = getattr(self, name)
+            if value < 1:
+                raise PreprocessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise PreprocessError(
+                f"--tokenizer-type {self.tokenizer_type!r} is not supported; "
+                f"use one of {', '.join(TOKENIZER_TYPES)}"
+            )
+        if self.input_format not in INPUT_FORMATS:
+            raise PreprocessError(f"--input-format must be one of {INPUT_FORMATS}")
+        if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
+            raise PreprocessError(f"--json-keys must be distinct and non-empty, got {self.json_keys}")
+        if self.input_format == "text" and len(self.json_keys) != 1:
+            raise PreprocessError("--input-format text has one document per line; drop --json-keys")
+        if self.keep_newlines and not self.split_sentences:
+            raise PreprocessError("--keep-newlines only applies with --split-sentences")
+
+    @property
+    def level(self) -> str:
+        return "sentence" if self.split_sentences else "document"
+
+    def output_prefixes(self) -> list[str]:
+        return [f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys]
+
+    def encoder_spec(self) -> EncoderSpec:
+        return EncoderSpec(
+            tokenizer_type=self.tokenizer_type,
+            tokenizer_model=self.tokenizer_model,
+            vocab_size=self.vocab_size,
+            json_keys=tuple(self.json_keys),
+            append_eod=self.append_eod,
+            skip_invalid=self.skip_invalid,
+            split_sentences=self.split_sentences,
+            keep_newlines=self.keep_newlines,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Tokenise raw text into megatron-core .bin/.idx datasets.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("input")
+    g.add_argument("--input", nargs="+", required=True, help="JSONL files, globs or directories")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one dataset each")
+    g.add_argument("--input-format", choices=INPUT_FORMATS, default="jsonl", help="text: one document per line")
+    g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (needs nltk)")
+    g.add_argument("--keep-newlines", action="store_true", help="keep newlines between sentences")
+    g.add_argument("--skip-invalid", action="store_true", help="skip and count bad lines instead of stopping")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model, tokenizer.json or its directory")
+    g.add_argument("--vocab-size", type=int, default=None, help="ByteTokenizer only: padded vocabulary size")
+    g.add_argument("--append-eod", action="store_true", help="append the EOD id to every document")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
+    g.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    g.add_argument("--partitions", type=int, default=1, help="input parts processed concurrently, then merged")
+    g.add_argument("--log-interval", type=int, default=10000, help="documents between log lines")
+    g.add_argument("--chunk-bytes", type=int, default=1 << 18, help="input bytes per worker message")
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> PreprocessConfig:
+    args = build_parser().parse_args(argv)
+    return PreprocessConfig(**{k: v for k, v in vars(args).items()})
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    # fork starts workers in milliseconds; the worker module is spawn-safe where fork is absent.
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _check_outputs(config: PreprocessConfig) -> None:
+    out_dir = os.path.dirname(os.path.abspath(config.output_prefix))
+    if not os.path.isdir(out_dir):
+        raise PreprocessError(
+            f"--output-prefix {config.output_prefix!r}: directory {out_dir!r} does not exist; "
+            f"create it first"
+        )
+    if not os.access(out_dir, os.W_OK):
+        raise PreprocessError(f"--output-prefix: directory {out_dir!r} is not writable")
+    if config.overwrite:
+        return
+    for prefix in config.output_prefixes():
+        for path in (prefix + ".bin", prefix + ".idx"):
+            if os.path.exists(path):
+                raise PreprocessError(
+                    f"{path} already exists; pass --overwrite to replace it or choose another "
+                    f"--output-prefix"
+                )
+
+
+def _import_writer():
+    """The writer pulls in megatron-core (seconds); imported only once work is under way."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+        from megatron_jreg.data import indexed_writer
+    return indexed_writer
+
+
+def _encode_stream(
+    segments: list[Segment],
+    config: PreprocessConfig,
+    prefixes: list[str],
+    dtype,
+    workers: int,
+    progress: Progress,
+) -> RunStats:
+    """Tokenise ``segments`` in order into committed datasets at ``prefixes``."""
+    stats = RunStats()
+    outputs = []
+    spec = config.encoder_spec()
+    pending: deque = deque()
+    window = max(2, 4 * workers)
+
+    def consume() -> None:
+        path, first_line, num_bytes, future = pending.popleft()
+        result = future.get()
+        if result.error is not None:
+            line, message = result.error
+            raise PreprocessError(
+                f"{path}:{first_line + line}: {message}; fix it or pass --skip-invalid"
+            )
+        if not outputs:  # first result: workers are busy while megatron-core imports
+            writer = _import_writer()
+            outputs.extend(writer.IndexedDatasetOutput(p, dtype) for p in prefixes)
+        for output, encoded in zip(outputs, result.keys):
+            output.builder.add_encoded(
+                encoded.tokens, encoded.sequence_lengths, encoded.sequences_per_document
+            )
+        stats.documents += result.documents
+        stats.tokens += result.tokens
+        stats.bytes += num_bytes
+        stats.skipped.update(result.skipped)
+        for reason, line in result.first_skipped.items():
+            stats.first_skipped.setdefault(reason, f"{path}:{first_line + line}")
+        progress.update(stats, result.documents)
+
+    try:
+        with _mp_context().Pool(workers, initializer=init_worker, initargs=(spec,)) as pool:
+            for segment in segments:
+                for chunk in iter_chunks(segment, config.chunk_bytes, config.json_keys):
+                    future = pool.apply_async(encode_chunk_in_worker, (chunk,))
+                    pending.append((segment.path, chunk.first_line, chunk.num_bytes, future))
+                    if len(pending) >= window:
+                        consume()
+            while pending:
+                consume()
+        if not outputs:  # empty input: still write valid, empty datasets
+            writer = _import_writer()
+            outputs.extend(writer.IndexedDatasetOutput(p, dtype) for p in prefixes)
+        for output in outputs:
+            output.commit()
+    except BaseException:
+        for output in outputs:
+            output.abort()
+        raise
+    return stats
+
+
+def _run_partition(index, segments, config, prefixes, dtype, workers, conn) -> None:
+    """Child process body: one partition into committed partial datasets; reports back."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        progress = Progress(config.log_interval, stream=_NotATty(sys.stderr),
+                            label=f"[partition {index}] ")
+        stats = _encode_stream(segments, config, prefixes, dtype, workers, progress)
+        conn.send(("ok", stats))
+    except (PreprocessError, InputError) as e:
+        conn.send(("error", str(e)))
+    except BaseException as e:  # report, then let the parent clean up
+        conn.send(("crash", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+class _NotATty:
+    """Partitions log plain lines: several tqdm bars on one terminal garble each other."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, s: str) -> int:
+        return self._stream.write(s)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _encode_partitioned(config, segments, dtype, progress) -> RunStats:
+    groups = split_into_partitions(segments, config.partitions)
+    writer = _import_writer()  # once here, not once per forked partition
+    workers = max(1, config.workers // len(groups))
+    tmp_dir = f"{config.output_prefix}_partitions.tmp-{os.getpid()}"
+    os.mkdir(tmp_dir)
+    ctx = _mp_context()
+    procs = []
+    try:
+        for i, group in enumerate(groups):
+            part_prefixes = [
+                os.path.join(tmp_dir, f"part{i:04d}_{key}") for key in config.json_keys
+            ]
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_run_partition,
+                args=(i, group, config, part_prefixes, dtype, workers, send),
+            )
+            proc.start()
+            send.close()
+            procs.append((proc, recv, part_prefixes))
+        stats = RunStats()
+        failure = None
+        for i, (proc, recv, _) in enumerate(procs):
+            try:
+                status, payload = recv.recv()
+            except EOFError:
+                status, payload = "crash", f"partition {i} died (exit code {proc.exitcode})"
+            proc.join()
+            if status == "ok":
+                stats.merge(payload)
+            elif failure is None:  # report the earliest partition's problem, as one pass would
+                failure = (status, payload)
+        if failure is not None:
+            if failure[0] == "error":
+                raise PreprocessError(failure[1])
+            raise RuntimeError(failure[1])
+        progress.update(stats, stats.documents)
+        for k, prefix in enumerate(config.output_prefixes()):
+            output = writer.IndexedDatasetOutput(prefix, dtype)
+            try:
+                for _, _, part_prefixes in procs:
+                    output.builder.add_index(part_prefixes[k])
+                output.commit()
+            except BaseException:
+                output.abort()
+                raise
+        return stats
+    finally:
+        for proc, _, _ in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def run_preprocess(config: PreprocessConfig) -> RunStats:
+    """Validate everything cheap first, then tokenise; raises PreprocessError on user errors."""
+    start = time.perf_counter()
+    try:
+        segments = resolve_inputs(config.input, config.input_format)
+    except InputError as e:
+        raise PreprocessError(str(e)) from None
+    try:
+        # Built here too (not only in workers) so a bad tokenizer or missing nltk fails once,
+        # clearly, instead of in every worker.
+        encoder = DocumentEncoder(config.encoder_spec())
+    except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
+        raise PreprocessError(str(e)) from None
+    _check_outputs(config)
+    progress = Progress(config.log_interval)
+    try:
+        if config.partitions > 1:
+            stats = _encode_partitioned(config, segments, encoder.dtype, progress)
+        else:
+            stats = _encode_stream(
+                segments, config, config.output_prefixes(), encoder.dtype, config.workers, progress
+            )
+    except InputError as e:
+        raise PreprocessError(str(e)) from None
+    finally:
+        progress.close()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: returns the exit code (0 ok, 2 user error, 130 Ctrl-C, 143 SIGTERM)."""
+    try:
+        config = config_from_args(argv)
+    except PreprocessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        stats = run_preprocess(config)
+    except PreprocessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted: partial outputs removed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("terminated: partial outputs removed", file=sys.stderr)
+        return EXIT_TERMINATED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(stats.summary())
+    for prefix in config.output_prefixes():
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0

@@ -1,0 +1,115 @@
+"""Train a small Llama-2-style sentencepiece model on a local corpus, so demos need no download."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from megatron_jreg.data.text_sources import resolve_inputs
+
+
+@dataclass(kw_only=True)
+class TrainTokenizerConfig:
+    """A sentencepiece BPE model with byte fallback, ids unk=0, bos=1, eos=2 like Llama-2."""
+
+    input: list[str]
+    """JSONL files (or text with ``input_format='text'``), globs or directories."""
+    model_prefix: str
+    """Writes ``<model_prefix>.model`` and ``<model_prefix>.vocab``."""
+    vocab_size: int = 3000
+    """Small vocabularies train in seconds; 256 byte pieces and 3 specials are included."""
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    """JSON keys whose strings are training text."""
+    input_format: str = "jsonl"
+    """``jsonl`` or ``text`` (one document per line)."""
+    max_sentences: int = 2_000_000
+    """Lines sampled for training; bounds memory on big corpora."""
+    model_type: str = "bpe"
+    """``bpe`` (Llama-2) or ``unigram``."""
+    seed: int = 1234
+    """Sampling seed, for reproducible models."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 300:
+            raise ValueError(
+                f"--vocab-size {self.vocab_size} is too small: 259 ids go to bytes and specials; "
+                f"use at least 300"
+            )
+        if self.input_format not in ("jsonl", "text"):
+            raise ValueError(f"--input-format must be jsonl or text, got {self.input_format!r}")
+        if self.model_type not in ("bpe", "unigram"):
+            raise ValueError(f"--model-type must be bpe or unigram, got {self.model_type!r}")
+        out_dir = os.path.dirname(os.path.abspath(self.model_prefix))
+        if not os.path.isdir(out_dir):
+            raise FileNotFoundError(
+                f"--model-prefix: directory {out_dir!r} does not exist; create it first"
+            )
+
+
+def _training_lines(config: TrainTokenizerConfig) -> Iterator[str]:
+    """Non-empty lines of every document; sentencepiece treats each line as a sentence."""
+    for path in resolve_inputs(config.input, config.input_format):
+        with path.open_text() as f:
+            for line in f:
+                if config.input_format == "text":
+                    texts = [line]
+                else:
+                    if not line.strip():
+                        continue
+                    record = json.loads(line)
+                    texts = [record[k] for k in config.json_keys if isinstance(record.get(k), str)]
+                for text in texts:
+                    for piece in text.split("\n"):
+                        if piece.strip():
+                            yield piece
+
+
+def train_sentencepiece(config: TrainTokenizerConfig) -> str:
+    """Train and write the model; returns the ``.model`` path."""
+    import sentencepiece
+
+    # Seeds sentence sampling and shuffling, so retraining gives the same model.
+    sentencepiece.set_random_generator_seed(config.seed)
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=_training_lines(config),
+        model_writer=model,
+        vocab_size=config.vocab_size,
+        model_type=config.model_type,
+        # Llama-2's choices: raw text kept as is, digits split, unknown bytes never lost.
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        character_coverage=0.9999,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        input_sentence_size=config.max_sentences,
+        shuffle_input_sentence=True,
+        max_sentence_length=16384,
+        minloglevel=2,
+    )
+    # Written under a temp name so an interrupted run never leaves a truncated model.
+    model_path = config.model_prefix + ".model"
+    tmp = f"{model_path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(model.getvalue())
+    os.replace(tmp, model_path)
+    _write_vocab(model_path, config.model_prefix + ".vocab")
+    return model_path
+
+
+def _write_vocab(model_path: str, vocab_path: str) -> None:
+    """The human-readable ``piece<TAB>score`` list sentencepiece writes beside a model."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+    with open(vocab_path, "w", encoding="utf-8") as f:
+        for i in range(sp.vocab_size()):
+            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")

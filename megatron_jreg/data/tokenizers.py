@@ -1,0 +1,218 @@
+"""The one tokenizer interface used by preprocessing, the trainer and eval_jump.
+
+Every tokenizer exposes ``vocab_size``, ``eod``, ``encode(text)``, ``encode_batch(texts)``,
+``decode(ids)`` and a JSON-able ``unique_identifiers`` dict. That is all megatron-core's
+``GPTDataset`` reads from ``config.tokenizer`` (it folds ``unique_identifiers`` into its cache
+hash), so these objects are passed to it directly.
+
+``encode`` never adds BOS/EOS: document boundaries are the EOD token that preprocessing appends
+(``--append-eod``), which is where ``GPTDataset`` resets positions and masks.
+
+This module must not import megatron-core or torch: preprocessing workers import it, and
+megatron-core alone takes seconds to import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Sequence
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer")
+
+# Special-token names that end a document, most specific first. Used only when a bare
+# tokenizer.json has no tokenizer_config.json beside it to name the EOS token.
+_KNOWN_EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0-255 plus EOD (256), BOS (257) and PAD (258); needs no file.
+
+    ``vocab_size`` may be raised above 259 to pad the embedding table.
+    """
+
+    NUM_BYTES = 256
+    EOD = 256
+    BOS = 257
+    PAD = 258
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        minimum = self.PAD + 1
+        if vocab_size is not None and vocab_size < minimum:
+            raise ValueError(
+                f"ByteTokenizer: --vocab-size {vocab_size} is too small; it needs at least "
+                f"{minimum} (256 bytes + EOD, BOS, PAD)"
+            )
+        self.vocab_size = minimum if vocab_size is None else vocab_size
+        self.eod = self.EOD
+        self.eos = self.EOD
+        self.bos = self.BOS
+        self.pad = self.PAD
+        self.unique_identifiers = {"class": "ByteTokenizer", "vocab_size": self.vocab_size}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < self.NUM_BYTES).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece ``.model`` file (Llama-2 style); EOD is the model's EOS id."""
+
+    def __init__(self, model_path: str) -> None:
+        import sentencepiece
+
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(
+                f"SentencePieceTokenizer: --tokenizer-model {model_path!r} is not a file; "
+                f"pass a sentencepiece .model (tools/train_tokenizer.py makes one)"
+            )
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(model_path)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(
+                f"SentencePieceTokenizer: cannot load {model_path!r} as a sentencepiece model "
+                f"({e}); check --tokenizer-type/--tokenizer-model"
+            ) from None
+        if self._sp.eos_id() < 0:
+            raise ValueError(
+                f"SentencePieceTokenizer: {model_path!r} has no EOS piece to mark document ends; "
+                f"retrain it with eos_id set (tools/train_tokenizer.py does)"
+            )
+        self.vocab_size = self._sp.vocab_size()
+        self.eod = self._sp.eos_id()
+        self.eos = self.eod
+        self.bos = self._sp.bos_id()
+        self.unique_identifiers = {
+            "class": "SentencePieceTokenizer",
+            "model_sha256": _file_sha256(model_path),
+            "vocab_size": self.vocab_size,
+        }
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.EncodeAsIds(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One thread: parallelism comes from preprocessing workers, and sentencepiece's
+        # own thread pool would oversubscribe the cores they use.
+        return self._sp.Encode(list(texts), num_threads=1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.DecodeIds(list(ids))
+
+
+def _hf_eos_token(tokenizer_dir: str | None, special_tokens: dict[str, int], path: str) -> str:
+    """The EOS token's text: tokenizer_config.json when present, else a well-known name."""
+    config_path = os.path.join(tokenizer_dir, "tokenizer_config.json") if tokenizer_dir else None
+    if config_path and os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    for name in _KNOWN_EOS_TOKENS:
+        if name in special_tokens:
+            return name
+    raise ValueError(
+        f"HuggingFaceTokenizer: cannot tell the end-of-document token of {path!r}; put a "
+        f"tokenizer_config.json with \"eos_token\" beside tokenizer.json"
+    )
+
+
+class HuggingFaceTokenizer:
+    """A ``tokenizer.json`` file or a directory holding one (Llama-3, GPT-2, ...).
+
+    EOD is the tokenizer's EOS token. Uses the ``tokenizers`` library directly, so
+    ``transformers`` is not needed.
+    """
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        tokenizer_dir = path if os.path.isdir(path) else os.path.dirname(path) or None
+        json_path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(json_path):
+            raise FileNotFoundError(
+                f"HuggingFaceTokenizer: no tokenizer.json at {json_path!r}; pass a tokenizer.json "
+                f"file or a directory holding one as --tokenizer-model"
+            )
+        try:
+            self._tok = Tokenizer.from_file(json_path)
+        except Exception as e:  # the library raises plain Exception on bad files
+            raise ValueError(
+                f"HuggingFaceTokenizer: cannot load {json_path!r} ({e}); check "
+                f"--tokenizer-type/--tokenizer-model"
+            ) from None
+        added = self._tok.get_added_tokens_decoder()
+        special = {tok.content: i for i, tok in added.items() if tok.special}
+        eos_text = _hf_eos_token(tokenizer_dir, special, json_path)
+        eod = self._tok.token_to_id(eos_text)
+        if eod is None:
+            raise ValueError(
+                f"HuggingFaceTokenizer: EOS token {eos_text!r} is not in the vocabulary of "
+                f"{json_path!r}; fix eos_token in tokenizer_config.json"
+            )
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eod = eod
+        self.eos = eod
+        self.unique_identifiers = {
+            "class": "HuggingFaceTokenizer",
+            "tokenizer_sha256": _file_sha256(json_path),
+            "eod": eod,
+            "vocab_size": self.vocab_size,
+        }
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer
+
+
+def build_tokenizer(
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+) -> Tokenizer:
+    """Build a tokenizer by Megatron-LM's ``--tokenizer-type`` name.
+
+    Raises FileNotFoundError for a missing model file and ValueError for anything else the
+    user must fix; both messages name the flag.
+    """
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(
+            f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {TOKENIZER_TYPES}"
+        )
+    if tokenizer_type == "ByteTokenizer":
+        if tokenizer_model is not None:
+            raise ValueError("ByteTokenizer needs no file; drop --tokenizer-model")
+        return ByteTokenizer(vocab_size)
+    if tokenizer_model is None:
+        raise ValueError(f"{tokenizer_type} needs --tokenizer-model (its model file)")
+    if vocab_size is not None:
+        raise ValueError(
+            f"--vocab-size applies to ByteTokenizer only; {tokenizer_type} takes its size from "
+            f"{tokenizer_model!r}, so drop --vocab-size"
+        )
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model)
+    return HuggingFaceTokenizer(tokenizer_model)
