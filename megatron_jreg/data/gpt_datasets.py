@@ -1,0 +1,133 @@
+"""Train/valid/test GPT datasets over preprocessed ``.bin``/``.idx`` data, via megatron-core.
+
+The trainer calls ``build_gpt_datasets``; everything goes through megatron-core's
+``BlendedMegatronDatasetBuilder`` and ``GPTDataset`` unchanged, so blends, splits and the
+index cache behave exactly as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+_SPLIT_HELP = "comma-separated train,valid,test weights, e.g. 969,30,1"
+
+
+@dataclass(kw_only=True)
+class GPTDataConfig:
+    """Where the data is and how to cut it into samples (Megatron-LM flag names)."""
+
+    data_path: list[str]
+    """``--data-path``: prefixes, or weight/prefix pairs: ``0.7 a_text_document 0.3 b_...``."""
+    split: str = "969,30,1"
+    """``--split``: train,valid,test weights of each dataset's documents."""
+    seq_length: int = 2048
+    """``--seq-length``: tokens per sample (GPTDataset draws one more for the shifted labels)."""
+    seed: int = 1234
+    """``--seed``: shuffling of documents and samples."""
+    cache_dir: str | None = None
+    """``--data-cache-path``: where megatron-core caches sample indices; None means an
+    ``index-cache`` directory beside the first dataset."""
+    reset_position_ids: bool = False
+    """Restart position ids after each EOD."""
+    reset_attention_mask: bool = False
+    """Block attention across EOD."""
+    eod_mask_loss: bool = False
+    """Do not train on predicting the EOD token."""
+    num_dataset_builder_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.data_path:
+            raise ValueError("--data-path is empty; pass dataset prefixes from preprocess_data.py")
+        if self.seq_length < 1:
+            raise ValueError(f"--seq-length must be at least 1, got {self.seq_length}")
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"--split {self.split!r} is not numbers; use {_SPLIT_HELP}") from None
+        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"--split {self.split!r} is invalid; use {_SPLIT_HELP}")
+
+    def blend(self) -> tuple[list[str], list[float] | None]:
+        """(prefixes, weights or None), parsed the way Megatron-LM parses ``--data-path``."""
+        from megatron.core.datasets.utils import get_blend_from_list
+
+        prefixes, weights = get_blend_from_list(list(self.data_path))
+        if weights is not None and (any(w < 0 for w in weights) or sum(weights) <= 0):
+            raise ValueError(f"--data-path weights {weights} must be >= 0 and not all 0")
+        return prefixes, weights
+
+
+def build_gpt_datasets(
+    config: GPTDataConfig,
+    tokenizer,
+    train_samples: int | None,
+    valid_samples: int | None = None,
+    test_samples: int | None = None,
+):
+    """(train, valid, test) datasets; a split with zero weight or size gives None.
+
+    ``tokenizer`` is a ``megatron_jreg.data.tokenizers`` tokenizer (GPTDataset reads its
+    ``eod``, ``vocab_size`` and ``unique_identifiers``). Sample counts of None mean one epoch;
+    None is only allowed when the blend has no weights (megatron-core's rule).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefixes, weights = config.blend()
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise FileNotFoundError(
+                f"--data-path {prefix!r}: no {prefix}.bin/.idx pair; make it with "
+                f"tools/preprocess_data.py --output-prefix (the prefix ends in _text_document)"
+            )
+    cache_dir = config.cache_dir or os.path.join(
+        os.path.dirname(os.path.abspath(prefixes[0])), "index-cache"
+    )
+    os.makedirs(cache_dir, exist_ok=True)
+    gpt_config = GPTDatasetConfig(
+        random_seed=config.seed,
+        sequence_length=config.seq_length,
+        blend=(prefixes, weights),
+        split=config.split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
+        eod_mask_loss=config.eod_mask_loss,
+        num_dataset_builder_threads=config.num_dataset_builder_threads,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        GPTDataset,
+        [train_samples, valid_samples, test_samples],
+        lambda: True,  # every rank builds (or loads cached) indices; megatron syncs if needed
+        gpt_config,
+    )
+    with _single_rank_group_if_needed():
+        train, valid, test = builder.build()
+    return train, valid, test
+
+
+@contextlib.contextmanager
+def _single_rank_group_if_needed():
+    """A one-rank gloo group while building, when no process group exists.
+
+    megatron-core 0.16.1's BlendedDataset calls ``torch.distributed.get_rank()`` without
+    checking ``is_initialized()`` (GPTDataset does check), so a weighted blend fails in a
+    plain single process (tests, notebooks, tools). An in-memory store needs no network.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
