@@ -41,8 +41,12 @@ def token_displacement_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     dot = (a * b).sum(-1)
     aa = (a * a).sum(-1)
     bb = (b * b).sum(-1)
-    # clamp before sqrt: the clamp's zero gradient keeps zero vectors free of NaN/inf.
-    cos = dot / torch.sqrt(torch.clamp(aa * bb, min=EPS * EPS))
+    # Where |a||b| < EPS the cosine is dot / EPS (0 for a zero vector) and is held constant:
+    # such a token has no direction to move, so its gradient is 0 (never NaN or 1/EPS).
+    product = aa * bb
+    degenerate = product < EPS * EPS
+    norm_product = torch.sqrt(torch.where(degenerate, torch.ones_like(product), product))
+    cos = torch.where(degenerate, (dot / EPS).detach(), dot / norm_product)
     return (1.0 - cos) * 0.5
 
 

@@ -44,6 +44,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
+        # Interleaving sends to "next" and "prev" at once; with two stages both are the same
+        # peer, and batched p2p would pair a gradient with an activation. Megatron-LM's
+        # default for interleaving, separate (overlapped) p2p ops, keeps them apart.
+        overlap_p2p_comm=vp is not None,
+        batch_p2p_comm=vp is None,
         sequence_parallel=parallel.sequence_parallel,
         recompute_granularity=parallel.recompute_granularity,
         recompute_method=parallel.recompute_method,

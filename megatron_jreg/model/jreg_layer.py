@@ -138,7 +138,8 @@ class JregTracker:
         """Psi_1..Psi_L (global layer numbers) averaged over micro-batches and DP ranks.
 
         Collective over the TP (with sequence parallelism), PP and DP groups: every rank
-        calls it. Returns {"psi": [L floats], "R": float, "penalty": float}.
+        calls it. Returns {"psi": [L floats], "R": float, "penalty": float, "microbatches":
+        [this rank's micro-batch count per layer, 0 for layers on other stages]}.
         """
         device = self._sums.device if self._sums is not None else _default_device()
         sums = self._sums if self._sums is not None else torch.zeros(self.num_layers, device=device)
@@ -154,7 +155,8 @@ class JregTracker:
             psi = psi / dist.get_world_size(group=dp_group)
         values: List[float] = psi.tolist()
         r = float(sum(w * p for w, p in zip(self._weights_list, values)))
-        return {"psi": values, "R": r, "penalty": self.config.lam * r}
+        return {"psi": values, "R": r, "penalty": self.config.lam * r,
+                "microbatches": list(self._counts)}
 
 
 def _default_device() -> torch.device:

@@ -1,0 +1,166 @@
+"""megatron_jreg.jreg against the definitions and the worked example of the JREG spec."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_jreg.jreg import (
+    displacement,
+    jump_rates,
+    layer_weights,
+    regularizer,
+    token_displacement_reference,
+)
+
+# Worked example: three layers, one token.
+H = [torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]]), torch.tensor([[0.0, 1.0]]),
+     torch.tensor([[-1.0, 0.0]])]
+EXPECTED_PSI = [(1 - 1 / math.sqrt(2)) / 2, (1 - 1 / math.sqrt(2)) / 2, 0.5]
+
+
+def test_worked_example_displacement():
+    psi = [float(displacement(H[i], H[i + 1])) for i in range(3)]
+    assert psi == pytest.approx(EXPECTED_PSI, abs=1e-7)
+    assert psi[0] == pytest.approx(0.146447, abs=1e-6)
+
+
+def test_worked_example_jump_rates_and_r():
+    rates = jump_rates(EXPECTED_PSI)
+    assert set(rates) == {2, 3}
+    assert rates[3] == pytest.approx(35.3553, abs=1e-4)
+    assert rates[2] == pytest.approx(35.3553, abs=1e-4)
+    r = regularizer(torch.tensor(EXPECTED_PSI), layer_weights(3, 0.0))
+    assert float(r) == pytest.approx(0.264298, abs=1e-6)
+
+
+def test_jump_rate_sums_only_rises():
+    psi = [0.2, 0.1, 0.15, 0.05, 0.3]  # rises at layers 3 (+0.05) and 5 (+0.25)
+    rates = jump_rates(psi)
+    assert set(rates) == {2, 3, 4, 5}
+    assert rates[5] == pytest.approx(25.0)
+    assert rates[4] == pytest.approx(25.0)
+    assert rates[3] == pytest.approx(30.0)
+    assert rates[2] == pytest.approx(30.0)
+    assert jump_rates([0.5, 0.4, 0.3]) == {2: 0.0, 3: 0.0}
+    assert jump_rates(torch.tensor(psi, dtype=torch.float64)) == pytest.approx(rates)
+
+
+def test_zero_vectors_give_half_and_no_nan():
+    a = torch.zeros(3, 8, requires_grad=True)
+    b = torch.randn(3, 8, requires_grad=True)
+    psi = token_displacement_reference(a, b)
+    assert torch.equal(psi, torch.full((3,), 0.5))
+    psi.sum().backward()
+    assert torch.isfinite(a.grad).all() and torch.isfinite(b.grad).all()
+    assert float(a.grad.abs().max()) == 0.0 and float(b.grad.abs().max()) == 0.0
+
+
+def test_mask_excludes_tokens():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 5, 16, generator=gen), torch.randn(4, 5, 16, generator=gen)
+    mask = torch.rand(4, 5, generator=gen) > 0.4
+    per_token = token_displacement_reference(a, b)
+    expected = per_token[mask].double().mean()
+    got = displacement(a, b, mask=mask)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    # masked-out tokens may hold anything, NaN included
+    a_bad = a.clone()
+    a_bad[~mask] = float("nan")
+    assert float(displacement(a_bad, b, mask=mask)) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_mask_errors():
+    a = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="mask shape"):
+        displacement(a, a, mask=torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="counts no tokens"):
+        displacement(a, a, mask=torch.zeros(2, 3, dtype=torch.bool))
+
+
+def test_bf16_input_computes_in_fp32():
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, 256, generator=gen), torch.randn(64, 256, generator=gen)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    got = token_displacement_reference(a16, b16)
+    assert got.dtype == torch.float32
+    exact = token_displacement_reference(a16.double(), b16.double())  # same bf16 values, exact math
+    assert float((got.double() - exact).abs().max()) < 1e-6
+    # a bf16-accumulated cosine would be off by ~1e-2; fp32 accumulation is not
+    assert float(displacement(a16, b16)) == pytest.approx(float(exact.mean()), rel=1e-5)
+
+
+def test_nearly_parallel_vectors_are_accurate():
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(32, 512, generator=gen, dtype=torch.float64)
+    b = a + 1e-3 * torch.randn(32, 512, generator=gen, dtype=torch.float64)
+    exact = token_displacement_reference(a, b)
+    got = token_displacement_reference(a.float(), b.float()).double()
+    assert float(exact.max()) < 1e-5
+    assert float((got - exact).abs().max()) < 1e-7
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(3, 4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, False, True, True]] * 3)
+    assert torch.autograd.gradcheck(lambda x, y: token_displacement_reference(x, y), (a, b))
+    assert torch.autograd.gradcheck(lambda x, y: displacement(x, y, mask=mask, impl="torch"), (a, b))
+
+
+def test_analytic_gradient():
+    """d psi / d a = -(b / (|a||b|) - c a / |a|^2) / 2."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(5, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, 9, generator=gen, dtype=torch.float64)
+    token_displacement_reference(a, b).sum().backward()
+    na, nb = a.detach().norm(dim=-1, keepdim=True), b.norm(dim=-1, keepdim=True)
+    c = (a.detach() * b).sum(-1, keepdim=True) / (na * nb)
+    expected = -(b / (na * nb) - c * a.detach() / na**2) / 2
+    torch.testing.assert_close(a.grad, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 1.0, 3.0])
+def test_softmax_weights(alpha):
+    w = layer_weights(12, alpha)
+    expected = torch.tensor([math.exp(alpha * l) for l in range(1, 13)], dtype=torch.float64)
+    expected /= expected.sum()
+    assert w.dtype == torch.float32 and w.shape == (12,)
+    torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-9)
+    assert float(w.sum()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_power_and_final_weights():
+    w = layer_weights(4, 2.0, kind="power")
+    expected = torch.tensor([1, 4, 9, 16], dtype=torch.float64) / 30
+    torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-9)
+    assert layer_weights(4, 0.0, kind="power").tolist() == pytest.approx([0.25] * 4)
+    assert layer_weights(5, 1.0, kind="final").tolist() == [0, 0, 0, 0, 1]
+
+
+def test_large_alpha_concentrates_on_last_layer():
+    w = layer_weights(30, 50.0)
+    assert float(w[-1]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_weight_errors():
+    with pytest.raises(ValueError, match="unknown weighting"):
+        layer_weights(4, 1.0, kind="linear")
+    with pytest.raises(ValueError, match="num_layers"):
+        layer_weights(0, 1.0)
+    with pytest.raises(ValueError, match="finite"):
+        layer_weights(4, float("nan"))
+
+
+def test_module_has_no_megatron_or_distributed_imports():
+    import ast
+    import inspect
+
+    import megatron_jreg.jreg as module
+
+    tree = ast.parse(inspect.getsource(module))
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    assert not [n for n in names if n.startswith("megatron.") or "distributed" in n], names
