@@ -1,0 +1,70 @@
+"""Exercise each CPU redirection of megatron_jreg.platform.cpu in a fresh process and print
+the observations as JSON (the patches are process-global, so pytest runs this apart)."""
+
+import json
+import queue
+
+import torch
+
+from megatron_jreg.platform import cpu
+
+before = {"zeros_cuda_raises": False}
+try:
+    torch.zeros(1, device="cuda")
+except (RuntimeError, AssertionError):
+    before["zeros_cuda_raises"] = True
+
+cpu.activate()
+cpu.activate()  # idempotent
+
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+
+obs = {"before": before}
+obs["factories"] = [
+    getattr(torch, name)(*args, device=dev).device.type
+    for name, args in (("zeros", (2,)), ("ones", (2,)), ("empty", (2,)), ("full", ((2,), 1.0)),
+                       ("arange", (3,)), ("tensor", ([1.0],)))
+    for dev in ("cuda", 0, torch.device("cuda", 0))
+]
+obs["current_device"] = str(torch.cuda.current_device())
+obs["synchronize"] = torch.cuda.synchronize() is None
+t = torch.ones(3)
+obs["tensor_cuda_identity"] = t.cuda() is t
+obs["types"] = [torch.ones(1).type(), torch.ones(1, dtype=torch.bfloat16).type(),
+                torch.ones(1, dtype=torch.float16).type(), torch.ones(1).type(torch.float64).dtype.__str__()]
+
+# RNG tracker: named CPU streams, default stream untouched by a fork
+torch.manual_seed(7)
+mrandom.model_parallel_cuda_manual_seed(7, tp_rank=0, ep_rank=0, etp_rank=0)
+tracker = mrandom.get_cuda_rng_tracker()
+obs["tracker_class"] = type(tracker).__name__
+default_state = torch.get_rng_state()
+with tracker.fork():
+    a = torch.rand(4)
+obs["default_state_restored"] = torch.equal(default_state, torch.get_rng_state())
+with tracker.fork():
+    b = torch.rand(4)
+obs["fork_stream_advances"] = not torch.equal(a, b)
+plain = torch.rand(4)
+torch.set_rng_state(default_state)
+obs["fork_differs_from_default"] = not torch.equal(a, plain)
+obs["cuda_rng_state_empty"] = mrandom._get_cuda_rng_state().numel() == 0
+
+# selective recompute helper without Transformer Engine
+obs["checkpoint_without_output_fp8"] = mrandom.CheckpointWithoutOutput().fp8
+
+# sequence-parallel norm on the local spec
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
+
+cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                        sequence_parallel=True, tensor_model_parallel_size=2)
+norm = WrappedTorchNorm(cfg, 8, eps=1e-5, normalization="RMSNorm")
+obs["sp_norm"] = [type(norm).__name__, all(getattr(p, "sequence_parallel", False) for p in norm.parameters())]
+x = torch.randn(3, 8)
+obs["sp_norm_is_rmsnorm"] = torch.allclose(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
+
+obs["writer_queue_is_local"] = isinstance(filesystem_async._results_queue, queue.Queue)
+print("CHECKS " + json.dumps(obs))

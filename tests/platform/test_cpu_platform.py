@@ -1,0 +1,51 @@
+"""Each CPU redirection in megatron_jreg.platform.cpu does what its comment says."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def checks():
+    script = os.path.join(os.path.dirname(__file__), "cpu_checks.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("CHECKS ")][-1]
+    return json.loads(line[len("CHECKS "):])
+
+
+def test_cuda_device_requests_land_on_cpu(checks):
+    assert checks["before"]["zeros_cuda_raises"], "torch on this machine should have no CUDA"
+    assert checks["factories"] == ["cpu"] * 18
+    assert checks["current_device"] == "cpu"
+    assert checks["synchronize"] and checks["tensor_cuda_identity"]
+
+
+def test_optimizer_type_dispatch_sees_cuda_names(checks):
+    assert checks["types"] == ["torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor",
+                               "torch.cuda.HalfTensor", "torch.float64"]
+
+
+def test_rng_tracker_is_cpu_and_isolated(checks):
+    assert checks["tracker_class"] == "CpuRNGStatesTracker"
+    assert checks["default_state_restored"]
+    assert checks["fork_stream_advances"]
+    assert checks["fork_differs_from_default"]
+    assert checks["cuda_rng_state_empty"]
+
+
+def test_selective_recompute_has_no_fp8_without_te(checks):
+    assert checks["checkpoint_without_output_fp8"] is False
+
+
+def test_sequence_parallel_norm(checks):
+    assert checks["sp_norm"] == ["RMSNorm", True]
+    assert checks["sp_norm_is_rmsnorm"]
+
+
+def test_checkpoint_writer_queue(checks):
+    assert checks["writer_queue_is_local"]
