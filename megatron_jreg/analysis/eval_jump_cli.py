@@ -79,6 +79,9 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
     for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
         if path:
             check_output_path(path, flag)
+    for flag, value in (("--seq-length", args.seq_length), ("--batch-size", args.batch_size), ("--max-tokens", args.max_tokens)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
     report_files = list(args.reports)
     if args.compare is not None:
         if len(args.compare) not in (0, 2):

@@ -168,6 +168,9 @@ def load_hf_source(
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise missing_extra("transformers", "hf", "--hf-model") from None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # eval_jump draws its own progress over tokens
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises OSError/ValueError/KeyError variously
