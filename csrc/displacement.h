@@ -4,13 +4,14 @@
 // accumulation type acc (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64):
 //
 //   dot = sum a*b, aa = sum a*a, bb = sum b*b, dd = sum (a-b)^2      (one read of a, b)
-//   p = aa*bb;  clamped = p < eps^2   (the reference: dot / sqrt(max(p, eps^2)))
-//   not clamped:  1 - c = (dd - (|a|-|b|)^2) / (2|a||b|),  |a|-|b| = (aa-bb)/(|a|+|b|)
-//                 -- no cancellation when a and b are nearly parallel, unlike 1 - dot/(|a||b|)
-//   clamped:      c = dot / eps  (zero vectors give c = 0, psi = 0.5)
+//   p = aa*bb;  degenerate = p < eps^2 (megatron_jreg.jreg.token_displacement_reference)
+//   otherwise:    1 - c = (dd - (|a|-|b|)^2) / (2|a||b|),  |a|-|b| = (aa-bb)/(|a|+|b|)
+//                 where dd < |a||b|/2 (a, b close: no cancellation, unlike 1 - dot/(|a||b|)),
+//                 else 1 - c = 1 - dot/(|a||b|) as the reference
+//   degenerate (p < eps^2): c = dot / eps, held constant (zero vectors give psi = 0.5)
 //
-// Saved for backward, per token: inv = 1/sqrt(max(p, eps^2)), ka = c/aa, kb = c/bb
-// (ka = kb = 0 where the clamp is active: the clamp has zero gradient), so that
+// Saved for backward, per token: inv = 1/(|a||b|), ka = c/aa, kb = c/bb (all 0 for a
+// degenerate token, whose gradient is 0 as in the reference), so that
 //
 //   dpsi/da = -(inv*b - ka*a)/2,   dpsi/db = -(inv*a - kb*b)/2       (one read, one write)
 #pragma once
@@ -37,18 +38,28 @@ JREG_HOST_DEVICE acc_t finish_token(acc_t dot, acc_t aa, acc_t bb, acc_t dd, acc
   const acc_t eps = static_cast<acc_t>(kEps);
   const acc_t p = aa * bb;
   if (p >= eps * eps) {
+    const acc_t root = sqrt(p);
     const acc_t na = sqrt(aa);
     const acc_t nb = sqrt(bb);
-    const acc_t radial = (aa - bb) / (na + nb);  // |a| - |b|
-    const acc_t one_minus_c = (dd - radial * radial) / (acc_t(2) * na * nb);
+    // Rounding error of the difference form ~ 4 eps * (1 - c), of the plain form ~ eps:
+    // the difference form where 1 - c < ~1/4 (close vectors, e.g. middle layers at c > 0.95).
+    acc_t one_minus_c;
+    if (dd < acc_t(0.5) * na * nb) {
+      const acc_t radial = (aa - bb) / (na + nb);  // |a| - |b|
+      one_minus_c = (dd - radial * radial) / (acc_t(2) * na * nb);
+    } else {
+      one_minus_c = acc_t(1) - dot / root;
+    }
     const acc_t c = acc_t(1) - one_minus_c;
-    stats[0] = acc_t(1) / sqrt(p);
+    stats[0] = acc_t(1) / root;
     stats[1] = c / aa;
     stats[2] = c / bb;
     return acc_t(0.5) * one_minus_c;
   }
+  // Degenerate token (|a||b| < eps): c = dot/eps is held constant, as in the reference:
+  // it has no direction to move, so its gradient is 0 (never NaN or 1/eps).
   const acc_t c = dot / eps;
-  stats[0] = acc_t(1) / eps;
+  stats[0] = acc_t(0);
   stats[1] = acc_t(0);
   stats[2] = acc_t(0);
   return acc_t(0.5) * (acc_t(1) - c);

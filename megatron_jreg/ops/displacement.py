@@ -82,8 +82,8 @@ def _fused_backward_fake(
 class FusedTokenDisplacement(torch.autograd.Function):
     """psi = (1 - cos(a, b)) / 2 per token through the fused kernel; differentiable in a and b.
 
-    Backward: dpsi/da = -(b/(|a||b|) - c a/|a|^2)/2 and symmetrically for b, zero for the
-    |a|^2, |b|^2 terms where the eps clamp is active (as the reference's clamp). Both
+    Backward: dpsi/da = -(b/(|a||b|) - c a/|a|^2)/2 and symmetrically for b; 0 for a
+    degenerate token (|a||b| < EPS, e.g. a zero vector), as in the reference. Both
     gradients are computed in one pass; double backward is not supported.
     """
 

@@ -1,0 +1,237 @@
+"""The fused displacement kernel against the float64 reference: forward, both gradients,
+gradcheck, dispatch, torch.compile, and what autograd saves."""
+
+import pytest
+import torch
+
+from conftest import DEVICES
+from megatron_jreg.jreg import EPS, displacement, token_displacement_reference
+from megatron_jreg.ops import fused_available, resolve_impl, token_displacement
+
+FP32_RTOL = 1e-6
+# psi is exact 0 or 1 for h = 1; both paths round at 1 - c to about an ulp of 1.
+PSI_ATOL = 2e-7
+
+
+def _psi_and_grads(a, b, impl, weight=None, mask=None):
+    """psi (float64) and the gradients (float64) of sum(weight * psi) in a and b."""
+    a = a.detach().clone().requires_grad_(True)
+    b = b.detach().clone().requires_grad_(True)
+    if mask is not None:
+        loss = displacement(a, b, mask=mask, impl=impl)
+        psi = token_displacement(a.detach(), b.detach(), impl=impl)
+    else:
+        psi = token_displacement(a, b, impl=impl)
+        loss = (psi.double() * weight).sum()
+    loss.backward()
+    return psi.detach().double().cpu(), a.grad.double().cpu(), b.grad.double().cpu()
+
+
+def _errors(got, ref, a, b, weight):
+    """psi: max relative error (atol PSI_ATOL folded in). Gradients: max error over the size
+    of the terms they are built from, max |w b / (2|a||b|)| for grad a (the usual relative
+    error where the terms do not cancel; at h = 1 the exact gradient is 0 and only that
+    scale is meaningful)."""
+    psi = ((got[0] - ref[0]).abs() - PSI_ATOL).clamp_min(0) / ref[0].abs().clamp_min(1e-30)
+    a, b = a.double().cpu(), b.double().cpu()
+    w = torch.ones(a.shape[:-1], dtype=torch.float64) if weight is None else weight.double().cpu()
+    norms = (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(EPS).unsqueeze(-1)
+    scales = [(w.unsqueeze(-1) * x.abs() / (2 * norms)).max() for x in (b, a)]
+    grads = [
+        (g - r).abs().max() / torch.maximum(r.abs().max(), s).clamp_min(1e-30)
+        for g, r, s in zip(got[1:], ref[1:], scales)
+    ]
+    return [psi.max().item() if psi.numel() else 0.0] + [float(e) for e in grads]
+
+
+def _inputs(shape, dtype, device, near_parallel=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(shape, generator=gen, dtype=torch.float64)
+    b = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if near_parallel:  # cos > 0.95 for h >= 7, like middle layers
+        b = a * 1.1 + 0.1 * b
+    return a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
+
+
+def _compare(a, b, weight=None, mask=None):
+    """Errors of the fused kernel and of the PyTorch path in the inputs' dtype, both against
+    the reference in float64 on the same (rounded) inputs."""
+    if weight is None:
+        gen = torch.Generator().manual_seed(1)
+        weight = torch.rand(a.shape[:-1], generator=gen, dtype=torch.float64).to(a.device)
+    ref = _psi_and_grads(a.double(), b.double(), "torch", weight, mask)
+    fused = _psi_and_grads(a, b, "fused", weight, mask)
+    torch_path = _psi_and_grads(a, b, "torch", weight, mask)
+    scale_weight = weight if mask is None else mask.double() / mask.sum()
+    return _errors(fused, ref, a, b, scale_weight), _errors(torch_path, ref, a, b, scale_weight)
+
+
+SHAPES = [
+    (37, 1),  # odd hidden sizes; 37 tokens split unevenly over the threads
+    (37, 7),
+    (1031, 64),
+    (37, 4097),
+    (5, 3, 33),  # [s, b, h]
+    (13,),  # one token
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("near_parallel", [False, True], ids=["random", "parallel"])
+def test_fp32_matches_float64_reference(device, shape, near_parallel):
+    a, b = _inputs(shape, torch.float32, device, near_parallel)
+    fused, torch_path = _compare(a, b)
+    assert fused[0] <= FP32_RTOL, f"psi relative error {fused[0]:.2e}"
+    # Near-parallel gradients cancel (b/|b| - c a/|a|): no fp32 computation reaches 1e-6
+    # there, so the bound is also twice the fp32 PyTorch path's error.
+    for name, got, bound in zip(("grad a", "grad b"), fused[1:], torch_path[1:]):
+        assert got <= max(FP32_RTOL, 2 * bound), f"{name} relative error {got:.2e} (torch {bound:.2e})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(37, 7), (1031, 64), (37, 4097), (5, 3, 33)], ids=str)
+@pytest.mark.parametrize("near_parallel", [False, True], ids=["random", "parallel"])
+def test_half_within_twice_the_pytorch_error(device, dtype, shape, near_parallel):
+    a, b = _inputs(shape, dtype, device, near_parallel)
+    fused, torch_path = _compare(a, b)
+    for name, got, bound in zip(("psi", "grad a", "grad b"), fused, torch_path):
+        # psi is computed in fp32 by both paths: floor the bound at fp32 rounding
+        floor = FP32_RTOL if name == "psi" else 0.0
+        assert got <= max(2 * bound, floor), f"{name}: fused {got:.2e}, torch {bound:.2e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_inputs(device):
+    base_a, base_b = _inputs((6, 5, 2 * 65), torch.float32, device)
+    a = base_a.transpose(0, 1)[..., ::2]  # strided tokens and strided hidden dim
+    b = base_b.transpose(0, 1)[..., 1::2]
+    assert not a.is_contiguous()
+    fused, _ = _compare(a, b)
+    assert max(fused) <= FP32_RTOL, fused
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_tokens(device):
+    a, b = _inputs((9, 4, 48), torch.float32, device)
+    gen = torch.Generator().manual_seed(2)
+    mask = (torch.rand(9, 4, generator=gen) > 0.4).to(device)
+    fused, _ = _compare(a, b, mask=mask)
+    assert max(fused) <= FP32_RTOL, fused
+    # masked tokens get no gradient
+    a = a.clone().requires_grad_(True)
+    displacement(a, b, mask=mask, impl="fused").backward()
+    assert torch.all(a.grad[~mask] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_zero_vectors_match_the_reference(device, dtype):
+    """psi 0.5 and gradient 0 for degenerate tokens (|a||b| < EPS), no NaN anywhere."""
+    a, b = _inputs((5, 16), dtype, device)
+    a[0] = 0
+    b[0] = 0  # both zero
+    a[1] = 0  # one zero
+    b[2] = 0
+    a[3] *= 1e-30 if dtype == torch.float64 else 1e-20  # tiny but not zero: degenerate
+    a[4] *= 1e-6  # small, not degenerate: the full gradient
+    weight = torch.ones(5, dtype=torch.float64)
+    ref = _psi_and_grads(a.double(), b.double(), "torch", weight)
+    got = _psi_and_grads(a, b, "fused", weight.to(device))
+    for g in got:
+        assert torch.isfinite(g).all()
+    assert torch.all(got[0][:3] == 0.5)
+    assert torch.all(got[1][:4] == 0) and torch.all(got[2][:4] == 0)
+    rtol = 1e-6 if dtype != torch.bfloat16 else 1e-2
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=rtol, atol=1e-7 * r.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_float64(device):
+    a, b = _inputs((3, 4, 11), torch.float64, device, seed=3)
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x, y: token_displacement(x, y, impl="fused"), (a, b))
+    a2, b2 = _inputs((6, 9), torch.float64, device, near_parallel=True, seed=4)
+    a2.requires_grad_(True)
+    b2.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x, y: token_displacement(x, y, impl="fused"), (a2, b2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_token_set_and_empty_hidden(device):
+    a, b = _inputs((0, 8), torch.float32, device)
+    assert token_displacement(a, b, impl="fused").shape == (0,)
+    a, b = _inputs((3, 0), torch.float32, device)
+    torch.testing.assert_close(token_displacement(a, b, impl="fused"),
+                               token_displacement_reference(a, b))
+
+
+def test_extension_is_built_for_cpu():
+    from megatron_jreg import _C  # a failed or missing build fails here, loudly
+
+    assert _C.EPS == EPS
+    assert fused_available("cpu")
+    assert not fused_available("meta")
+
+
+def test_dispatch():
+    a, b = _inputs((4, 8), torch.float32, "cpu")
+    assert resolve_impl(a, b, "auto") == "fused"
+    assert resolve_impl(a, b, "torch") == "torch"
+    assert resolve_impl(a, b.double(), "auto") == "torch"  # mixed dtypes: the reference
+    with pytest.raises(ValueError, match="impl must be one of"):
+        token_displacement(a, b, impl="triton")
+    with pytest.raises(RuntimeError, match="not built for meta"):
+        token_displacement(a.to("meta"), b.to("meta"), impl="fused")
+    if not fused_available("cuda"):
+        assert not fused_available(torch.device("cuda", 0))
+
+
+def test_input_errors_say_what_was_wrong():
+    a, b = _inputs((4, 8), torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="same shape"):
+        token_displacement(a, b[:, :4], impl="fused")
+    with pytest.raises(RuntimeError, match="same dtype"):
+        token_displacement(a, b.double(), impl="fused")
+    with pytest.raises(RuntimeError, match="at least one dimension"):
+        token_displacement(a[0, 0], b[0, 0], impl="fused")
+    with pytest.raises(RuntimeError, match="float32, float16, bfloat16 or float64"):
+        token_displacement(a.int(), b.int(), impl="fused")
+
+
+def test_autograd_saves_only_inputs_and_per_token_scalars():
+    """No [tokens, h] tensor is saved beyond a and b themselves (the model keeps them alive)."""
+    a, b = _inputs((64, 96), torch.bfloat16, "cpu")
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+
+    def saved_bytes(impl):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            token_displacement(a, b, impl=impl).sum()
+        extra = [t for t in saved if t.data_ptr() not in (a.data_ptr(), b.data_ptr())]
+        return sum(t.numel() * t.element_size() for t in extra)
+
+    assert saved_bytes("fused") == 64 * 3 * 4  # three fp32 scalars per token
+    assert saved_bytes("torch") >= 2 * 64 * 96 * 4  # fp32 copies of a and b
+
+
+def test_torch_compile_traces_the_op():
+    a, b = _inputs((5, 3, 24), torch.float32, "cpu")
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+
+    def loss(x, y):
+        return (token_displacement(x, y, impl="fused") ** 2).mean()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    expected = loss(a, b)
+    ga, gb = torch.autograd.grad(expected, (a, b))
+    got = compiled(a, b)
+    cga, cgb = torch.autograd.grad(got, (a, b))
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(cga, ga)
+    torch.testing.assert_close(cgb, gb)
