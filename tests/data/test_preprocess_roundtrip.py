@@ -1,0 +1,168 @@
+"""Round trips through megatron-core's readers, determinism across workers/partitions, and
+the GPTDataset the trainer will use."""
+
+import filecmp
+import gzip
+import json
+
+import numpy
+import pytest
+import torch
+
+from megatron_jreg.data.preprocess import main
+from megatron_jreg.data.tokenizers import build_tokenizer
+from preprocess_helpers import make_documents, write_jsonl
+
+KINDS = ["ByteTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
+
+
+def read_documents(prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))], ds
+
+
+def run(tmp_path, inputs, tokenizer_flags, *extra, name="out"):
+    prefix = str(tmp_path / name)
+    argv = ["--input", *inputs, "--output-prefix", prefix, *tokenizer_flags, *extra]
+    assert main(argv) == 0
+    return prefix
+
+
+@pytest.mark.parametrize("tokenizer_args", KINDS, indirect=True)
+def test_round_trip_each_tokenizer(tmp_path, tokenizer_args):
+    flags, kwargs = tokenizer_args
+    docs = make_documents(60)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t, "id": i} for i, t in enumerate(docs)])
+    prefix = run(tmp_path, [data], flags, "--append-eod", "--workers", "2", "--chunk-bytes", "512")
+    tok = build_tokenizer(**kwargs)
+    got, ds = read_documents(prefix + "_text_document")
+    assert got == [tok.encode(t) + [tok.eod] for t in docs]
+    assert ds.index.dtype == numpy.uint16
+    assert len(ds.document_indices) == len(docs) + 1
+
+
+def test_workers_and_partitions_give_identical_bytes(tmp_path):
+    docs = make_documents(400, seed=1)
+    # Two files so partitions both split a file and cross a file boundary.
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in docs[:250]])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": t} for t in docs[250:]])
+    flags = ["--tokenizer-type", "ByteTokenizer", "--append-eod", "--chunk-bytes", "700"]
+    outs = [
+        run(tmp_path, [a, b], flags, "--workers", "1", name="w1"),
+        run(tmp_path, [a, b], flags, "--workers", "2", name="w2"),
+        run(tmp_path, [a, b], flags, "--workers", "2", "--partitions", "2", name="p2"),
+        run(tmp_path, [a, b], flags, "--workers", "1", "--partitions", "3", name="p3"),
+    ]
+    for other in outs[1:]:
+        for ext in (".bin", ".idx"):
+            assert filecmp.cmp(outs[0] + "_text_document" + ext, other + "_text_document" + ext,
+                               shallow=False), other
+    assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]
+
+
+def test_writer_bytes_match_stock_megatron_builder(tmp_path):
+    """The streaming builder writes what megatron-core's own IndexedDatasetBuilder writes."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_jreg.data.indexed_writer import StreamingIndexedDatasetBuilder
+
+    rng = numpy.random.default_rng(0)
+    docs = [rng.integers(0, 1000, rng.integers(1, 50)) for _ in range(30)]
+
+    def fill(builder, prefix):
+        for i, d in enumerate(docs):
+            if i % 3 == 0:  # a multi-sentence document
+                builder.add_document(torch.from_numpy(d), [len(d) // 2, len(d) - len(d) // 2])
+            else:
+                builder.add_item(torch.from_numpy(d))
+                builder.end_document()
+        builder.finalize(prefix + ".idx")
+
+    fill(IndexedDatasetBuilder(str(tmp_path / "stock.bin"), dtype=numpy.uint16),
+         str(tmp_path / "stock"))
+    fill(StreamingIndexedDatasetBuilder(str(tmp_path / "ours.bin"), numpy.uint16,
+                                        str(tmp_path / "spill")), str(tmp_path / "ours"))
+    for ext in (".bin", ".idx"):
+        assert filecmp.cmp(tmp_path / f"stock{ext}", tmp_path / f"ours{ext}", shallow=False)
+    # add_index (partition merging) matches too.
+    stock = IndexedDatasetBuilder(str(tmp_path / "m1.bin"), dtype=numpy.uint16)
+    ours = StreamingIndexedDatasetBuilder(str(tmp_path / "m2.bin"), numpy.uint16,
+                                          str(tmp_path / "spill2"))
+    for b in (stock, ours):
+        b.add_index(str(tmp_path / "stock"))
+        b.add_index(str(tmp_path / "ours"))
+    stock.finalize(str(tmp_path / "m1.idx"))
+    ours.finalize(str(tmp_path / "m2.idx"))
+    for ext in (".bin", ".idx"):
+        assert filecmp.cmp(tmp_path / f"m1{ext}", tmp_path / f"m2{ext}", shallow=False)
+    assert not list(tmp_path.glob("spill*"))
+
+
+def test_json_keys_text_gzip_directory_and_glob(tmp_path):
+    docs = make_documents(20, seed=2)
+    records = [{"text": t, "title": t[:20]} for t in docs]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    flags = ["--tokenizer-type", "ByteTokenizer", "--append-eod"]
+    prefix = run(tmp_path, [data], flags, "--json-keys", "text", "title", name="keys")
+    tok = build_tokenizer("ByteTokenizer")
+    for key in ("text", "title"):
+        got, _ = read_documents(f"{prefix}_{key}_document")
+        assert got == [tok.encode(r[key]) + [tok.eod] for r in records]
+
+    sub = tmp_path / "in"
+    sub.mkdir()
+    with gzip.open(sub / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records[10:])
+    write_jsonl(sub / "a.jsonl", records[:10])
+    expected = [tok.encode(t) + [tok.eod] for t in docs]
+    for inputs, name in (([str(sub)], "dir"), ([str(sub / "*.jsonl*")], "glob")):
+        got, _ = read_documents(run(tmp_path, inputs, flags, name=name) + "_text_document")
+        assert got == expected, name
+
+    text = tmp_path / "plain.txt"
+    text.write_text("".join(t + "\n" for t in docs), encoding="utf-8")
+    got, _ = read_documents(
+        run(tmp_path, [str(text)], flags, "--input-format", "text", name="txt") + "_text_document"
+    )
+    assert got == expected
+
+
+def test_split_sentences(tmp_path):
+    pytest.importorskip("nltk")
+    # Needs punkt data too; the tool says how to fetch it when missing.
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "One sentence here. And a second one."}])
+    prefix = str(tmp_path / "s")
+    rc = main(["--input", data, "--output-prefix", prefix, "--tokenizer-type", "ByteTokenizer",
+               "--split-sentences", "--append-eod"])
+    if rc == 2:
+        pytest.skip("nltk punkt data not installed")
+    got, ds = read_documents(prefix + "_text_sentence")
+    assert len(got) == 2 and got[-1][-1] == 256
+
+
+@pytest.mark.parametrize("tokenizer_args", ["SentencePieceTokenizer"], indirect=True)
+def test_gpt_dataset_batches(tmp_path, tokenizer_args):
+    from megatron_jreg.data.gpt_datasets import GPTDataConfig, build_gpt_datasets
+
+    flags, kwargs = tokenizer_args
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in make_documents(200, seed=3)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": t} for t in make_documents(100, seed=4)])
+    pa = run(tmp_path, [a], flags, "--append-eod", name="a") + "_text_document"
+    pb = run(tmp_path, [b], flags, "--append-eod", name="b") + "_text_document"
+    tok = build_tokenizer(**kwargs)
+    for data_path in ([pa], ["0.7", pa, "0.3", pb]):
+        config = GPTDataConfig(data_path=data_path, split="90,8,2", seq_length=32,
+                               cache_dir=str(tmp_path / "cache"), eod_mask_loss=True)
+        train, valid, test = build_gpt_datasets(config, tok, 64, 8, 4)
+        assert len(train) >= 64 and len(valid) >= 8
+        batch = next(iter(torch.utils.data.DataLoader(train, batch_size=4)))
+        assert batch["tokens"].shape == (4, 32) and batch["labels"].shape == (4, 32)
+        assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+        # eod_mask_loss: no loss on predicting from an EOD position
+        assert (batch["loss_mask"][batch["tokens"] == tok.eod] == 0).all()
+    assert not torch.distributed.is_initialized()
+
+    with pytest.raises(FileNotFoundError, match="preprocess_data.py"):
+        build_gpt_datasets(GPTDataConfig(data_path=[str(tmp_path / "none")]), tok, 8)
