@@ -1,31 +1,37 @@
 """Measuring the final-layer jump of trained models: displacement, jump rates, reports.
 
-Light at import time: transformers, matplotlib, scipy and megatron's dataset code are
-imported only by the functions that need them.
+Names are imported on first use, so ``tools/compare_seeds.py`` does not pay for torch,
+and transformers, matplotlib, scipy and megatron's dataset code load only in the
+functions that need them.
 """
 
-from megatron_jreg.analysis.compare import ReportComparison, compare_reports, load_report
-from megatron_jreg.analysis.errors import InputError
-from megatron_jreg.analysis.jump_accumulator import JumpAccumulator, JumpReport, reports_to_csv
-from megatron_jreg.analysis.measure import measure_jump, pad_batch
-from megatron_jreg.analysis.seed_stats import OneSidedTTest, one_sided_t_test, paired_one_sided_t_test
-from megatron_jreg.analysis.sources import HiddenStateSource, SourceEntry, SourceKind, builtin_source_kinds
+from importlib import import_module
 
-__all__ = [
-    "HiddenStateSource",
-    "InputError",
-    "JumpAccumulator",
-    "JumpReport",
-    "OneSidedTTest",
-    "ReportComparison",
-    "SourceEntry",
-    "SourceKind",
-    "builtin_source_kinds",
-    "compare_reports",
-    "load_report",
-    "measure_jump",
-    "one_sided_t_test",
-    "pad_batch",
-    "paired_one_sided_t_test",
-    "reports_to_csv",
-]
+_EXPORTS = {
+    "InputError": "errors",
+    "JumpAccumulator": "jump_accumulator",
+    "JumpReport": "jump_accumulator",
+    "reports_to_csv": "jump_accumulator",
+    "ReportComparison": "compare",
+    "compare_reports": "compare",
+    "load_report": "compare",
+    "measure_jump": "measure",
+    "pad_batch": "measure",
+    "OneSidedTTest": "seed_stats",
+    "one_sided_t_test": "seed_stats",
+    "paired_one_sided_t_test": "seed_stats",
+    "HiddenStateSource": "sources",
+    "SourceEntry": "sources",
+    "SourceKind": "sources",
+    "builtin_source_kinds": "sources",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

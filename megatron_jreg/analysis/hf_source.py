@@ -70,6 +70,12 @@ def _dtype_kwarg() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
+def _brief(error: Exception) -> str:
+    """The exception's type and first line: transformers' messages run to paragraphs."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def check_hf_model_dir(path: str) -> None:
     """Fail fast on a path that cannot be a Hugging Face model directory."""
     if not os.path.exists(path):
@@ -172,18 +178,18 @@ def load_hf_source(
 
     hf_logging.disable_progress_bar()  # eval_jump draws its own progress over tokens
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises OSError/ValueError/KeyError variously
-        raise InputError(
-            f"--hf-model {path}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-            "the directory needs the tokenizer files written by tokenizer.save_pretrained"
-        ) from None
-    try:
         model = AutoModelForCausalLM.from_pretrained(path, **{_dtype_kwarg(): _DTYPES[dtype]})
     except Exception as e:
         raise InputError(
-            f"--hf-model {path}: cannot load a causal LM ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"--hf-model {path}: cannot load a causal LM ({_brief(e)}); "
             "check config.json and the weight files"
+        ) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError/ValueError/KeyError variously
+        raise InputError(
+            f"--hf-model {path}: cannot load its tokenizer ({_brief(e)}); "
+            "the directory needs the tokenizer files written by tokenizer.save_pretrained"
         ) from None
     model.to(dev)
     label = name or os.path.basename(os.path.normpath(path))

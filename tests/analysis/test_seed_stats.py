@@ -1,0 +1,151 @@
+"""The one-sided paired t-test: exact Student t against textbook values and scipy."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_jreg.analysis import InputError
+from megatron_jreg.analysis import seed_stats
+from megatron_jreg.analysis.seed_stats import (
+    compare_seed_scores,
+    one_sided_t_test,
+    paired_one_sided_t_test,
+    read_seed_scores,
+    regularized_incomplete_beta,
+    t_ppf,
+    t_ppf_exact,
+    t_sf,
+    t_sf_exact,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Textbook one-sided critical values t_{q, df} (Student t tables), to the tables' 6 digits.
+QUANTILES = [(0.95, 4, 2.131847), (0.95, 5, 2.015048), (0.975, 10, 2.228139), (0.99, 1, 31.820516), (0.95, 30, 1.697261)]
+
+
+def _backends():
+    out = ["exact"]
+    try:
+        import scipy  # noqa: F401
+
+        out.append("scipy")
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("q, df, value", QUANTILES)
+def test_textbook_quantiles(backend, q, df, value):
+    assert t_ppf(q, df, backend) == pytest.approx(value, abs=1e-6)
+    assert t_sf(value, df, backend) == pytest.approx(1 - q, abs=1e-6)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_known_tails(backend):
+    assert t_sf(2.015048, 5, backend) == pytest.approx(0.05, abs=1e-6)  # the usual "t = 2.015, df = 5"
+    assert t_sf(1.0, 1, backend) == pytest.approx(0.25, abs=1e-12)  # Cauchy: 1/2 - atan(1)/pi
+    for t in (-3.0, -0.5, 0.0, 0.7, 4.0):  # df = 2 has a closed form
+        assert t_sf(t, 2, backend) == pytest.approx(0.5 - t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+
+
+def test_exact_matches_scipy_widely():
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 3, 4.5, 9, 29, 200):
+        for t in (-8.0, -2.0, -0.1, 0.0, 0.3, 1.5, 2.5, 6.0, 30.0):
+            assert t_sf_exact(t, df) == pytest.approx(stats.t.sf(t, df), rel=1e-9, abs=1e-14)
+        for q in (0.6, 0.9, 0.95, 0.99, 0.999, 0.05):
+            assert t_ppf_exact(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-9)
+    assert regularized_incomplete_beta(2.0, 3.0, 0.4) == pytest.approx(stats.beta.cdf(0.4, 2.0, 3.0), rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_one_sided_test_by_hand(backend):
+    # d = (0.5, 0.1, 0.6, 0.2): mean 0.35, sd 0.238048, se 0.119024, t = 2.940588, df 3
+    r = paired_one_sided_t_test([1, 2, 3, 4], [1.5, 2.1, 3.6, 4.2], backend=backend)
+    assert (r.n, r.df) == (4, 3)
+    assert r.mean_difference == pytest.approx(0.35)
+    assert r.t == pytest.approx(2.940588, abs=1e-6)
+    assert r.p_value == pytest.approx(0.0302408, abs=1e-6)
+    assert r.lower_bound == pytest.approx(0.35 - 2.353363 * 0.119024, abs=1e-5)
+    assert r.backend == backend
+
+
+def test_agrees_with_scipy_ttest():
+    stats = pytest.importorskip("scipy.stats")
+    d = [0.8, -0.2, 1.1, 0.4, 0.3]
+    r = one_sided_t_test(d, backend="exact")
+    ref = stats.ttest_1samp(d, 0.0, alternative="greater")
+    assert r.t == pytest.approx(ref.statistic, rel=1e-12)
+    assert r.p_value == pytest.approx(ref.pvalue, abs=1e-12)
+    assert r.lower_bound == pytest.approx(ref.confidence_interval(0.95).low, abs=1e-12)
+
+
+def test_edge_cases():
+    with pytest.raises(InputError, match="at least 2"):
+        one_sided_t_test([0.3])
+    same = one_sided_t_test([0.5, 0.5, 0.5])
+    assert same.p_value == 0.0 and same.t == math.inf
+    with pytest.raises(InputError, match="backend"):
+        one_sided_t_test([1, 2], backend="nope")
+
+
+def test_scipy_backend_missing(monkeypatch):
+    monkeypatch.setattr(seed_stats, "_scipy_t", lambda: None)
+    assert one_sided_t_test([0.1, 0.3, 0.2]).backend == "exact"
+    with pytest.raises(InputError, match=r"megatron-jreg\[stats\]"):
+        one_sided_t_test([0.1, 0.3, 0.2], backend="scipy")
+
+
+LONG = "seed,task,baseline,jreg\n1,boolq,60.1,61.0\n2,boolq,59.5,60.2\n3,boolq,60.8,60.9\n1,piqa,70.0,70.4\n2,piqa,69.1,70.0\n3,piqa,70.2,70.1\n"
+WIDE = "seed,boolq_baseline,boolq_jreg,piqa_baseline,piqa_jreg\n1,60.1,61.0,70.0,70.4\n2,59.5,60.2,69.1,70.0\n3,60.8,60.9,70.2,70.1\n"
+
+
+def test_long_and_wide_csv_agree(tmp_path):
+    long_path, wide_path = tmp_path / "long.csv", tmp_path / "wide.csv"
+    long_path.write_text(LONG)
+    wide_path.write_text(WIDE)
+    long, wide = read_seed_scores(str(long_path)), read_seed_scores(str(wide_path))
+    assert long == wide
+    results = dict(compare_seed_scores(long, backend="exact"))
+    assert list(results) == ["boolq", "piqa", "average"]
+    assert results["boolq"].mean_difference == pytest.approx((0.9 + 0.7 + 0.1) / 3)
+    avg_diffs = [(0.9 + 0.4) / 2, (0.7 + 0.9) / 2, (0.1 - 0.1) / 2]
+    assert results["average"].mean_difference == pytest.approx(sum(avg_diffs) / 3)
+    assert results["average"].p_value == pytest.approx(one_sided_t_test(avg_diffs).p_value, abs=1e-9)
+
+
+def test_csv_errors(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("seed,a,b\n1,2,3\n")
+    with pytest.raises(InputError, match="docs/evaluation.md"):
+        read_seed_scores(str(bad))
+    bad.write_text("seed,baseline,jreg\n1,60,x\n")
+    with pytest.raises(InputError, match=r"bad.csv:2: column 'jreg' holds 'x'"):
+        read_seed_scores(str(bad))
+    bad.write_text("seed,baseline,jreg\n1,60,61\n1,60,62\n")
+    with pytest.raises(InputError, match="appears twice"):
+        read_seed_scores(str(bad))
+    with pytest.raises(InputError, match="no such file"):
+        read_seed_scores(str(tmp_path / "missing.csv"))
+
+
+def test_compare_seeds_tool(tmp_path):
+    path = tmp_path / "scores.csv"
+    path.write_text(LONG)
+    out = tmp_path / "r.json"
+    tool = os.path.join(REPO, "tools", "compare_seeds.py")
+    proc = subprocess.run([sys.executable, tool, str(path), "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].split()[:3] == ["task", "n", "mean"]
+    assert "average" in proc.stdout
+    assert set(json.loads(out.read_text())) == {"boolq", "piqa", "average"}
+    proc = subprocess.run([sys.executable, tool, str(tmp_path / "none.csv")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("compare_seeds: error:") and proc.stderr.count("\n") == 1
