@@ -15,7 +15,12 @@ import sys
 
 from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic
 from megatron_jreg.analysis.errors import InputError
-from megatron_jreg.analysis.seed_stats import BACKENDS, compare_seed_scores, format_seed_table, read_seed_scores
+from megatron_jreg.analysis.seed_stats import (
+    BACKENDS,
+    compare_seed_scores,
+    format_seed_table,
+    read_seed_scores,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,9 +31,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="compare_seeds", description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", help="per-seed scores of the baseline and JREG runs")
-    parser.add_argument("--confidence", type=float, default=0.95, help="one-sided interval level (default: 0.95)")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="t distribution from scipy or the built-in exact code (default: scipy if installed)")
+    parser.add_argument(
+        "--confidence", type=float, default=0.95, help="one-sided interval level (default: 0.95)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="t distribution from scipy or the built-in exact code (default: scipy if installed)",
+    )
     parser.add_argument("--json", metavar="OUT.json", help="also write the results as JSON")
     return parser
 
@@ -44,7 +55,9 @@ def main(argv=None) -> int:
         return 2
     print(format_seed_table(results))
     if args.json:
-        write_text_atomic(args.json, json.dumps({task: r.to_dict() for task, r in results}, indent=2) + "\n")
+        write_text_atomic(
+            args.json, json.dumps({task: r.to_dict() for task, r in results}, indent=2) + "\n"
+        )
     return 0
 
 

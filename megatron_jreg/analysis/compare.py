@@ -18,11 +18,18 @@ def load_report(path: str) -> JumpReport:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise InputError(f"{path}: no such report file; give a JSON written by eval_jump --json") from None
+        raise InputError(
+            f"{path}: no such report file; give a JSON written by eval_jump --json"
+        ) from None
     except IsADirectoryError:
-        raise InputError(f"{path}: is a directory; give a JSON written by eval_jump --json") from None
+        raise InputError(
+            f"{path}: is a directory; give a JSON written by eval_jump --json"
+        ) from None
     except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); give a report written by eval_jump --json") from None
+        raise InputError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}); "
+            "give a report written by eval_jump --json"
+        ) from None
     reports = data if isinstance(data, list) else [data]
     if len(reports) != 1:
         raise InputError(f"{path}: holds {len(reports)} reports; give a file with one report")

@@ -24,7 +24,11 @@ from megatron_jreg.analysis.sources import (
     builtin_source_kinds,
 )
 from megatron_jreg.analysis.text_inputs import read_documents, token_sequences
-from megatron_jreg.analysis.trajectory import format_trajectory_table, sort_trajectory, trajectory_to_csv
+from megatron_jreg.analysis.trajectory import (
+    format_trajectory_table,
+    sort_trajectory,
+    trajectory_to_csv,
+)
 
 PROG = "eval_jump"
 
@@ -42,33 +46,79 @@ def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
     )
     add_source_arguments(parser, list(kinds))
     model = parser.add_argument_group("how to run the model")
-    model.add_argument("--include-final-norm", action="store_true",
-                       help="apply the model's final norm to h_L (what HF output_hidden_states reports); "
-                       "by default h_L is taken before it")
+    model.add_argument(
+        "--include-final-norm",
+        action="store_true",
+        help="apply the model's final norm to h_L (what HF output_hidden_states reports); "
+        "by default h_L is taken before it",
+    )
     model.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
-    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="weights' dtype; the cosine is always computed in fp32 (default: float32)")
-    model.add_argument("--label", action="append", default=None, metavar="NAME",
-                       help="the name of a measured model in tables and plots; once per model, in order")
+    model.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype; the cosine is always computed in fp32 (default: float32)",
+    )
+    model.add_argument(
+        "--label",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="the name of a measured model in tables and plots; once per model, in order",
+    )
 
     data = parser.add_argument_group("evaluation text (one of)")
     data.add_argument("--text-file", help="plain text, one document per line (blank lines skipped)")
     data.add_argument("--jsonl", help="JSON lines, the document under --json-key")
-    data.add_argument("--json-key", default="text", help="the JSONL key holding the text (default: text)")
-    data.add_argument("--data-path", metavar="PREFIX", help="a Megatron indexed dataset (PREFIX.bin/.idx), already tokenized")
-    data.add_argument("--seq-length", type=int, default=2048, help="each document is cut to this many tokens (default: 2048)")
-    data.add_argument("--max-tokens", type=int, default=None, help="stop after this many counted tokens")
-    data.add_argument("--batch-size", type=int, default=8, help="documents per forward pass (default: 8); results do not depend on it")
+    data.add_argument(
+        "--json-key", default="text", help="the JSONL key holding the text (default: text)"
+    )
+    data.add_argument(
+        "--data-path",
+        metavar="PREFIX",
+        help="a Megatron indexed dataset (PREFIX.bin/.idx), already tokenized",
+    )
+    data.add_argument(
+        "--seq-length",
+        type=int,
+        default=2048,
+        help="each document is cut to this many tokens (default: 2048)",
+    )
+    data.add_argument(
+        "--max-tokens", type=int, default=None, help="stop after this many counted tokens"
+    )
+    data.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="documents per forward pass (default: 8); results do not depend on it",
+    )
 
     out = parser.add_argument_group("reports and outputs")
-    out.add_argument("--reports", nargs="+", default=[], metavar="JSON",
-                     help="reports written earlier by --json, shown and plotted with the measured ones")
-    out.add_argument("--compare", nargs="*", default=None, metavar="JSON",
-                     help="Delta_l = Psi_l(B) - Psi_l(A): give two report files A B, or no file to compare "
-                     "the two models of this run (first is A)")
-    out.add_argument("--json", metavar="OUT.json", help="write the report (a list when there are several)")
-    out.add_argument("--csv", metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows")
-    out.add_argument("--plot", metavar="OUT.png", help="plot Psi_l per layer, every model on one plot")
+    out.add_argument(
+        "--reports",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="reports written earlier by --json, shown and plotted with the measured ones",
+    )
+    out.add_argument(
+        "--compare",
+        nargs="*",
+        default=None,
+        metavar="JSON",
+        help="Delta_l = Psi_l(B) - Psi_l(A): give two report files A B, or no file to compare "
+        "the two models of this run (first is A)",
+    )
+    out.add_argument(
+        "--json", metavar="OUT.json", help="write the report (a list when there are several)"
+    )
+    out.add_argument(
+        "--csv", metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows"
+    )
+    out.add_argument(
+        "--plot", metavar="OUT.png", help="plot Psi_l per layer, every model on one plot"
+    )
     out.add_argument("--title", default=None, help="title of the plot")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
@@ -79,21 +129,32 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
     for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
         if path:
             check_output_path(path, flag)
-    for flag, value in (("--seq-length", args.seq_length), ("--batch-size", args.batch_size), ("--max-tokens", args.max_tokens)):
+    for flag, value in (
+        ("--seq-length", args.seq_length),
+        ("--batch-size", args.batch_size),
+        ("--max-tokens", args.max_tokens),
+    ):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
     report_files = list(args.reports)
     if args.compare is not None:
         if len(args.compare) not in (0, 2):
-            raise InputError(f"--compare takes two report files A B or none, got {len(args.compare)}")
+            raise InputError(
+                f"--compare takes two report files A B or none, got {len(args.compare)}"
+            )
         report_files += args.compare
     has_text = any((args.text_file, args.jsonl, args.data_path))
     if entries:
-        read_documents(args.text_file, args.jsonl, args.json_key, args.data_path)  # checks the paths
+        read_documents(
+            args.text_file, args.jsonl, args.json_key, args.data_path
+        )  # checks the paths
     elif has_text:
         raise InputError("evaluation text was given but no model to measure; add --hf-model DIR")
     elif not report_files:
-        raise InputError("nothing to measure: give --hf-model DIR and --text-file FILE, or --compare A.json B.json")
+        raise InputError(
+            "nothing to measure: give --hf-model DIR and --text-file FILE, "
+            "or --compare A.json B.json"
+        )
     return report_files
 
 
@@ -137,7 +198,9 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     if args.compare is not None:
         pair = loaded[-2:] if args.compare else reports
         if len(pair) != 2:
-            raise InputError(f"--compare without files needs exactly two models in the run, got {len(pair)}")
+            raise InputError(
+                f"--compare without files needs exactly two models in the run, got {len(pair)}"
+            )
         print(compare_reports(pair[0], pair[1]).format_table(), end="\n\n")
 
     trajectory = sort_trajectory([(e.iteration, r) for e, r in measured if e.iteration is not None])
@@ -148,7 +211,10 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
         payload = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
         write_text_atomic(args.json, json.dumps(payload, indent=2) + "\n")
     if args.csv:
-        write_text_atomic(args.csv, trajectory_to_csv(trajectory) if len(trajectory) > 1 else reports_to_csv(reports))
+        write_text_atomic(
+            args.csv,
+            trajectory_to_csv(trajectory) if len(trajectory) > 1 else reports_to_csv(reports),
+        )
     if args.plot:
         from megatron_jreg.analysis import plots
 

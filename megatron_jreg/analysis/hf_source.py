@@ -81,7 +81,9 @@ def check_hf_model_dir(path: str) -> None:
     if not os.path.exists(path):
         raise InputError(f"--hf-model {path}: no such directory; check the path")
     if not os.path.isdir(path):
-        raise InputError(f"--hf-model {path}: not a directory; give a directory written by save_pretrained")
+        raise InputError(
+            f"--hf-model {path}: not a directory; give a directory written by save_pretrained"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise InputError(
             f"--hf-model {path}: not a Hugging Face model directory (no config.json); "
@@ -102,7 +104,9 @@ def resolve_device(device: str) -> torch.device:
 class HFCausalLMSource:
     """A loaded HF causal LM whose decoder layers feed a JumpAccumulator through hooks."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, name: str, include_final_norm: bool = False):
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, name: str, include_final_norm: bool = False
+    ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -110,7 +114,9 @@ class HFCausalLMSource:
         self.layers, self.final_norm = find_decoder_layers(model)
         self.num_layers = len(self.layers)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
         self.pad_id = int(pad) if pad is not None else 0
         self.device = next(model.parameters()).device
         self._acc: Optional[JumpAccumulator] = None
@@ -198,7 +204,10 @@ def load_hf_source(
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--hf-model", nargs="+", metavar="DIR", default=None,
+        "--hf-model",
+        nargs="+",
+        metavar="DIR",
+        default=None,
         help="Hugging Face causal LM directories (Llama, Qwen, Gemma, Mistral, ...); "
         "several go on one plot. Needs `pip install megatron-jreg[hf]`.",
     )

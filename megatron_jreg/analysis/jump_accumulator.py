@@ -70,10 +70,14 @@ class JumpAccumulator:
                 )
             mask = mask.to(device=psi.device, dtype=torch.bool)
             count = int(mask.sum())
-            total = torch.where(mask, psi.double(), torch.zeros((), dtype=torch.float64, device=psi.device)).sum()
+            total = torch.where(
+                mask, psi.double(), torch.zeros((), dtype=torch.float64, device=psi.device)
+            ).sum()
         self.add_sums(layer, float(total), count)
 
-    def add_states(self, states: Sequence[torch.Tensor], mask: Optional[torch.Tensor] = None) -> None:
+    def add_states(
+        self, states: Sequence[torch.Tensor], mask: Optional[torch.Tensor] = None
+    ) -> None:
         """Add all layers of one batch from the L+1 states h_0..h_L."""
         if len(states) != self.num_layers + 1:
             raise ValueError(
@@ -167,7 +171,9 @@ class JumpReport:
             raise ValueError(f"JumpReport: tokens must be >= 0, got {self.tokens}")
         clash = sorted(set(self.extra) & set(REPORT_KEYS + DERIVED_KEYS))
         if clash:
-            raise ValueError(f"JumpReport: extra keys {clash} would overwrite the report's own keys")
+            raise ValueError(
+                f"JumpReport: extra keys {clash} would overwrite the report's own keys"
+            )
         self.displacement = [float(p) for p in self.displacement]
 
     @property
@@ -231,7 +237,8 @@ class JumpReport:
         rates = self.jump_rates_by_layer
         norm = "with final norm" if self.include_final_norm else "before final norm"
         lines = [
-            f"model: {self.model}   layers: {self.num_layers}   tokens: {self.tokens}   h_L: {norm}",
+            f"model: {self.model}   layers: {self.num_layers}   tokens: {self.tokens}   "
+            f"h_L: {norm}",
             f"{'layer':>5}  {'Psi_l':>10}  {'zeta_l':>9}",
         ]
         for layer, psi in enumerate(self.displacement, start=1):
@@ -255,4 +262,3 @@ def reports_to_csv(reports: Sequence[JumpReport]) -> str:
     for report in reports:
         writer.writerows(report.csv_rows())
     return buf.getvalue()
-

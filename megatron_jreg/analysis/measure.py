@@ -42,7 +42,9 @@ def batches(sequences: Iterable[List[int]], batch_size: int) -> Iterator[List[Li
 def _progress(total: Optional[int], enabled: bool, label: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=label, disable=not enabled, leave=False)
+    return tqdm(
+        total=total, unit="tok", unit_scale=True, desc=label, disable=not enabled, leave=False
+    )
 
 
 def measure_jump(

@@ -29,7 +29,9 @@ def _save(fig, path: str) -> None:
     write_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight"))
 
 
-def plot_displacement(reports: Sequence[JumpReport], path: str, title: Optional[str] = None) -> None:
+def plot_displacement(
+    reports: Sequence[JumpReport], path: str, title: Optional[str] = None
+) -> None:
     """x = layer 1..L, y = Psi_l, one line per report."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -51,7 +53,9 @@ def plot_displacement(reports: Sequence[JumpReport], path: str, title: Optional[
         plt.close(fig)
 
 
-def plot_trajectory(trajectory: Sequence[Tuple[int, JumpReport]], path: str, title: Optional[str] = None) -> None:
+def plot_trajectory(
+    trajectory: Sequence[Tuple[int, JumpReport]], path: str, title: Optional[str] = None
+) -> None:
     """Left: zeta_L per iteration. Right: the displacement curve of every iteration."""
     plt = _pyplot()
     fig, (ax_zeta, ax_psi) = plt.subplots(1, 2, figsize=(11, 4))
@@ -65,7 +69,12 @@ def plot_trajectory(trajectory: Sequence[Tuple[int, JumpReport]], path: str, tit
         cmap = plt.get_cmap("viridis")
         for i, (iteration, report) in enumerate(trajectory):
             color = cmap(i / max(1, len(trajectory) - 1))
-            ax_psi.plot(range(1, report.num_layers + 1), report.displacement, color=color, label=str(iteration))
+            ax_psi.plot(
+                range(1, report.num_layers + 1),
+                report.displacement,
+                color=color,
+                label=str(iteration),
+            )
         ax_psi.set_xlabel("layer l")
         ax_psi.set_ylabel("displacement Psi_l")
         ax_psi.set_ylim(bottom=0)

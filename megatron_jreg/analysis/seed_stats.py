@@ -59,7 +59,9 @@ def regularized_incomplete_beta(a: float, b: float, x: float) -> float:
         return 0.0
     if x >= 1.0:
         return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
     front = math.exp(log_front)
     # The fraction converges fast for x < (a+1)/(a+b+2); use the symmetry otherwise.
     if x < (a + 1.0) / (a + b + 2.0):
@@ -114,7 +116,7 @@ def _scipy_t():
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """"scipy" or "exact"; an explicit "scipy" without scipy installed is an error."""
+    """ "scipy" or "exact"; an explicit "scipy" without scipy installed is an error."""
     if backend not in BACKENDS:
         raise InputError(f"t-test backend {backend!r}: choose one of {BACKENDS}")
     if backend == "exact":
@@ -176,8 +178,17 @@ def one_sided_t_test(
     if se == 0.0:  # identical differences: the sign of the mean decides
         t = math.copysign(math.inf, mean) if mean != 0 else math.nan
         p = math.nan if mean == 0 else (0.0 if mean > 0 else 1.0)
-        return OneSidedTTest(n=n, mean_difference=mean, std_difference=sd, t=t, df=df,
-                             p_value=p, lower_bound=mean, confidence=confidence, backend=used)
+        return OneSidedTTest(
+            n=n,
+            mean_difference=mean,
+            std_difference=sd,
+            t=t,
+            df=df,
+            p_value=p,
+            lower_bound=mean,
+            confidence=confidence,
+            backend=used,
+        )
     t = mean / se
     return OneSidedTTest(
         n=n,
@@ -193,10 +204,15 @@ def one_sided_t_test(
 
 
 def paired_one_sided_t_test(
-    baseline: Sequence[float], jreg: Sequence[float], confidence: float = 0.95, backend: str = "auto"
+    baseline: Sequence[float],
+    jreg: Sequence[float],
+    confidence: float = 0.95,
+    backend: str = "auto",
 ) -> OneSidedTTest:
     if len(baseline) != len(jreg):
-        raise InputError(f"{len(baseline)} baseline scores but {len(jreg)} JREG scores; pair them by seed")
+        raise InputError(
+            f"{len(baseline)} baseline scores but {len(jreg)} JREG scores; pair them by seed"
+        )
     return one_sided_t_test([j - b for b, j in zip(baseline, jreg)], confidence, backend)
 
 
@@ -249,7 +265,10 @@ def read_seed_scores(path: str) -> SeedScores:
             where = f"{path}:{i}"
             seed = (row.get(lower.get("seed", ""), "") or str(i - 1)).strip()
             task = (row.get(lower.get("task", ""), "") or "score").strip()
-            pair = (_number(row[lower["baseline"]], where, "baseline"), _number(row[lower["jreg"]], where, "jreg"))
+            pair = (
+                _number(row[lower["baseline"]], where, "baseline"),
+                _number(row[lower["jreg"]], where, "jreg"),
+            )
             put(task, seed, pair, where)
     else:
         arms: Dict[str, Dict[str, str]] = {}
@@ -270,7 +289,10 @@ def read_seed_scores(path: str) -> SeedScores:
             where = f"{path}:{i}"
             seed = (row.get(lower.get("seed", ""), "") or str(i - 1)).strip()
             for task, cols in tasks.items():
-                pair = (_number(row[cols["baseline"]], where, cols["baseline"]), _number(row[cols["jreg"]], where, cols["jreg"]))
+                pair = (
+                    _number(row[cols["baseline"]], where, cols["baseline"]),
+                    _number(row[cols["jreg"]], where, cols["jreg"]),
+                )
                 put(task, seed, pair, where)
     if not scores:
         raise InputError(f"{path}: no score rows below the header")
@@ -287,8 +309,17 @@ def compare_seed_scores(
     results = []
     for task, per_seed in scores.items():
         seeds = sorted(per_seed)
-        results.append((task, paired_one_sided_t_test(
-            [per_seed[s][0] for s in seeds], [per_seed[s][1] for s in seeds], confidence, backend)))
+        results.append(
+            (
+                task,
+                paired_one_sided_t_test(
+                    [per_seed[s][0] for s in seeds],
+                    [per_seed[s][1] for s in seeds],
+                    confidence,
+                    backend,
+                ),
+            )
+        )
     if len(scores) > 1:
         common = sorted(set.intersection(*(set(p) for p in scores.values())))
         if len(common) >= 2:
@@ -304,11 +335,13 @@ def format_seed_table(results: Sequence[Tuple[str, OneSidedTTest]]) -> str:
     conf = int(round(results[0][1].confidence * 100))
     width = max(len("task"), *(len(task) for task, _ in results))
     lines = [
-        f"{'task':<{width}}  {'n':>3}  {'mean diff':>10}  {'t':>8}  {'df':>3}  {'p (one-sided)':>13}  {f'{conf}% lower':>10}"
+        f"{'task':<{width}}  {'n':>3}  {'mean diff':>10}  {'t':>8}  {'df':>3}  "
+        f"{'p (one-sided)':>13}  {f'{conf}% lower':>10}"
     ]
     for task, r in results:
         lines.append(
-            f"{task:<{width}}  {r.n:>3}  {r.mean_difference:+10.4f}  {r.t:8.3f}  {r.df:>3}  {r.p_value:13.6f}  {r.lower_bound:+10.4f}"
+            f"{task:<{width}}  {r.n:>3}  {r.mean_difference:+10.4f}  {r.t:8.3f}  {r.df:>3}  "
+            f"{r.p_value:13.6f}  {r.lower_bound:+10.4f}"
         )
     lines.append(f"diff = jreg - baseline; H1: mean diff > 0; backend: {results[0][1].backend}")
     return "\n".join(lines)

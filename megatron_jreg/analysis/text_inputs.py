@@ -51,16 +51,21 @@ def read_jsonl(path: str, key: str) -> Iterator[str]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise InputError(f"{where}: malformed JSON ({e.msg}); each line must be one JSON object")
+                    raise InputError(
+                        f"{where}: malformed JSON ({e.msg}); each line must be one JSON object"
+                    )
                 if not isinstance(obj, dict):
                     raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
                 if key not in obj:
                     raise InputError(
-                        f"{where}: no key {key!r} (keys: {sorted(obj)[:8]}); choose the text key with --json-key"
+                        f"{where}: no key {key!r} (keys: {sorted(obj)[:8]}); "
+                        "choose the text key with --json-key"
                     )
                 text = obj[key]
                 if not isinstance(text, str):
-                    raise InputError(f"{where}: {key!r} holds {type(text).__name__}, expected a string")
+                    raise InputError(
+                        f"{where}: {key!r} holds {type(text).__name__}, expected a string"
+                    )
                 if text.strip():
                     yield text
 
@@ -102,9 +107,19 @@ def read_documents(
     data_path: Optional[str] = None,
 ) -> Iterator[Document]:
     """The documents of exactly one of the three inputs."""
-    given = [flag for flag, value in (("--text-file", text_file), ("--jsonl", jsonl), ("--data-path", data_path)) if value]
+    given = [
+        flag
+        for flag, value in (
+            ("--text-file", text_file),
+            ("--jsonl", jsonl),
+            ("--data-path", data_path),
+        )
+        if value
+    ]
     if not given:
-        raise InputError("no evaluation text: give --text-file, --jsonl (with --json-key) or --data-path")
+        raise InputError(
+            "no evaluation text: give --text-file, --jsonl (with --json-key) or --data-path"
+        )
     if len(given) > 1:
         raise InputError(f"{' and '.join(given)} were both given; choose one evaluation input")
     if text_file:

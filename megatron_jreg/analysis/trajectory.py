@@ -14,7 +14,9 @@ Trajectory = Sequence[Tuple[int, JumpReport]]  # (iteration, report), in iterati
 def format_trajectory_table(trajectory: Trajectory) -> str:
     """One row per iteration: zeta_L, zeta_{L-1}, zeta_{L-2} and Psi_L."""
     names = list(trajectory[0][1].jump_rate) if trajectory else []
-    header = f"{'iteration':>10}  " + "  ".join(f"{'zeta_' + n:>10}" for n in names) + f"  {'Psi_L':>10}"
+    header = (
+        f"{'iteration':>10}  " + "  ".join(f"{'zeta_' + n:>10}" for n in names) + f"  {'Psi_L':>10}"
+    )
     lines = [header]
     for iteration, report in trajectory:
         rates = report.jump_rate

@@ -24,9 +24,15 @@ def _save_tokenizer(path: str) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # The tokenizer adds <s> itself, so "special tokens as the tokenizer adds them" matters.
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
+    )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>"
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        bos_token="<s>",
+        eos_token="</s>",
     )
     fast.save_pretrained(path)
 
@@ -80,4 +86,3 @@ def eval_text(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def eval_documents() -> list:
     return _documents(11)
-

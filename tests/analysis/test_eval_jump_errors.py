@@ -80,7 +80,9 @@ def test_jsonl_missing_key(capsys, tmp_path, tiny_hf_model):
 
 
 def test_missing_indexed_dataset(capsys, tmp_path, tiny_hf_model):
-    err = run_error(capsys, ["--hf-model", tiny_hf_model, "--data-path", tmp_path / "corpus_text_document"])
+    err = run_error(
+        capsys, ["--hf-model", tiny_hf_model, "--data-path", tmp_path / "corpus_text_document"]
+    )
     assert "--data-path" in err and ".idx" in err
 
 
@@ -102,18 +104,29 @@ def test_two_inputs(capsys, tmp_path, text, tiny_hf_model):
 
 
 def test_output_dir_missing(capsys, tmp_path, text, tiny_hf_model):
-    err = run_error(capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--json", tmp_path / "no" / "o.json"])
+    err = run_error(
+        capsys,
+        ["--hf-model", tiny_hf_model, "--text-file", text, "--json", tmp_path / "no" / "o.json"],
+    )
     assert "--json" in err and "does not exist" in err
 
 
 def test_bad_numbers(capsys, text, tiny_hf_model):
-    assert "--seq-length" in run_error(capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--seq-length", 0])
-    assert "--batch-size" in run_error(capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--batch-size", 0])
-    assert "--max-tokens" in run_error(capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--max-tokens", 0])
+    assert "--seq-length" in run_error(
+        capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--seq-length", 0]
+    )
+    assert "--batch-size" in run_error(
+        capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--batch-size", 0]
+    )
+    assert "--max-tokens" in run_error(
+        capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--max-tokens", 0]
+    )
 
 
 def test_label_count(capsys, text, tiny_hf_model):
-    err = run_error(capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--label", "a", "--label", "b"])
+    err = run_error(
+        capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--label", "a", "--label", "b"]
+    )
     assert "--label" in err
 
 
@@ -130,7 +143,9 @@ def test_compare_arguments(capsys, tmp_path):
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{")
     assert "not valid JSON" in run_error(capsys, ["--compare", garbage, garbage])
-    assert "no such report" in run_error(capsys, ["--compare", tmp_path / "x.json", tmp_path / "y.json"])
+    assert "no such report" in run_error(
+        capsys, ["--compare", tmp_path / "x.json", tmp_path / "y.json"]
+    )
 
 
 def test_transformers_not_installed(capsys, monkeypatch, text, tiny_hf_model):
@@ -141,10 +156,20 @@ def test_transformers_not_installed(capsys, monkeypatch, text, tiny_hf_model):
 
 def test_subprocess_error_is_one_line(tmp_path, text):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "eval_jump.py"), "--hf-model", str(tmp_path / "nope"),
-         "--text-file", str(text)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "eval_jump.py"),
+            "--hf-model",
+            str(tmp_path / "nope"),
+            "--text-file",
+            str(text),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("eval_jump: error: --hf-model")
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith(
+        "eval_jump: error: --hf-model"
+    )

@@ -9,7 +9,13 @@ from typing import List
 import pytest
 import torch
 
-from megatron_jreg.analysis import InputError, JumpAccumulator, SourceEntry, SourceKind, builtin_source_kinds
+from megatron_jreg.analysis import (
+    InputError,
+    JumpAccumulator,
+    SourceEntry,
+    SourceKind,
+    builtin_source_kinds,
+)
 from megatron_jreg.analysis.eval_jump_cli import main
 
 
@@ -48,13 +54,22 @@ def toy_kind() -> SourceKind:
             raise InputError(f"--load {args.load}: no checkpoint there")
         iterations = [100, 200, 300] if args.all_iterations else [300]
         return [
-            SourceEntry(label=f"toy@{it}", iteration=it, describe=args.load,
-                        open=lambda it=it: ToySource(f"toy@{it}", scale=it / 100))
+            SourceEntry(
+                label=f"toy@{it}",
+                iteration=it,
+                describe=args.load,
+                open=lambda it=it: ToySource(f"toy@{it}", scale=it / 100),
+            )
             for it in iterations
         ]
 
-    return SourceKind(name="toy", flag="--load", add_arguments=add_arguments,
-                      selected=lambda args: bool(args.load), build=build)
+    return SourceKind(
+        name="toy",
+        flag="--load",
+        add_arguments=add_arguments,
+        selected=lambda args: bool(args.load),
+        build=build,
+    )
 
 
 @pytest.fixture
@@ -71,8 +86,20 @@ def test_builtin_kinds_include_hf():
 def test_trajectory_through_the_cli(tmp_path, text, capsys):
     kinds = builtin_source_kinds() + [toy_kind()]
     out, csv_path = tmp_path / "traj.json", tmp_path / "traj.csv"
-    argv = ["--load", "toy-run", "--all-iterations", "--text-file", str(text), "--batch-size", "2",
-            "--json", str(out), "--csv", str(csv_path), "--no-progress"]
+    argv = [
+        "--load",
+        "toy-run",
+        "--all-iterations",
+        "--text-file",
+        str(text),
+        "--batch-size",
+        "2",
+        "--json",
+        str(out),
+        "--csv",
+        str(csv_path),
+        "--no-progress",
+    ]
     assert main(argv, kinds=kinds) == 0
     stdout = capsys.readouterr().out
     assert "iteration" in stdout and "zeta_L-2" in stdout
@@ -91,7 +118,13 @@ def test_one_kind_per_run_and_kind_errors(tmp_path, text, capsys):
     kinds = builtin_source_kinds() + [toy_kind()]
     assert main(["--load", "elsewhere", "--text-file", str(text)], kinds=kinds) == 2
     assert "--load elsewhere: no checkpoint there" in capsys.readouterr().err
-    assert main(["--load", "toy-run", "--hf-model", str(tmp_path), "--text-file", str(text)], kinds=kinds) == 2
+    assert (
+        main(
+            ["--load", "toy-run", "--hf-model", str(tmp_path), "--text-file", str(text)],
+            kinds=kinds,
+        )
+        == 2
+    )
     assert "measure one kind of model per run" in capsys.readouterr().err
 
 
@@ -100,8 +133,23 @@ def test_batching_is_invisible_in_megatron_layout(tmp_path, text):
     results = []
     for batch_size in ("1", "3"):
         out = tmp_path / f"b{batch_size}.json"
-        assert main(["--load", "toy-run", "--text-file", str(text), "--batch-size", batch_size,
-                     "--json", str(out), "--no-progress"], kinds=kinds) == 0
+        assert (
+            main(
+                [
+                    "--load",
+                    "toy-run",
+                    "--text-file",
+                    str(text),
+                    "--batch-size",
+                    batch_size,
+                    "--json",
+                    str(out),
+                    "--no-progress",
+                ],
+                kinds=kinds,
+            )
+            == 0
+        )
         results.append(json.loads(out.read_text()))
     assert results[0]["tokens"] == results[1]["tokens"] == 6 + 3 + 8
     assert results[0]["displacement"] == pytest.approx(results[1]["displacement"], abs=1e-6)

@@ -12,15 +12,25 @@ from megatron_jreg.analysis.hf_source import HFCausalLMSource, find_decoder_laye
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=100)
+SMALL = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=100
+)
 CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(num_key_value_heads=2, **SMALL),
     "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, **SMALL),
     "gemma": lambda: transformers.GemmaConfig(num_key_value_heads=2, head_dim=8, **SMALL),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**SMALL),
-    "opt": lambda: transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=3, num_attention_heads=4,
-                                          vocab_size=100, word_embed_proj_dim=32),
-    "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=0),
+    "opt": lambda: transformers.OPTConfig(
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        vocab_size=100,
+        word_embed_proj_dim=32,
+    ),
+    "gpt2": lambda: transformers.GPT2Config(
+        n_embd=32, n_layer=3, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=0
+    ),
 }
 TOKENIZER = SimpleNamespace(pad_token_id=0, eos_token_id=0)  # accumulate() needs no real tokenizer
 

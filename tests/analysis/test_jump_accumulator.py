@@ -98,10 +98,22 @@ def test_megatron_layout_with_transposed_mask():
 
 
 @pytest.mark.parametrize(
-    "num_layers, keys", [(1, set()), (2, {"L"}), (3, {"L", "L-1"}), (4, {"L", "L-1", "L-2"}), (12, {"L", "L-1", "L-2"})]
+    "num_layers, keys",
+    [
+        (1, set()),
+        (2, {"L"}),
+        (3, {"L", "L-1"}),
+        (4, {"L", "L-1", "L-2"}),
+        (12, {"L", "L-1", "L-2"}),
+    ],
 )
 def test_jump_rate_keys(num_layers, keys):
-    report = JumpReport(model="m", num_layers=num_layers, tokens=5, displacement=[0.1 * (i % 3) for i in range(num_layers)])
+    report = JumpReport(
+        model="m",
+        num_layers=num_layers,
+        tokens=5,
+        displacement=[0.1 * (i % 3) for i in range(num_layers)],
+    )
     assert set(report.jump_rate) == keys
 
 
@@ -113,10 +125,23 @@ def test_jump_rate_values():
 
 
 def test_json_shape_and_round_trip():
-    report = JumpReport(model="m", num_layers=3, tokens=7, displacement=[0.1, 0.05, 0.4],
-                        include_final_norm=True, extra={"source": "/x", "seq_length": 16})
+    report = JumpReport(
+        model="m",
+        num_layers=3,
+        tokens=7,
+        displacement=[0.1, 0.05, 0.4],
+        include_final_norm=True,
+        extra={"source": "/x", "seq_length": 16},
+    )
     data = json.loads(report.to_json())
-    assert list(data)[:6] == ["model", "num_layers", "tokens", "displacement", "jump_rate", "include_final_norm"]
+    assert list(data)[:6] == [
+        "model",
+        "num_layers",
+        "tokens",
+        "displacement",
+        "jump_rate",
+        "include_final_norm",
+    ]
     assert data["jump_rate"] == pytest.approx({"L": 35.0, "L-1": 35.0})
     assert data["source"] == "/x" and data["seq_length"] == 16
     back = JumpReport.from_dict(data)
@@ -140,7 +165,10 @@ def test_csv_and_table():
     table = a.format_table()
     assert "    3    0.400000    35.0000" in table
     assert "zeta_L = 35.0000   zeta_{L-1} = 35.0000" in table
-    assert "undefined" in JumpReport(model="c", num_layers=1, tokens=1, displacement=[0.2]).format_table()
+    assert (
+        "undefined"
+        in JumpReport(model="c", num_layers=1, tokens=1, displacement=[0.2]).format_table()
+    )
 
 
 def test_pad_batch_is_right_padded():

@@ -27,7 +27,13 @@ from megatron_jreg.analysis.seed_stats import (
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Textbook one-sided critical values t_{q, df} (Student t tables), to the tables' 6 digits.
-QUANTILES = [(0.95, 4, 2.131847), (0.95, 5, 2.015048), (0.975, 10, 2.228139), (0.99, 1, 31.820516), (0.95, 30, 1.697261)]
+QUANTILES = [
+    (0.95, 4, 2.131847),
+    (0.95, 5, 2.015048),
+    (0.975, 10, 2.228139),
+    (0.99, 1, 31.820516),
+    (0.95, 30, 1.697261),
+]
 
 
 def _backends():
@@ -50,7 +56,9 @@ def test_textbook_quantiles(backend, q, df, value):
 
 @pytest.mark.parametrize("backend", _backends())
 def test_known_tails(backend):
-    assert t_sf(2.015048, 5, backend) == pytest.approx(0.05, abs=1e-6)  # the usual "t = 2.015, df = 5"
+    assert t_sf(2.015048, 5, backend) == pytest.approx(
+        0.05, abs=1e-6
+    )  # the usual "t = 2.015, df = 5"
     assert t_sf(1.0, 1, backend) == pytest.approx(0.25, abs=1e-12)  # Cauchy: 1/2 - atan(1)/pi
     for t in (-3.0, -0.5, 0.0, 0.7, 4.0):  # df = 2 has a closed form
         assert t_sf(t, 2, backend) == pytest.approx(0.5 - t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
@@ -63,7 +71,9 @@ def test_exact_matches_scipy_widely():
             assert t_sf_exact(t, df) == pytest.approx(stats.t.sf(t, df), rel=1e-9, abs=1e-14)
         for q in (0.6, 0.9, 0.95, 0.99, 0.999, 0.05):
             assert t_ppf_exact(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-9)
-    assert regularized_incomplete_beta(2.0, 3.0, 0.4) == pytest.approx(stats.beta.cdf(0.4, 2.0, 3.0), rel=1e-12)
+    assert regularized_incomplete_beta(2.0, 3.0, 0.4) == pytest.approx(
+        stats.beta.cdf(0.4, 2.0, 3.0), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -104,8 +114,19 @@ def test_scipy_backend_missing(monkeypatch):
         one_sided_t_test([0.1, 0.3, 0.2], backend="scipy")
 
 
-LONG = "seed,task,baseline,jreg\n1,boolq,60.1,61.0\n2,boolq,59.5,60.2\n3,boolq,60.8,60.9\n1,piqa,70.0,70.4\n2,piqa,69.1,70.0\n3,piqa,70.2,70.1\n"
-WIDE = "seed,boolq_baseline,boolq_jreg,piqa_baseline,piqa_jreg\n1,60.1,61.0,70.0,70.4\n2,59.5,60.2,69.1,70.0\n3,60.8,60.9,70.2,70.1\n"
+LONG = """seed,task,baseline,jreg
+1,boolq,60.1,61.0
+2,boolq,59.5,60.2
+3,boolq,60.8,60.9
+1,piqa,70.0,70.4
+2,piqa,69.1,70.0
+3,piqa,70.2,70.1
+"""
+WIDE = """seed,boolq_baseline,boolq_jreg,piqa_baseline,piqa_jreg
+1,60.1,61.0,70.0,70.4
+2,59.5,60.2,69.1,70.0
+3,60.8,60.9,70.2,70.1
+"""
 
 
 def test_long_and_wide_csv_agree(tmp_path):
@@ -119,7 +140,9 @@ def test_long_and_wide_csv_agree(tmp_path):
     assert results["boolq"].mean_difference == pytest.approx((0.9 + 0.7 + 0.1) / 3)
     avg_diffs = [(0.9 + 0.4) / 2, (0.7 + 0.9) / 2, (0.1 - 0.1) / 2]
     assert results["average"].mean_difference == pytest.approx(sum(avg_diffs) / 3)
-    assert results["average"].p_value == pytest.approx(one_sided_t_test(avg_diffs).p_value, abs=1e-9)
+    assert results["average"].p_value == pytest.approx(
+        one_sided_t_test(avg_diffs).p_value, abs=1e-9
+    )
 
 
 def test_csv_errors(tmp_path):
@@ -142,10 +165,24 @@ def test_compare_seeds_tool(tmp_path):
     path.write_text(LONG)
     out = tmp_path / "r.json"
     tool = os.path.join(REPO, "tools", "compare_seeds.py")
-    proc = subprocess.run([sys.executable, tool, str(path), "--json", str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, tool, str(path), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].split()[:3] == ["task", "n", "mean"]
     assert "average" in proc.stdout
     assert set(json.loads(out.read_text())) == {"boolq", "piqa", "average"}
-    proc = subprocess.run([sys.executable, tool, str(tmp_path / "none.csv")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("compare_seeds: error:") and proc.stderr.count("\n") == 1
+    proc = subprocess.run(
+        [sys.executable, tool, str(tmp_path / "none.csv")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.startswith("compare_seeds: error:")
+        and proc.stderr.count("\n") == 1
+    )
