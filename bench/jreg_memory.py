@@ -1,0 +1,155 @@
+"""Peak memory of one training step of the real model (megatron-core GPTModel with JREG
+layers): JREG off vs JREG through the fused op vs JREG through the PyTorch reference.
+
+    python bench/jreg_memory.py                     # CPU: peak RSS (VmHWM), bf16, small model
+    python bench/jreg_memory.py --device cuda       # GPU: torch.cuda.max_memory_allocated
+
+Each variant runs in its own process (one rank, DDP-wrapped as in training): build, one
+warm-up step, then the measured step. On CPU the figure is the process's resident-set high
+water mark during the measured step (reset through /proc/self/clear_refs), so it covers
+everything (model, gradient buffers, activations, allocator slack); "step" is that peak
+minus the resident set just before the step. On CUDA it is the caching allocator's peak of
+allocated bytes during the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+VARIANTS = ("off", "fused", "torch")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_rss_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size (VmHWM) to the current one
+
+
+def run_variant(args) -> dict:
+    """One process: build the model, warm up, measure one step. Returns MiB figures."""
+    if args.device == "cpu":
+        os.environ["MEGATRON_JREG_DEVICE"] = "cpu"
+    import torch
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from megatron_jreg.distributed.setup import (
+        initialize_distributed,
+        initialize_model_parallel,
+        seed_everything,
+    )
+    from megatron_jreg.model.builder import build_model, transformer_config
+    from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
+    from megatron_jreg.model.jreg_layer import JregTracker
+    from megatron_jreg.training.step import forward_backward
+
+    initialize_distributed()
+    model_cfg = ModelConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
+        seq_length=args.seq, vocab_size=args.vocab, bf16=args.bf16,
+    )
+    parallel = ParallelConfig()
+    initialize_model_parallel(model_cfg, parallel)
+    seed_everything(1234)
+    config = transformer_config(model_cfg, parallel)
+    tracker = None
+    if args.variant != "off":
+        tracker = JregTracker(JregConfig(lam=1.0, alpha=1.0, impl=args.variant), model_cfg.num_layers)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    chunks = build_model(model_cfg, parallel, tracker, config)
+    for chunk in chunks:
+        chunk.to(device)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+    batch = {
+        "tokens": seq[:, :-1].contiguous().to(device),
+        "labels": seq[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(args.micro_batch, args.seq, device=device),
+        "position_ids": torch.arange(args.seq, device=device).expand(args.micro_batch, args.seq).contiguous(),
+    }
+
+    def step():
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        return forward_backward(chunks, [batch], args.seq, args.micro_batch, tracker)
+
+    step()  # warm-up: gradient buffers, allocator pools, lazy init
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        unit = "allocated"
+    else:
+        _reset_rss_peak()
+        before = _status_kib("VmRSS") * 1024
+        result = step()
+        peak = _status_kib("VmHWM") * 1024
+        unit = "rss"
+    mib = 1024 * 1024
+    return {"variant": args.variant, "unit": unit, "peak_mib": peak / mib,
+            "step_mib": (peak - before) / mib, "lm_loss": result["lm_loss"],
+            "R": result.get("R")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 instead of bf16")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process
+    args = parser.parse_args()
+
+    if args.variant:
+        print("RESULT " + json.dumps(run_variant(args)), flush=True)
+        return
+
+    results = {}
+    for variant in VARIANTS:
+        cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant] + sys.argv[1:]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"variant {variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        results[variant] = json.loads(lines[-1][len("RESULT "):])
+
+    unit = results["off"]["unit"]
+    what = ("peak resident set (VmHWM) of the process" if unit == "rss"
+            else "torch.cuda.max_memory_allocated")
+    print(f"one training step, L={args.layers} h={args.hidden} s={args.seq} b={args.micro_batch} "
+          f"vocab={args.vocab} {'bf16' if args.bf16 else 'fp32'} on {args.device}: {what}")
+    off = results["off"]
+    for variant in VARIANTS:
+        r = results[variant]
+        extra = r["peak_mib"] - off["peak_mib"]
+        print(f"  JREG {variant:5s}  peak {r['peak_mib']:9.1f} MiB   step {r['step_mib']:9.1f} MiB   "
+              f"vs off {extra:+8.1f} MiB ({100 * extra / off['peak_mib']:+6.2f}% of peak)   "
+              f"loss {r['lm_loss']:.4f}" + (f"  R {r['R']:.4f}" if r["R"] is not None else ""))
+
+
+if __name__ == "__main__":
+    main()
