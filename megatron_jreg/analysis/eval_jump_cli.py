@@ -145,9 +145,8 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
         report_files += args.compare
     has_text = any((args.text_file, args.jsonl, args.data_path))
     if entries:
-        read_documents(
-            args.text_file, args.jsonl, args.json_key, args.data_path
-        )  # checks the paths
+        # Reading is lazy, but the paths are checked now, before any model loads.
+        read_documents(args.text_file, args.jsonl, args.json_key, args.data_path)
     elif has_text:
         raise InputError("evaluation text was given but no model to measure; add --hf-model DIR")
     elif not report_files:
