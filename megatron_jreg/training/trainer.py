@@ -156,6 +156,7 @@ class Trainer:
         from megatron.core.transformer.module import Float16Module
 
         from megatron_jreg.model.builder import build_model, transformer_config
+        from megatron_jreg.model.init import layout_invariant_init
         from megatron_jreg.model.jreg_layer import JregTracker
 
         config = transformer_config(self.model_cfg, self.parallel)
@@ -165,6 +166,9 @@ class Trainer:
         chunks = build_model(self.model_cfg, self.parallel, self.tracker, config)
         for chunk in chunks:
             chunk.to(self.device)
+        # the same weights under every TP/PP layout of one seed (loads overwrite them)
+        layout_invariant_init(chunks, self.train_cfg.seed, self.model_cfg.init_method_std,
+                              self.model_cfg.num_layers)
         if self.model_cfg.bf16 or self.model_cfg.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
         ddp_config = DistributedDataParallelConfig(

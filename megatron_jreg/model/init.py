@@ -1,0 +1,59 @@
+"""Initialisation that gives the same model under every TP/PP/VPP layout.
+
+megatron-core draws each rank's shard from that rank's RNG stream, so a TP=2 model starts
+from other weights than the TP=1 model of the same seed. Here every logical weight is drawn
+from a generator seeded by (seed, its dist-checkpointing key, its layer), and each rank
+keeps its slice: TP1, TP2, PP2 and interleaved runs of one seed start identical (needs the
+same padded vocabulary, e.g. an explicit --vocab-size). Megatron's rules are kept: normal
+(0, std) weights, std / sqrt(2 L) for the output projections of attention and MLP, norms 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+
+def _generator_seed(seed: int, key: str, layer_offset) -> int:
+    digest = hashlib.sha256(f"{seed}/{key}/{tuple(layer_offset)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _std_for(key: str, std: float, num_layers: int) -> float:
+    if key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight"):
+        return std / math.sqrt(2.0 * num_layers)
+    return std
+
+
+@torch.no_grad()
+def layout_invariant_init(model_chunks, seed: int, std: float, num_layers: int) -> int:
+    """Re-draw every weight matrix of the chunks; returns the number of tensors set."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    count = 0
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        sharded = module.sharded_state_dict()
+        apply_factories(sharded)  # SwiGLU's fused fc1 becomes its two logical halves (views)
+        for item in nested_values(sharded):
+            if not isinstance(item, ShardedTensor) or item.data is None:
+                continue
+            key = item.key
+            if "norm" in key or item.data.dim() < 2:
+                continue  # norms keep their ones; 1-D tensors are not weight matrices
+            p = item.prepend_axis_num
+            layer_offset = item.global_offset[:p]
+            shape = item.global_shape[p:]
+            device = item.data.device
+            gen = torch.Generator(device=device)
+            gen.manual_seed(_generator_seed(seed, key, layer_offset))
+            full = torch.empty(shape, dtype=torch.float32, device=device)
+            full.normal_(0.0, _std_for(key, std, num_layers), generator=gen)
+            local_shape = item.local_shape[-len(shape):]  # local_shape omits the layer axis
+            index = tuple(slice(o, o + n) for o, n in zip(item.global_offset[p:], local_shape))
+            item.data.copy_(full[index].reshape(item.data.shape))
+            count += 1
+    return count

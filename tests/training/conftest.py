@@ -1,0 +1,68 @@
+"""A small demo dataset (stdlib docstrings, byte tokenizer) and helpers to run the trainer."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo_data")
+    corpus = root / "corpus.jsonl"
+    prefix = root / "demo"
+    for cmd in (
+        [sys.executable, "tools/make_demo_corpus.py", "--output", str(corpus), "--max-mb", "0.6"],
+        [sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+         str(prefix), "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"],
+    ):
+        proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(prefix) + "_text_document"
+
+
+def base_args(data_prefix, **overrides):
+    """Flags of a tiny fp32 run on the demo data; overrides use flag names without dashes."""
+    args = {
+        "model-preset": "tiny", "seq-length": 64, "data-path": data_prefix,
+        "tokenizer-type": "ByteTokenizer", "micro-batch-size": 4, "global-batch-size": 8,
+        "train-iters": 6, "log-interval": 1, "eval-interval": 0, "lr": 3e-3,
+        "lr-warmup-iters": 2, "jreg-lambda": 1.0, "jreg-alpha": 1.0, "seed": 1234,
+    }
+    args.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    argv = []
+    for key, value in args.items():
+        if value is None:
+            continue
+        if value is True:
+            argv.append(f"--{key}")
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def train(argv, nproc=1, timeout=600, check=True):
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    proc = subprocess.run(launcher + ["-m", "megatron_jreg.train"] + argv, cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(path):
+    rows = [json.loads(line) for line in open(path)]
+    return [r for r in rows if "lm_loss" in r]
