@@ -136,9 +136,9 @@ def test_zero_vectors_match_the_reference(device, dtype):
     b[2] = 0
     a[3] *= 1e-30 if dtype == torch.float64 else 1e-20  # tiny but not zero: degenerate
     a[4] *= 1e-6  # small, not degenerate: the full gradient
-    weight = torch.ones(5, dtype=torch.float64)
+    weight = torch.ones(5, dtype=torch.float64, device=device)
     ref = _psi_and_grads(a.double(), b.double(), "torch", weight)
-    got = _psi_and_grads(a, b, "fused", weight.to(device))
+    got = _psi_and_grads(a, b, "fused", weight)
     for g in got:
         assert torch.isfinite(g).all()
     assert torch.all(got[0][:3] == 0.5)
