@@ -1,5 +1,5 @@
-// CPU kernel: OpenMP over tokens (at::parallel_for), a lane-blocked inner loop over the
-// hidden dimension that the compiler vectorises, fp32 accumulation (fp64 for fp64 input).
+// CPU kernel: OpenMP over tokens (at::parallel_for, torch's thread count), SIMD partial
+// sums over the hidden dimension, fp32 accumulation (fp64 for fp64 input).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
