@@ -22,6 +22,7 @@ import sys
 import time
 import warnings
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_jreg.data.document_encoder import (
@@ -215,7 +216,7 @@ def _encode_stream(
 
     def consume() -> None:
         path, first_line, num_bytes, future = pending.popleft()
-        result = future.get()
+        result = future.result()
         if result.error is not None:
             line, message = result.error
             raise PreprocessError(
@@ -236,16 +237,24 @@ def _encode_stream(
             stats.first_skipped.setdefault(reason, f"{path}:{first_line + line}")
         progress.update(stats, result.documents)
 
+    # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies (OOM killer) breaks
+    # the executor with an error instead of leaving the parent waiting forever.
+    executor = ProcessPoolExecutor(
+        workers, mp_context=_mp_context(), initializer=init_worker, initargs=(spec,)
+    )
     try:
-        with _mp_context().Pool(workers, initializer=init_worker, initargs=(spec,)) as pool:
+        try:
             for segment in segments:
                 for chunk in iter_chunks(segment, config.chunk_bytes, config.json_keys):
-                    future = pool.apply_async(encode_chunk_in_worker, (chunk,))
+                    future = executor.submit(encode_chunk_in_worker, chunk)
                     pending.append((segment.path, chunk.first_line, chunk.num_bytes, future))
                     if len(pending) >= window:
                         consume()
             while pending:
                 consume()
+        finally:
+            # On failure only the few chunks already running finish; queued ones are dropped.
+            executor.shutdown(wait=True, cancel_futures=True)
         if not outputs:  # empty input: still write valid, empty datasets
             writer = _import_writer()
             outputs.extend(writer.IndexedDatasetOutput(p, dtype) for p in prefixes)
@@ -268,6 +277,10 @@ def _run_partition(index, segments, config, prefixes, dtype, workers, conn) -> N
         conn.send(("ok", stats))
     except (PreprocessError, InputError) as e:
         conn.send(("error", str(e)))
+    except KeyboardInterrupt:
+        conn.send(("interrupted", "ctrl-c"))
+    except Terminated:
+        conn.send(("interrupted", "sigterm"))
     except BaseException as e:  # report, then let the parent clean up
         conn.send(("crash", f"{type(e).__name__}: {e}"))
     finally:
@@ -324,6 +337,8 @@ def _encode_partitioned(config, segments, dtype, progress) -> RunStats:
             elif failure is None:  # report the earliest partition's problem, as one pass would
                 failure = (status, payload)
         if failure is not None:
+            if failure[0] == "interrupted":  # the signal reached a partition first
+                raise KeyboardInterrupt if failure[1] == "ctrl-c" else Terminated()
             if failure[0] == "error":
                 raise PreprocessError(failure[1])
             raise RuntimeError(failure[1])
