@@ -145,13 +145,21 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
         report_files += args.compare
     has_text = any((args.text_file, args.jsonl, args.data_path))
     if entries:
-        # Reading is lazy, but the paths are checked now, before any model loads.
-        read_documents(args.text_file, args.jsonl, args.json_key, args.data_path)
+        # Reading is lazy, but the paths are checked now, before any model loads, and so
+        # is that there is a document at all (loading a model takes much longer).
+        documents = read_documents(args.text_file, args.jsonl, args.json_key, args.data_path)
+        if next(documents, None) is None:
+            raise InputError(
+                "no tokens to evaluate: the input is empty after skipping blank documents; "
+                "check --text-file/--jsonl/--data-path"
+            )
     elif has_text:
-        raise InputError("evaluation text was given but no model to measure; add --hf-model DIR")
+        raise InputError(
+            "evaluation text was given but no model to measure; add --hf-model DIR or --load CKPT"
+        )
     elif not report_files:
         raise InputError(
-            "nothing to measure: give --hf-model DIR and --text-file FILE, "
+            "nothing to measure: give --hf-model DIR or --load CKPT, and --text-file FILE; "
             "or --compare A.json B.json"
         )
     return report_files
@@ -169,6 +177,7 @@ def _measure(entry: SourceEntry, args: argparse.Namespace) -> JumpReport:
     extra = {"source": entry.describe, "seq_length": args.seq_length}
     if entry.iteration is not None:
         extra["iteration"] = entry.iteration
+    extra.update(entry.extra)
     return measure_jump(
         source,
         sequences,

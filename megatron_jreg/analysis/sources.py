@@ -2,12 +2,14 @@
 
 A *source* is one loaded model that can tokenize text and push the per-layer pairs
 (h_{l-1}, h_l) of a padded batch into a :class:`JumpAccumulator`. A *source kind* is a
-family of sources with its own command-line flags (``--hf-model`` here; a checkpoint
-kind adds ``--load``); ``tools/eval_jump.py`` knows only this registry.
+family of sources with its own command-line flags (``--hf-model`` for Hugging Face
+directories, ``--load`` for our trainer's checkpoints); ``tools/eval_jump.py`` knows only
+this registry.
 
-Adding a kind (e.g. our trainer's checkpoints):
+Adding a kind:
 
-1. Write a class satisfying :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource``).
+1. Write a class satisfying :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource``
+   and ``megatron_source.MegatronCheckpointSource``).
 2. Write a :class:`SourceKind` whose ``build`` checks the flags and returns one
    :class:`SourceEntry` per model to evaluate (one per iteration for a trajectory; set
    ``iteration`` so eval_jump prints the trajectory table and plot).
@@ -17,8 +19,8 @@ Adding a kind (e.g. our trainer's checkpoints):
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -65,6 +67,8 @@ class SourceEntry:
     """The training iteration, for checkpoints of a run (trajectory output)."""
     describe: str = ""
     """Where the model came from (a path), written to the report's ``source`` key."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Further keys for the report (e.g. the iteration of one of several runs' checkpoints)."""
 
 
 @dataclass(kw_only=True)
@@ -86,8 +90,9 @@ class SourceKind:
 def builtin_source_kinds() -> List[SourceKind]:
     """Every source kind eval_jump offers. Add a kind here."""
     from megatron_jreg.analysis.hf_source import HF_SOURCE_KIND
+    from megatron_jreg.analysis.megatron_source import CHECKPOINT_SOURCE_KIND
 
-    return [HF_SOURCE_KIND]
+    return [HF_SOURCE_KIND, CHECKPOINT_SOURCE_KIND]
 
 
 def add_source_arguments(parser: argparse.ArgumentParser, kinds: List[SourceKind]) -> None:

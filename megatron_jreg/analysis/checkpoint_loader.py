@@ -1,0 +1,245 @@
+"""Open one iteration of a megatron-jreg checkpoint as a TP1 PP1 model on one process.
+
+Shared by ``eval_jump --load`` and ``tools/convert_to_hf.py``. The run's resolved config
+(``run_config.yaml`` in the iteration directory) rebuilds the model; dist-checkpointing
+reshards the weights from whatever TP/PP/VPP layout wrote them. The vocabulary is padded
+per TP size at save time (``padded_vocab_size(tp)``), so the TP1 model is built with the
+embedding's row count as saved (read from the checkpoint's metadata), not re-padded.
+
+Everything a user can get wrong (paths, torn saves, a moved tokenizer) raises
+:class:`InputError` before any weights are read where it can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_jreg.analysis.errors import InputError
+
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def _checkpointing():
+    from megatron_jreg.training import checkpointing
+
+    return checkpointing
+
+
+def checkpoint_iterations(
+    root: str,
+    iteration: Optional[int] = None,
+    iterations: Optional[List[int]] = None,
+    all_iterations: bool = False,
+    flag: str = "--load",
+) -> List[int]:
+    """The iterations of ``root`` to open: the latest, one, a list, or every whole one.
+
+    Checks the directory and that each chosen iteration is whole (its save finished) and
+    carries ``run_config.yaml``; raises InputError naming the fix otherwise.
+    """
+    ckpt = _checkpointing()
+    if not os.path.exists(root):
+        raise InputError(f"{flag} {root}: no such directory; check the path")
+    if not os.path.isdir(root):
+        raise InputError(f"{flag} {root}: not a directory; give the --save directory of a run")
+    whole = ckpt.complete_iterations(root)
+    if os.path.exists(os.path.join(root, ckpt.COMPLETE)):
+        it = os.path.basename(os.path.normpath(root))[5:].lstrip("0") or "0"
+        raise InputError(
+            f"{flag} {root}: this is one iteration's directory; give its parent and "
+            f"--iteration {it}"
+        )
+    if not whole:
+        raise InputError(
+            f"{flag} {root}: not a megatron-jreg checkpoint directory (no complete iter_XXXXXXX "
+            "directory); give the --save directory of a training run"
+        )
+    if all_iterations:
+        chosen = whole
+    elif iterations:
+        chosen = list(iterations)
+    elif iteration is not None:
+        chosen = [iteration]
+    else:
+        try:
+            chosen = [ckpt.resolve_iteration(root)]
+        except ckpt.CheckpointError:
+            chosen = [whole[-1]]  # no tracker file (e.g. copied by hand): the newest whole one
+    for it in chosen:
+        if it not in whole:
+            raise InputError(
+                f"{flag} {root}: iteration {it} is not a complete checkpoint there; "
+                f"complete iterations: {whole}"
+            )
+        path = ckpt.iteration_dir(root, it)
+        if not os.path.isfile(os.path.join(path, ckpt.RUN_CONFIG)):
+            raise InputError(
+                f"{flag} {root}: {path} has no {ckpt.RUN_CONFIG}, so the model cannot be "
+                "rebuilt; it was not written by megatron-jreg's trainer"
+            )
+    return chosen
+
+
+def read_run_configs(path: str) -> Dict[str, object]:
+    """The config sections (model, parallel, data, ...) saved with one iteration directory."""
+    from megatron_jreg.cli import from_yaml_text
+    from megatron_jreg.training.config import SECTIONS
+
+    ckpt = _checkpointing()
+    text = ckpt.read_run_config(path)
+    if text is None:
+        raise InputError(f"{path}: no {ckpt.RUN_CONFIG}; cannot rebuild the model")
+    try:
+        return from_yaml_text(text, SECTIONS)
+    except Exception as err:  # yaml errors, unknown keys (TypeError), validation (ValueError)
+        raise InputError(
+            f"{os.path.join(path, ckpt.RUN_CONFIG)}: cannot rebuild the run config "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+
+
+def saved_vocab_rows(path: str, model_cfg) -> int:
+    """Rows of the saved embedding: the vocabulary as padded for the TP size that saved it."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(path)
+    except Exception as err:
+        raise InputError(
+            f"{path}: cannot read the checkpoint's tensor metadata ({type(err).__name__}); "
+            "the directory may be damaged: pick another --iteration"
+        ) from None
+    if EMBEDDING_KEY not in metadata:
+        raise InputError(f"{path}: the checkpoint holds no {EMBEDDING_KEY}; not a GPT checkpoint")
+    rows = int(metadata[EMBEDDING_KEY].global_shape[0])
+    if model_cfg.vocab_size is not None and rows < model_cfg.vocab_size:
+        raise InputError(
+            f"{path}: the embedding has {rows} rows but the run config's vocabulary is "
+            f"{model_cfg.vocab_size}; run_config.yaml does not belong to these weights"
+        )
+    return rows
+
+
+def eval_model_config(model_cfg, vocab_rows: int, dtype: str = "float32"):
+    """The saved ModelConfig, with the saved padded vocabulary and the evaluation dtype."""
+    return dataclasses.replace(
+        model_cfg,
+        model_preset=None,
+        vocab_size=vocab_rows,
+        make_vocab_size_divisible_by=1,  # already padded: keep the saved row count
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def init_single_process(device: torch.device) -> None:
+    """A world of one (gloo on CPU, NCCL on one GPU) with TP1 PP1 groups."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise InputError(
+            "reading a checkpoint runs on one process (the weights are resharded to TP1 PP1); "
+            "run the tool with python, not torchrun"
+        )
+    if device.type == "cpu":
+        os.environ["MEGATRON_JREG_DEVICE"] = "cpu"  # use_cpu(): gloo and the CPU redirections
+    from megatron_jreg.distributed.setup import initialize_distributed
+
+    initialize_distributed()
+    if dist.get_world_size() != 1:
+        raise InputError(f"a world of {dist.get_world_size()} processes; run on one process")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+@dataclass(kw_only=True)
+class LoadedCheckpoint:
+    """A checkpoint iteration rebuilt as one TP1 PP1 GPTModel in eval mode."""
+
+    root: str
+    iteration: int
+    path: str
+    configs: Dict[str, object]
+    """The saved run config sections (model as trained, parallel as saved, data, ...)."""
+    model_config: object
+    """The ModelConfig the evaluation model was built with (saved padded vocabulary)."""
+    model: torch.nn.Module
+    """megatron-core GPTModel (pre and post process), weights loaded, eval mode."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The unpadded vocabulary of the run: every real token id is below it."""
+        return int(self.configs["model"].vocab_size or self.model_config.vocab_size)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return int(self.model_config.vocab_size)
+
+    @property
+    def seed(self) -> int:
+        return int(self.configs["training"].seed)
+
+
+def load_checkpoint_model(
+    root: str,
+    iteration: int,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+) -> LoadedCheckpoint:
+    """Build the run's model at TP1 PP1 on ``device`` and load iteration ``iteration``."""
+    from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
+    from megatron_jreg.model.builder import build_model
+    from megatron_jreg.model.config import ParallelConfig
+
+    ckpt = _checkpointing()
+    device = torch.device(device)
+    path = ckpt.iteration_dir(root, iteration)
+    configs = read_run_configs(path)
+    model_cfg = eval_model_config(configs["model"], saved_vocab_rows(path, configs["model"]), dtype)
+    if model_cfg.transformer_impl != "local":
+        model_cfg = dataclasses.replace(model_cfg, transformer_impl="local")  # same weights
+    init_single_process(device)
+    parallel = ParallelConfig()
+    initialize_model_parallel(model_cfg, parallel)
+    # megatron's layers draw their (overwritten) init from the model-parallel RNG streams
+    seed_everything(int(configs["training"].seed))
+    chunks = build_model(model_cfg, parallel, tracker=None)
+    for chunk in chunks:
+        chunk.to(device)
+    try:
+        ckpt.load_checkpoint(root, iteration, chunks, optimizer=None)
+    except ckpt.CheckpointError as err:
+        raise InputError(str(err)) from None
+    model = chunks[0].eval()
+    return LoadedCheckpoint(
+        root=root,
+        iteration=iteration,
+        path=path,
+        configs=configs,
+        model_config=model_cfg,
+        model=model,
+    )
+
+
+def build_run_tokenizer(configs: Dict[str, object], tokenizer_model: Optional[str] = None):
+    """The tokenizer the run trained with (``tokenizer_model`` overrides a moved file)."""
+    from megatron_jreg.data.tokenizers import build_tokenizer
+
+    data = configs["data"]
+    model_file = tokenizer_model or data.tokenizer_model
+    if data.tokenizer_type == "ByteTokenizer":
+        model_file = None
+    try:
+        return build_tokenizer(data.tokenizer_type, model_file)
+    except (FileNotFoundError, ValueError) as err:
+        raise InputError(
+            f"cannot build the run's {data.tokenizer_type} ({err}); if the tokenizer file "
+            "moved, pass its new path with --tokenizer-model"
+        ) from None
