@@ -2,6 +2,7 @@
 """Measure the final-layer jump of a model: Psi_l per layer and zeta_L, zeta_{L-1}, zeta_{L-2}.
 
     python tools/eval_jump.py --hf-model DIR --text-file eval.txt --json out.json
+    python tools/eval_jump.py --load CKPT --all-iterations --text-file eval.txt --plot traj.png
 
 Options and the report format: ``--help`` and docs/evaluation.md. The logic lives in
 ``megatron_jreg.analysis``; model kinds plug in through ``megatron_jreg.analysis.sources``.

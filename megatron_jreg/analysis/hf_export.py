@@ -1,0 +1,330 @@
+"""Export a checkpoint of our trainer to a Hugging Face ``LlamaForCausalLM`` directory.
+
+    python tools/convert_to_hf.py --load CKPT [--iteration N] --output DIR
+
+The weights come from the TP1 PP1 model that :mod:`checkpoint_loader` rebuilds (any saved
+layout). Names follow megatron-core's local layer spec:
+
+    embedding.word_embeddings.weight                 -> model.embed_tokens.weight
+    decoder.layers.i.input_layernorm.weight          -> model.layers.i.input_layernorm.weight
+    decoder.layers.i.self_attention.linear_qkv.weight -> q_proj, k_proj, v_proj (see below)
+    decoder.layers.i.self_attention.linear_proj.weight -> self_attn.o_proj.weight
+    decoder.layers.i.pre_mlp_layernorm.weight        -> post_attention_layernorm.weight
+    decoder.layers.i.mlp.linear_fc1.weight = [gate; up] -> mlp.gate_proj, mlp.up_proj
+    decoder.layers.i.mlp.linear_fc2.weight           -> mlp.down_proj.weight
+    decoder.final_layernorm.weight                   -> model.norm.weight
+    output_layer.weight                              -> lm_head.weight
+
+megatron's fused QKV rows are grouped per key/value group g: [q heads of g; k_g; v_g]
+(``SelfAttention.get_query_key_value_tensors``). HF's repeat_kv gives query head i the key
+head i // (heads / groups), which is the same assignment, so q_proj is the groups' query
+blocks in order. megatron's RoPE without ``rotary_interleaved`` rotates halves
+(``_rotate_half``: cat(-x2, x1)) with inv_freq = base^(-2i/d), HF Llama's convention.
+
+The vocabulary keeps the checkpoint's padded size (the extra rows are never produced by
+the tokenizer), and the embeddings stay untied, as trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_jreg.analysis.errors import InputError, missing_extra
+
+PROG = "convert_to_hf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> Dict[str, torch.Tensor]:
+    """megatron's fused [groups * (heads/groups + 2) * d, h] QKV -> q, k, v projections."""
+    per_group = num_heads // num_groups
+    hidden = qkv.shape[-1]
+    expected = num_groups * (per_group + 2) * head_dim
+    if qkv.shape[0] != expected:
+        raise ValueError(
+            f"linear_qkv has {qkv.shape[0]} rows; {num_groups} groups x ({per_group} + 2) heads "
+            f"x {head_dim} = {expected} expected"
+        )
+    grouped = qkv.reshape(num_groups, per_group + 2, head_dim, hidden)
+    q = grouped[:, :per_group].reshape(num_heads * head_dim, hidden)
+    k = grouped[:, per_group].reshape(num_groups * head_dim, hidden)
+    v = grouped[:, per_group + 1].reshape(num_groups * head_dim, hidden)
+    return {"q_proj": q.contiguous(), "k_proj": k.contiguous(), "v_proj": v.contiguous()}
+
+
+def megatron_to_hf_state_dict(
+    state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, num_groups: int, head_dim: int
+) -> Dict[str, torch.Tensor]:
+    """HF Llama names for a TP1 GPTModel state dict (``_extra_state`` entries ignored)."""
+    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    used = set()
+
+    def take(key: str) -> torch.Tensor:
+        if key not in state:
+            raise KeyError(f"the checkpoint's model has no {key}")
+        used.add(key)
+        return state[key]
+
+    out = {
+        "model.embed_tokens.weight": take("embedding.word_embeddings.weight"),
+        "model.norm.weight": take("decoder.final_layernorm.weight"),
+        "lm_head.weight": take("output_layer.weight"),
+    }
+    for i in range(num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "post_attention_layernorm.weight"] = take(src + "pre_mlp_layernorm.weight")
+        qkv = split_qkv(
+            take(src + "self_attention.linear_qkv.weight"), num_heads, num_groups, head_dim
+        )
+        for name, weight in qkv.items():
+            out[dst + f"self_attn.{name}.weight"] = weight
+        out[dst + "self_attn.o_proj.weight"] = take(src + "self_attention.linear_proj.weight")
+        gate, up = take(src + "mlp.linear_fc1.weight").chunk(2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
+        out[dst + "mlp.up_proj.weight"] = up.contiguous()
+        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.linear_fc2.weight")
+    left = sorted(set(state) - used)
+    if left:
+        raise KeyError(f"checkpoint tensors with no Llama counterpart: {left[:5]}")
+    return out
+
+
+def llama_config_kwargs(model_cfg, padded_vocab: int) -> Dict[str, object]:
+    """LlamaConfig arguments for a ModelConfig (sizes as trained, vocabulary as padded)."""
+    return dict(
+        vocab_size=padded_vocab,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.ffn_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.query_groups,
+        head_dim=model_cfg.hidden_size // model_cfg.num_attention_heads,
+        max_position_embeddings=model_cfg.max_positions,
+        rope_theta=float(model_cfg.rotary_base),
+        rms_norm_eps=float(model_cfg.norm_epsilon),
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        initializer_range=float(model_cfg.init_method_std),
+    )
+
+
+# ---- tokenizers ----------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's byte -> printable character table, which tokenizers' ByteLevel applies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def byte_tokenizer_fast(eod: int, bos: int, pad: int):
+    """A PreTrainedTokenizerFast that gives ByteTokenizer's ids: byte b -> b, no merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: b for b, char in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = sorted([(eod, "<|eod|>"), (bos, "<|bos|>"), (pad, "<|pad|>")])
+    if [i for i, _ in specials] != list(range(256, 256 + len(specials))):
+        raise ValueError(f"ByteTokenizer special ids {specials} are not 256, 257, 258")
+    tok.add_special_tokens([AddedToken(text, special=True) for _, text in specials])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|eod|>", bos_token="<|bos|>", pad_token="<|pad|>"
+    )
+
+
+def _sentencepiece_tokenizer(model_file: str, out_dir: str, run_tokenizer):
+    from transformers import LlamaTokenizer
+
+    shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
+    # the trainer's data has no BOS/EOS inside documents (EOD between them): add none
+    return LlamaTokenizer.from_pretrained(out_dir, add_bos_token=False, add_eos_token=False)
+
+
+def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = None) -> List[str]:
+    """Write the run's tokenizer into ``out_dir`` in HF form; returns warnings to print.
+
+    The exported tokenizer is checked to give the trainer's ids on a sample text.
+    """
+    from megatron_jreg.analysis.checkpoint_loader import build_run_tokenizer
+
+    data = configs["data"]
+    run_tokenizer = build_run_tokenizer(configs, tokenizer_model)
+    if data.tokenizer_type == "ByteTokenizer":
+        hf = byte_tokenizer_fast(run_tokenizer.eod, run_tokenizer.bos, run_tokenizer.pad)
+    elif data.tokenizer_type == "SentencePieceTokenizer":
+        hf = _sentencepiece_tokenizer(tokenizer_model or data.tokenizer_model, out_dir, run_tokenizer)
+    else:
+        from transformers import PreTrainedTokenizerFast
+
+        model_file = tokenizer_model or data.tokenizer_model
+        json_path = (
+            os.path.join(model_file, "tokenizer.json") if os.path.isdir(model_file) else model_file
+        )
+        eos = run_tokenizer._tok.id_to_token(run_tokenizer.eod)
+        hf = PreTrainedTokenizerFast(tokenizer_file=json_path, eos_token=eos)
+    hf.save_pretrained(out_dir)
+    sample = "Hello world: héllo 123.\nThe end."
+    got = list(hf(sample, add_special_tokens=True)["input_ids"])
+    want = list(run_tokenizer.encode(sample))
+    if got != want:
+        return [
+            f"the exported tokenizer gives other ids than the run's {data.tokenizer_type} on a "
+            f"sample ({got[:8]}... vs {want[:8]}...); check it before evaluating"
+        ]
+    return []
+
+
+# ---- conversion ----------------------------------------------------------------------------
+
+
+def _check_output(output: str) -> None:
+    if os.path.exists(output):
+        raise InputError(f"--output {output}: already exists; remove it or choose a new directory")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise InputError(f"--output {output}: directory {parent} does not exist; create it first")
+
+
+def convert(
+    root: str,
+    output: str,
+    iteration: Optional[int] = None,
+    dtype: str = "float32",
+    tokenizer_model: Optional[str] = None,
+    skip_tokenizer: bool = False,
+) -> List[str]:
+    """Write the HF directory ``output`` (atomically: a temp dir renamed); returns warnings."""
+    from megatron_jreg.analysis.checkpoint_loader import (
+        checkpoint_iterations,
+        load_checkpoint_model,
+    )
+
+    _check_output(output)
+    if dtype not in _DTYPES:
+        raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
+    if tokenizer_model is not None and not os.path.exists(tokenizer_model):
+        raise InputError(f"--tokenizer-model {tokenizer_model}: no such file or directory")
+    (iteration,) = checkpoint_iterations(root, iteration=iteration)
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise missing_extra("transformers", "hf", "tools/convert_to_hf.py") from None
+
+    loaded = load_checkpoint_model(root, iteration, device="cpu", dtype="float32")
+    cfg = loaded.model_config
+    hf_state = megatron_to_hf_state_dict(
+        loaded.model.state_dict(),
+        cfg.num_layers,
+        cfg.num_attention_heads,
+        cfg.query_groups,
+        cfg.hidden_size // cfg.num_attention_heads,
+    )
+    config = LlamaConfig(**llama_config_kwargs(cfg, loaded.padded_vocab_size))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    parent = os.path.dirname(os.path.abspath(output))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(output))}.", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would survive the rename
+    warnings: List[str] = []
+    try:
+        if not skip_tokenizer:
+            warnings += export_tokenizer(loaded.configs, tmp, tokenizer_model)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tmp)
+            config.bos_token_id = tok.bos_token_id
+            config.eos_token_id = tok.eos_token_id
+            config.pad_token_id = tok.pad_token_id
+        torch.manual_seed(0)  # the random init is overwritten below
+        model = LlamaForCausalLM(config).eval()
+        missing, unexpected = model.load_state_dict(hf_state, strict=False)
+        missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+        if missing or unexpected:
+            raise RuntimeError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
+        model.to(_DTYPES[dtype])
+        model.save_pretrained(tmp, safe_serialization=True)
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return warnings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:  # usage errors: one line, exit 2
+            self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+    parser = _Parser(
+        prog=PROG,
+        description="Export a megatron-jreg checkpoint (any TP/PP layout) to a Hugging Face "
+        "LlamaForCausalLM directory (safetensors, config.json, tokenizer). See "
+        "docs/evaluation.md.",
+    )
+    parser.add_argument("--load", required=True, metavar="CKPT", help="the run's --save directory")
+    parser.add_argument(
+        "--iteration", type=int, default=None, metavar="N", help="default: the latest"
+    )
+    parser.add_argument("--output", required=True, metavar="DIR", help="a new directory to write")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(_DTYPES),
+        help="dtype of the saved weights (default: float32)",
+    )
+    parser.add_argument(
+        "--tokenizer-model",
+        default=None,
+        metavar="PATH",
+        help="the run's tokenizer file, when it moved since training",
+    )
+    parser.add_argument(
+        "--no-tokenizer", action="store_true", help="write the model only, no tokenizer files"
+    )
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        warnings = convert(
+            args.load,
+            args.output,
+            iteration=args.iteration,
+            dtype=args.dtype,
+            tokenizer_model=args.tokenizer_model,
+            skip_tokenizer=args.no_tokenizer,
+        )
+    except InputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    print(f"wrote {args.output}")
+    return 0
