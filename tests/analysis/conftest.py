@@ -1,4 +1,4 @@
-"""A tiny random Llama with a word-level tokenizer, built here (no downloads)."""
+"""Fixtures: a tiny random HF Llama (no downloads) and tiny checkpoints of our trainer."""
 
 from __future__ import annotations
 
@@ -86,3 +86,52 @@ def eval_text(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def eval_documents() -> list:
     return _documents(11)
+
+
+# ---- checkpoints of our trainer (tests of --load and convert_to_hf) ----------------------
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoints(tmp_path_factory):
+    """{"tp1", "tp2", "pp2"}: runs of one seed and data; tp1 saves every iteration."""
+    from checkpoint_runs import make_dataset, train
+
+    root = tmp_path_factory.mktemp("ckpt")
+    data = make_dataset(str(root))
+    return {
+        "tp1": train(data, str(root / "tp1"), save_interval=1),
+        "tp2": train(data, str(root / "tp2"), nproc=2, tensor_model_parallel_size=2),
+        "pp2": train(data, str(root / "pp2"), nproc=2, pipeline_model_parallel_size=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def checkpoint_text(tmp_path_factory):
+    """(text file, tokens [b, SEQ]): eight ASCII documents of exactly SEQ bytes."""
+    from checkpoint_runs import SEQ
+
+    rng = random.Random(7)
+    words = ["jump", "layer", "norm", "token", "state", "model", "the", "of", "a", "residual"]
+    docs = []
+    for _ in range(8):
+        text = ""
+        while len(text) < SEQ:
+            text += rng.choice(words) + " "
+        docs.append(text[:SEQ])
+    root = tmp_path_factory.mktemp("ckpt_text")
+    path = root / "eval.txt"
+    path.write_text("\n".join(docs) + "\n")
+    tokens = torch.tensor([list(d.encode("ascii")) for d in docs], dtype=torch.long)
+    tokens_file = root / "tokens.pt"
+    torch.save(tokens, tokens_file)
+    return str(path), str(tokens_file)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_reference(trained_checkpoints, checkpoint_text, tmp_path_factory):
+    """The trainer's Psi_l and logits (checkpoint_worker.py) for the tp1 and tp2 runs."""
+    from checkpoint_runs import reference
+
+    out = tmp_path_factory.mktemp("ckpt_ref") / "ref.pt"
+    roots = [trained_checkpoints["tp1"], trained_checkpoints["tp2"]]
+    return reference(checkpoint_text[1], out, roots)

@@ -79,12 +79,17 @@ def text(tmp_path):
     return path
 
 
-def test_builtin_kinds_include_hf():
-    assert [k.flag for k in builtin_source_kinds()] == ["--hf-model"]
+def test_builtin_kinds():
+    assert [k.flag for k in builtin_source_kinds()] == ["--hf-model", "--load"]
+
+
+def kinds_with_toy():
+    """The HF kind beside the toy one (which takes the real checkpoint kind's --load)."""
+    return [k for k in builtin_source_kinds() if k.flag != "--load"] + [toy_kind()]
 
 
 def test_trajectory_through_the_cli(tmp_path, text, capsys):
-    kinds = builtin_source_kinds() + [toy_kind()]
+    kinds = kinds_with_toy()
     out, csv_path = tmp_path / "traj.json", tmp_path / "traj.csv"
     argv = [
         "--load",
@@ -115,7 +120,7 @@ def test_trajectory_through_the_cli(tmp_path, text, capsys):
 
 
 def test_one_kind_per_run_and_kind_errors(tmp_path, text, capsys):
-    kinds = builtin_source_kinds() + [toy_kind()]
+    kinds = kinds_with_toy()
     assert main(["--load", "elsewhere", "--text-file", str(text)], kinds=kinds) == 2
     assert "--load elsewhere: no checkpoint there" in capsys.readouterr().err
     assert (
@@ -129,7 +134,7 @@ def test_one_kind_per_run_and_kind_errors(tmp_path, text, capsys):
 
 
 def test_batching_is_invisible_in_megatron_layout(tmp_path, text):
-    kinds = builtin_source_kinds() + [toy_kind()]
+    kinds = kinds_with_toy()
     results = []
     for batch_size in ("1", "3"):
         out = tmp_path / f"b{batch_size}.json"
