@@ -52,7 +52,9 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
             dest = f"{section}.{field.name}"
             help_text = field.metadata.get("help", "")
             kind, is_list = _base_type(hints[field.name])
-            if kind is bool:
+            if kind is bool and flag.startswith("--no-"):  # already a negation: a plain switch
+                group.add_argument(flag, dest=dest, action="store_const", const=True, help=help_text)
+            elif kind is bool:  # --flag / --no-flag
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
             elif is_list or field.metadata.get("nargs"):
                 group.add_argument(flag, dest=dest, nargs=field.metadata.get("nargs", "+"), type=kind,

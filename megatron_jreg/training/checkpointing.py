@@ -174,9 +174,13 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
                                                           metadata=SHARDING_METADATA)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         loaded = dist_checkpointing.load(state, path)
-    except Exception as err:  # dist-ckpt raises many types for damaged files
+    # dist-ckpt raises many types for damaged files; torch's CheckpointException is a
+    # BaseException, not an Exception
+    except (Exception, CheckpointException) as err:
         raise CheckpointError(
             f"cannot read checkpoint {path} ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
             f"it may be corrupt: load an earlier one with --ckpt-step") from err

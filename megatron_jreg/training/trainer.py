@@ -63,6 +63,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.writer = None
+        self.wandb = None
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -130,6 +131,10 @@ class Trainer:
         if world % (tp * self.parallel.pipeline_model_parallel_size):
             raise ValueError(f"{world} processes cannot hold TP {tp} x PP "
                              f"{self.parallel.pipeline_model_parallel_size}; launch a multiple")
+        decay = self.optim_cfg.lr_decay_iters or self.train_cfg.train_iters
+        if self.optim_cfg.lr_warmup_iters >= decay:
+            raise ValueError(f"--lr-warmup-iters {self.optim_cfg.lr_warmup_iters} must be below the "
+                             f"decay length {decay} (--lr-decay-iters, default --train-iters)")
         if self.ckpt_cfg.load and not os.path.isdir(self.ckpt_cfg.load):
             raise ValueError(f"--load {self.ckpt_cfg.load!r} does not exist")
         for prefix in self._data_prefixes():

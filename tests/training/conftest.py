@@ -38,7 +38,7 @@ def base_args(data_prefix, **overrides):
         "model-preset": "tiny", "seq-length": 64, "data-path": data_prefix,
         "tokenizer-type": "ByteTokenizer", "micro-batch-size": 4, "global-batch-size": 8,
         "train-iters": 6, "log-interval": 1, "eval-interval": 0, "lr": 3e-3,
-        "lr-warmup-iters": 2, "jreg-lambda": 1.0, "jreg-alpha": 1.0, "seed": 1234,
+        "lr-warmup-iters": 0, "jreg-lambda": 1.0, "jreg-alpha": 1.0, "seed": 1234,
     }
     args.update({k.replace("_", "-"): v for k, v in overrides.items()})
     argv = []

@@ -1,0 +1,137 @@
+"""Resume, signals, torn checkpoints, resharding on load, NaN control and config errors."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, base_args, read_metrics, run_env, train
+
+from megatron_jreg.training.checkpointing import COMPLETE, TRACKER, iteration_dir
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (1, {}),
+    (2, {"use_distributed_optimizer": True}),  # DP2: exercises the 0.16.1 dist-opt fixes
+], ids=["single", "dp2_distributed_optimizer"])
+def test_resume_is_bit_exact(demo_data, tmp_path, nproc, extra):
+    common = dict(train_iters=8, save_interval=4, **extra)
+    full = tmp_path / "full.jsonl"
+    train(base_args(demo_data, metrics_file=full, save=tmp_path / "a", **common), nproc=nproc)
+    part = tmp_path / "part.jsonl"
+    train(base_args(demo_data, metrics_file=part, save=tmp_path / "b", exit_interval=4, **common),
+          nproc=nproc)
+    assert open(tmp_path / "b" / TRACKER).read() == "4"
+    train(base_args(demo_data, metrics_file=part, save=tmp_path / "b", load=tmp_path / "b", **common),
+          nproc=nproc)
+    a, b = read_metrics(full), read_metrics(part)
+    assert [r["iteration"] for r in b] == list(range(1, 9))
+    for x, y in zip(a, b):
+        assert y["lm_loss"] == x["lm_loss"], (x["iteration"], x["lm_loss"], y["lm_loss"])
+        assert y["psi"] == x["psi"] and y["lr"] == x["lr"]
+
+
+def test_sigterm_saves_and_exits_cleanly(demo_data, tmp_path):
+    argv = base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_jreg.train"] + argv, cwd=REPO,
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("iteration") and int(line.split()[1].split("/")[0]) >= 3:
+            proc.send_signal(signal.SIGTERM)
+            break
+        assert time.time() < deadline, "".join(lines[-20:])
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, rest[-3000:]
+    assert "signal received" in rest
+    saved = int(open(tmp_path / "ckpt" / TRACKER).read())
+    assert 3 <= saved < 10000
+    assert os.path.exists(os.path.join(iteration_dir(str(tmp_path / "ckpt"), saved), COMPLETE))
+
+
+def test_torn_checkpoint_is_detected_and_earlier_one_loads(demo_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train(base_args(demo_data, train_iters=4, save=ckpt, save_interval=2))
+    # a crash in the middle of a save leaves a .partial directory and the tracker untouched
+    os.makedirs(str(ckpt / "iter_0000006.partial"))
+    resumed = train(base_args(demo_data, train_iters=5, save=ckpt, load=ckpt))
+    assert "iteration 4" in resumed.stdout
+    # a directory that lost its completion marker is refused with the way out
+    os.remove(os.path.join(iteration_dir(str(ckpt), 4), COMPLETE))
+    open(ckpt / TRACKER, "w").write("4")
+    proc = train(base_args(demo_data, train_iters=6, load=ckpt), check=False)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "incomplete" in err and "--ckpt-step 2" in err
+    ok = train(base_args(demo_data, train_iters=3, load=ckpt, ckpt_step=2))
+    assert "loaded checkpoint" in ok.stdout and "iteration 2" in ok.stdout
+
+
+def test_corrupt_shard_gives_clear_error(demo_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train(base_args(demo_data, train_iters=2, save=ckpt))
+    path = iteration_dir(str(ckpt), 2)
+    shards = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    assert shards
+    with open(os.path.join(path, shards[0]), "r+b") as f:
+        f.truncate(100)
+    proc = train(base_args(demo_data, train_iters=3, load=ckpt), check=False)
+    assert proc.returncode == 2
+    assert "cannot read checkpoint" in proc.stderr and "--ckpt-step" in proc.stderr
+
+
+@pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_checkpoint_reshards_on_load(demo_data, tmp_path, layout):
+    ckpt = tmp_path / "ckpt"
+    train(base_args(demo_data, train_iters=4, save=ckpt, vocab_size=512))
+    runs = {}
+    for name, nproc, extra in (("tp1", 1, {}), ("other", 2, layout)):
+        metrics = tmp_path / f"{name}.jsonl"
+        train(base_args(demo_data, train_iters=1, load=ckpt, no_load_optim=True, vocab_size=512,
+                        metrics_file=metrics, seed=99, **extra), nproc=nproc)
+        runs[name] = read_metrics(metrics)[0]
+    fresh = tmp_path / "fresh.jsonl"
+    train(base_args(demo_data, train_iters=1, vocab_size=512, metrics_file=fresh, seed=99))
+    # the first step's loss is measured before the update: it reflects the loaded weights
+    assert runs["other"]["lm_loss"] == pytest.approx(runs["tp1"]["lm_loss"], rel=1e-5)
+    assert runs["other"]["psi"] == pytest.approx(runs["tp1"]["psi"], rel=1e-4)
+    assert abs(read_metrics(fresh)[0]["lm_loss"] - runs["tp1"]["lm_loss"]) > 1e-3
+
+
+def test_nan_loss_stops_with_iteration_or_skips(demo_data, tmp_path):
+    proc = train(base_args(demo_data, train_iters=3, init_method_std=1e30), check=False)
+    assert proc.returncode == 3
+    assert re.search(r"^error: iteration [12]: LM loss is (nan|inf)", proc.stderr, re.M), proc.stderr[-2000:]
+    skipped = train(base_args(demo_data, train_iters=2, init_method_std=1e30, exit_on_nan=None,
+                              **{"no-exit-on-nan": True}))
+    assert "step skipped" in skipped.stdout
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_attention_heads": 3}, "not divisible by --num-attention-heads"),
+    ({"pipeline_model_parallel_size": 3}, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    ({"global_batch_size": 6}, "--global-batch-size 6 is not divisible by --micro-batch-size 4"),
+    ({"vocab_size": 100}, "smaller than the tokenizer's"),
+    ({"data_path": None}, "--data-path is missing"),
+    ({"data_path": "/nonexistent/data_text_document"}, "no /nonexistent/data_text_document.bin"),
+    ({"lr_decay_style": "exp"}, "--lr-decay-style 'exp'"),
+    ({"jreg_weighting": "linear"}, "--jreg-weighting 'linear'"),
+    ({"lr_warmup_iters": 6}, "--lr-warmup-iters 6 must be below the decay length 6"),
+])
+def test_config_errors_fail_before_work(demo_data, overrides, message, capsys):
+    from megatron_jreg.training.trainer import main
+
+    try:
+        code = main(base_args(demo_data, **overrides))
+    except SystemExit as exc:  # argparse-level errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err, err
