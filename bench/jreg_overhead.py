@@ -1,8 +1,9 @@
-"""Peak memory of one training step of the real model (megatron-core GPTModel with JREG
-layers): JREG off vs JREG through the fused op vs JREG through the PyTorch reference.
+"""Step time and peak memory of a training step of the real model (megatron-core GPTModel
+with JREG layers): JREG off, measuring only (lambda = 0, the baseline's telemetry), JREG
+through the fused op, and JREG through the PyTorch reference.
 
-    python bench/jreg_memory.py                     # CPU: peak RSS (VmHWM), bf16, small model
-    python bench/jreg_memory.py --device cuda       # GPU: torch.cuda.max_memory_allocated
+    python bench/jreg_overhead.py                   # CPU: peak RSS (VmHWM), bf16, small model
+    python bench/jreg_overhead.py --device cuda     # GPU: torch.cuda.max_memory_allocated
 
 Each variant runs in its own process (one rank, DDP-wrapped as in training): build, one
 warm-up step, then the measured step. On CPU the figure is the process's resident-set high
@@ -20,7 +21,7 @@ import os
 import subprocess
 import sys
 
-VARIANTS = ("off", "fused", "torch")
+VARIANTS = ("off", "measure", "fused", "torch")
 
 
 def _status_kib(field: str) -> int:
@@ -67,7 +68,9 @@ def run_variant(args) -> dict:
     seed_everything(1234)
     config = transformer_config(model_cfg, parallel)
     tracker = None
-    if args.variant != "off":
+    if args.variant == "measure":  # lambda = 0: metrics only, no gradient
+        tracker = JregTracker(JregConfig(lam=0.0, alpha=1.0, impl="auto"), model_cfg.num_layers)
+    elif args.variant != "off":
         tracker = JregTracker(JregConfig(lam=1.0, alpha=1.0, impl=args.variant), model_cfg.num_layers)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     chunks = build_model(model_cfg, parallel, tracker, config)
@@ -106,8 +109,19 @@ def run_variant(args) -> dict:
         result = step()
         peak = _status_kib("VmHWM") * 1024
         unit = "rss"
+    import time
+
+    times = []
+    for _ in range(args.timed_steps):
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
     mib = 1024 * 1024
     return {"variant": args.variant, "unit": unit, "peak_mib": peak / mib,
+            "step_s": times[len(times) // 2],
             "step_mib": (peak - before) / mib, "lm_loss": result["lm_loss"],
             "R": result.get("R")}
 
@@ -120,6 +134,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--timed-steps", type=int, default=5, help="steps timed (median)")
     parser.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 instead of bf16")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
@@ -146,7 +161,8 @@ def main() -> None:
     for variant in VARIANTS:
         r = results[variant]
         extra = r["peak_mib"] - off["peak_mib"]
-        print(f"  JREG {variant:5s}  peak {r['peak_mib']:9.1f} MiB   step {r['step_mib']:9.1f} MiB   "
+        print(f"  JREG {variant:7s}  step time {r['step_s']:7.3f} s ({r['step_s'] / off['step_s']:5.3f}x off)   "
+              f"peak {r['peak_mib']:9.1f} MiB   step {r['step_mib']:9.1f} MiB   "
               f"vs off {extra:+8.1f} MiB ({100 * extra / off['peak_mib']:+6.2f}% of peak)   "
               f"loss {r['lm_loss']:.4f}" + (f"  R {r['R']:.4f}" if r["R"] is not None else ""))
 
