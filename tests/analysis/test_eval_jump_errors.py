@@ -131,7 +131,7 @@ def test_label_count(capsys, text, tiny_hf_model):
 
 
 def test_unknown_flag_exits_2(capsys):
-    err = run_error(capsys, ["--load", "ckpt"])  # until the checkpoint source registers --load
+    err = run_error(capsys, ["--hf-model", "m", "--no-such-flag"])
     assert "unrecognized arguments" in err
 
 
