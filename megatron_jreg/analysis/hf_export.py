@@ -155,7 +155,7 @@ def byte_tokenizer_fast(eod: int, bos: int, pad: int):
     )
 
 
-def _sentencepiece_tokenizer(model_file: str, out_dir: str, run_tokenizer):
+def _sentencepiece_tokenizer(model_file: str, out_dir: str):
     from transformers import LlamaTokenizer
 
     shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
@@ -175,7 +175,7 @@ def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = Non
     if data.tokenizer_type == "ByteTokenizer":
         hf = byte_tokenizer_fast(run_tokenizer.eod, run_tokenizer.bos, run_tokenizer.pad)
     elif data.tokenizer_type == "SentencePieceTokenizer":
-        hf = _sentencepiece_tokenizer(tokenizer_model or data.tokenizer_model, out_dir, run_tokenizer)
+        hf = _sentencepiece_tokenizer(tokenizer_model or data.tokenizer_model, out_dir)
     else:
         from transformers import PreTrainedTokenizerFast
 
@@ -266,7 +266,9 @@ def convert(
         missing, unexpected = model.load_state_dict(hf_state, strict=False)
         missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
         if missing or unexpected:
-            raise RuntimeError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
+            raise RuntimeError(
+                f"weight mapping incomplete: missing {missing}, unexpected {unexpected}"
+            )
         model.to(_DTYPES[dtype])
         model.save_pretrained(tmp, safe_serialization=True)
         os.rename(tmp, output)

@@ -23,11 +23,14 @@ def run_env():
 
 
 def run(cmd, timeout=300, check=True):
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                             f"{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+            f"{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -35,18 +38,44 @@ def make_dataset(root):
     """A small byte-tokenized indexed dataset; returns its prefix."""
     corpus, prefix = os.path.join(root, "corpus.jsonl"), os.path.join(root, "demo")
     run([sys.executable, "tools/make_demo_corpus.py", "--output", corpus, "--max-docs", "80"])
-    run([sys.executable, "tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix,
-         "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"])
+    run(
+        [
+            sys.executable,
+            "tools/preprocess_data.py",
+            "--input",
+            corpus,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "ByteTokenizer",
+            "--append-eod",
+            "--workers",
+            "1",
+        ]
+    )
     return prefix + "_text_document"
 
 
 def train(data_prefix, save, nproc=1, save_interval=None, **layout):
     """ITERS steps of the tiny model, seed 1234, --vocab-size 512 (equal padding at TP1/TP2)."""
-    args = {"model-preset": "tiny", "seq-length": 64, "data-path": data_prefix,
-            "tokenizer-type": "ByteTokenizer", "micro-batch-size": 4, "global-batch-size": 8,
-            "train-iters": ITERS, "log-interval": ITERS, "eval-interval": 0, "lr": 3e-3,
-            "lr-warmup-iters": 1, "jreg-lambda": 1.0, "seed": 1234, "vocab-size": 512,
-            "save": save, "save-interval": save_interval}
+    args = {
+        "model-preset": "tiny",
+        "seq-length": 64,
+        "data-path": data_prefix,
+        "tokenizer-type": "ByteTokenizer",
+        "micro-batch-size": 4,
+        "global-batch-size": 8,
+        "train-iters": ITERS,
+        "log-interval": ITERS,
+        "eval-interval": 0,
+        "lr": 3e-3,
+        "lr-warmup-iters": 1,
+        "jreg-lambda": 1.0,
+        "seed": 1234,
+        "vocab-size": 512,
+        "save": save,
+        "save-interval": save_interval,
+    }
     args.update({k.replace("_", "-"): v for k, v in layout.items()})
     argv = [x for k, v in args.items() if v is not None for x in (f"--{k}", str(v))]
     launcher = [sys.executable]
@@ -58,8 +87,16 @@ def train(data_prefix, save, nproc=1, save_interval=None, **layout):
 
 def eval_jump(argv, out_json):
     """tools/eval_jump.py in a subprocess; returns (stdout, the JSON report(s))."""
-    proc = run([sys.executable, "tools/eval_jump.py", *map(str, argv), "--json", str(out_json),
-                "--no-progress"])
+    proc = run(
+        [
+            sys.executable,
+            "tools/eval_jump.py",
+            *map(str, argv),
+            "--json",
+            str(out_json),
+            "--no-progress",
+        ]
+    )
     with open(out_json) as f:
         return proc.stdout, json.load(f)
 
@@ -68,6 +105,13 @@ def reference(tokens_file, out_file, roots):
     """checkpoint_worker.py: the trainer's own Psi_l and logits for each checkpoint."""
     import torch
 
-    run([sys.executable, os.path.join(HERE, "checkpoint_worker.py"), str(tokens_file),
-         str(out_file), *map(str, roots)])
+    run(
+        [
+            sys.executable,
+            os.path.join(HERE, "checkpoint_worker.py"),
+            str(tokens_file),
+            str(out_file),
+            *map(str, roots),
+        ]
+    )
     return torch.load(out_file)

@@ -45,8 +45,12 @@ def reference(root, tokens):
         chunk.eval()
     b, s = tokens.shape
     positions = torch.arange(s).expand(b, s).contiguous()
-    batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(b, s),
-             "position_ids": positions}
+    batch = {
+        "tokens": tokens,
+        "labels": tokens,
+        "loss_mask": torch.ones(b, s),
+        "position_ids": positions,
+    }
     with torch.no_grad():
         out = forward_backward(chunks, [batch], s, b, tracker, forward_only=True)
         logits = chunks[0](tokens, positions, causal_attention_mask(s))  # [b, s, V]

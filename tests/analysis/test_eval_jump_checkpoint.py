@@ -18,9 +18,21 @@ def trajectory(trained_checkpoints, checkpoint_text, tmp_path_factory):
     """eval_jump --all-iterations on the tp1 run: (stdout, reports, csv text)."""
     out = tmp_path_factory.mktemp("traj")
     stdout, reports = eval_jump(
-        ["--load", trained_checkpoints["tp1"], "--all-iterations", "--text-file",
-         checkpoint_text[0], "--seq-length", SEQ, "--batch-size", 3, "--csv", out / "t.csv"],
-        out / "t.json")
+        [
+            "--load",
+            trained_checkpoints["tp1"],
+            "--all-iterations",
+            "--text-file",
+            checkpoint_text[0],
+            "--seq-length",
+            SEQ,
+            "--batch-size",
+            3,
+            "--csv",
+            out / "t.csv",
+        ],
+        out / "t.json",
+    )
     return stdout, reports, (out / "t.csv").read_text()
 
 
@@ -44,11 +56,23 @@ def test_trajectory_over_every_iteration(trajectory, trained_checkpoints):
     assert reports[0]["displacement"] != reports[-1]["displacement"]  # the weights moved
 
 
-def test_tp2_and_pp2_checkpoints_read_like_tp1(trained_checkpoints, checkpoint_text, trajectory,
-                                              tmp_path):
+def test_tp2_and_pp2_checkpoints_read_like_tp1(
+    trained_checkpoints, checkpoint_text, trajectory, tmp_path
+):
     _, reports = eval_jump(
-        ["--load", trained_checkpoints["tp2"], trained_checkpoints["pp2"], "--text-file",
-         checkpoint_text[0], "--seq-length", SEQ, "--batch-size", 8], tmp_path / "par.json")
+        [
+            "--load",
+            trained_checkpoints["tp2"],
+            trained_checkpoints["pp2"],
+            "--text-file",
+            checkpoint_text[0],
+            "--seq-length",
+            SEQ,
+            "--batch-size",
+            8,
+        ],
+        tmp_path / "par.json",
+    )
     ref = trajectory[1][-1]["displacement"]
     assert [r["model"] for r in reports] == [f"tp2@{ITERS}", f"pp2@{ITERS}"]
     for report in reports:
