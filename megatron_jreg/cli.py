@@ -34,8 +34,15 @@ def _base_type(annotation) -> Tuple[type, bool]:
     return annotation, False
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Errors as one line naming the problem (the usage block is on --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(sections: Sections, description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
+    parser = _OneLineErrors(description=description, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", dest="_config_file", metavar="FILE.yaml",
                         help="YAML file of settings (sections or flat keys); flags override it")
     seen: Dict[str, str] = {}
@@ -50,6 +57,7 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
                 raise ValueError(f"flag {flag} defined by both {seen[flag]} and {section}.{field.name}")
             seen[flag] = f"{section}.{field.name}"
             dest = f"{section}.{field.name}"
+            metavar = field.name.upper()
             help_text = field.metadata.get("help", "")
             kind, is_list = _base_type(hints[field.name])
             if kind is bool and flag.startswith("--no-"):  # already a negation: a plain switch
@@ -58,9 +66,9 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
             elif is_list or field.metadata.get("nargs"):
                 group.add_argument(flag, dest=dest, nargs=field.metadata.get("nargs", "+"), type=kind,
-                                   help=help_text)
+                                   help=help_text, metavar=metavar)
             else:
-                group.add_argument(flag, dest=dest, type=kind, help=help_text,
+                group.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=metavar,
                                    choices=field.metadata.get("choices"))
     return parser
 

@@ -92,7 +92,7 @@ class ModelConfig:
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "ModelConfig":
         if preset not in PRESETS:
-            raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+            raise ValueError(f"--model-preset {preset!r}: choose one of {sorted(PRESETS)}")
         return cls(model_preset=preset, **{**PRESETS[preset], **overrides})
 
     @property
