@@ -24,6 +24,12 @@ def _pyplot():
     return plt
 
 
+def _integer_ticks():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
 def _save(fig, path: str) -> None:
     fmt = path.rsplit(".", 1)[-1].lower() if "." in path else "png"
     write_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight"))
@@ -39,9 +45,10 @@ def plot_displacement(
         for report in reports:
             layers = range(1, report.num_layers + 1)
             zeta = report.jump_rate.get("L")
-            label = report.model if zeta is None else f"{report.model} (zeta_L={zeta:.1f})"
+            label = report.model if zeta is None else f"{report.model} (zeta_L={zeta:.3g})"
             ax.plot(layers, report.displacement, marker="o", markersize=3, label=label)
         ax.set_xlabel("layer l")
+        ax.xaxis.set_major_locator(_integer_ticks())
         ax.set_ylabel("displacement Psi_l")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
@@ -76,6 +83,7 @@ def plot_trajectory(
                 label=str(iteration),
             )
         ax_psi.set_xlabel("layer l")
+        ax_psi.xaxis.set_major_locator(_integer_ticks())
         ax_psi.set_ylabel("displacement Psi_l")
         ax_psi.set_ylim(bottom=0)
         ax_psi.grid(alpha=0.3)
