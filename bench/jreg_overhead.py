@@ -37,6 +37,23 @@ def _reset_rss_peak() -> None:
         f.write("5")  # reset the peak resident set size (VmHWM) to the current one
 
 
+def _saved_for_backward_bytes(step) -> int:
+    """Bytes of distinct storages autograd keeps for backward during one step: the
+    activation memory a variant adds, exactly and on any device (RSS is noisy on CPU)."""
+    import torch
+
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(storages.values())
+
+
 def run_variant(args) -> dict:
     """One process: build the model, warm up, measure one step. Returns MiB figures."""
     if args.device == "cpu":
@@ -109,6 +126,7 @@ def run_variant(args) -> dict:
         result = step()
         peak = _status_kib("VmHWM") * 1024
         unit = "rss"
+    saved = _saved_for_backward_bytes(step)
     import time
 
     times = []
@@ -121,7 +139,7 @@ def run_variant(args) -> dict:
     times.sort()
     mib = 1024 * 1024
     return {"variant": args.variant, "unit": unit, "peak_mib": peak / mib,
-            "step_s": times[len(times) // 2],
+            "step_s": times[len(times) // 2], "saved_mib": saved / (1024 * 1024),
             "step_mib": (peak - before) / mib, "lm_loss": result["lm_loss"],
             "R": result.get("R")}
 
@@ -162,6 +180,7 @@ def main() -> None:
         r = results[variant]
         extra = r["peak_mib"] - off["peak_mib"]
         print(f"  JREG {variant:7s}  step time {r['step_s']:7.3f} s ({r['step_s'] / off['step_s']:5.3f}x off)   "
+              f"saved for backward {r['saved_mib']:8.1f} MiB ({100 * (r['saved_mib'] / off['saved_mib'] - 1):+6.2f}%)   "
               f"peak {r['peak_mib']:9.1f} MiB   step {r['step_mib']:9.1f} MiB   "
               f"vs off {extra:+8.1f} MiB ({100 * extra / off['peak_mib']:+6.2f}% of peak)   "
               f"loss {r['lm_loss']:.4f}" + (f"  R {r['R']:.4f}" if r["R"] is not None else ""))
