@@ -18,6 +18,7 @@ import torch
 
 from megatron_jreg.analysis.errors import InputError, missing_extra
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
+from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
 
 # (decoder layers, final norm) attribute paths, tried in order.
@@ -30,10 +31,6 @@ _LAYOUTS: Tuple[Tuple[str, str], ...] = (
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class _StopForward(Exception):
-    """Raised after the last decoder layer: the final norm and LM head are not needed."""
 
 
 def _get_path(obj: object, path: str) -> Optional[object]:
@@ -56,11 +53,6 @@ def find_decoder_layers(model: torch.nn.Module) -> Tuple[torch.nn.ModuleList, to
         f"(looked for {', '.join(p for p, _ in _LAYOUTS)}); add the layout to "
         "megatron_jreg/analysis/hf_source.py:_LAYOUTS"
     )
-
-
-def _layer_output(output: object) -> torch.Tensor:
-    # transformers >= 5 returns a tensor; older versions a tuple (hidden, attn, cache).
-    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 def _dtype_kwarg() -> str:
@@ -119,49 +111,23 @@ class HFCausalLMSource:
         )
         self.pad_id = int(pad) if pad is not None else 0
         self.device = next(model.parameters()).device
-        self._acc: Optional[JumpAccumulator] = None
-        self._mask: Optional[torch.Tensor] = None
-        self._layers_seen = 0
-        for index, layer in enumerate(self.layers, start=1):
-            layer.register_forward_hook(self._make_hook(index), with_kwargs=True)
-
-    def _make_hook(self, layer_number: int):
-        def hook(module, args, kwargs, output):
-            if self._acc is None:  # the model is being used outside accumulate()
-                return None
-            h_prev = args[0] if args else kwargs["hidden_states"]  # [b, s, h]
-            h_next = _layer_output(output)  # [b, s, h]
-            if layer_number == self.num_layers and self.include_final_norm:
-                h_next = self.final_norm(h_next)
-            self._acc.add(layer_number, h_prev, h_next, self._mask)
-            self._layers_seen += 1
-            if layer_number == self.num_layers:
-                raise _StopForward
-            return None
-
-        return hook
+        self._capture = LayerCapture(name, self.layers, range(1, self.num_layers + 1),
+                                     self.final_norm, include_final_norm)
 
     def tokenize(self, text: str) -> List[int]:
         return list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
 
     @torch.no_grad()
     def accumulate(self, input_ids: torch.Tensor, mask: torch.Tensor, acc: JumpAccumulator) -> None:
-        self._acc, self._mask, self._layers_seen = acc, mask.to(self.device), 0
-        try:
-            self.model(
+        self._capture.run(
+            acc,
+            mask.to(self.device),  # [b, s], like the hidden states
+            lambda: self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device, torch.long),
                 use_cache=False,
-            )
-        except _StopForward:
-            pass
-        finally:
-            self._acc = self._mask = None
-        if self._layers_seen != self.num_layers:
-            raise RuntimeError(
-                f"{self.name}: {self._layers_seen} of {self.num_layers} decoder layers ran; "
-                "the model skips or repeats layers, so h_0..h_L are not a chain"
-            )
+            ),
+        )
 
 
 def load_hf_source(

@@ -26,11 +26,8 @@ from megatron_jreg.analysis.checkpoint_loader import (
 )
 from megatron_jreg.analysis.errors import InputError
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
+from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
-
-
-class _StopForward(Exception):
-    """Raised after the last decoder layer: the final norm and output layer are not needed."""
 
 
 class MegatronCheckpointSource:
@@ -55,27 +52,8 @@ class MegatronCheckpointSource:
         self.device = next(self.model.parameters()).device
         self._tokenizer_model = tokenizer_model
         self._tokenizer = None  # built on first use: --data-path needs none
-        self._acc: Optional[JumpAccumulator] = None
-        self._mask: Optional[torch.Tensor] = None  # [s, b]
-        self._layers_seen = 0
-        for layer in self.layers:
-            layer.register_forward_hook(self._make_hook(layer.layer_number), with_kwargs=True)
-
-    def _make_hook(self, layer_number: int):
-        def hook(module, args, kwargs, output):
-            if self._acc is None:  # the model is used outside accumulate()
-                return None
-            h_prev = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [s, b, h]
-            h_next = output[0]  # [s, b, h]
-            if layer_number == self.num_layers and self.include_final_norm:
-                h_next = self.final_norm(h_next)
-            self._acc.add(layer_number, h_prev, h_next, self._mask)
-            self._layers_seen += 1
-            if layer_number == self.num_layers:
-                raise _StopForward
-            return None
-
-        return hook
+        self._capture = LayerCapture(name, self.layers, [l.layer_number for l in self.layers],
+                                     self.final_norm, include_final_norm)
 
     def tokenize(self, text: str) -> List[int]:
         if self._tokenizer is None:
@@ -91,17 +69,8 @@ class MegatronCheckpointSource:
         positions = torch.arange(seq, device=self.device).expand(batch, seq)
         # right padding + a causal mask: real tokens never attend to padding
         attention_mask = causal_attention_mask(seq, device=self.device)
-        self._acc, self._mask, self._layers_seen = acc, mask.t().to(self.device), 0
-        try:
-            self.model(tokens, positions, attention_mask)
-        except _StopForward:
-            pass
-        finally:
-            self._acc = self._mask = None
-        if self._layers_seen != self.num_layers:
-            raise RuntimeError(
-                f"{self.name}: {self._layers_seen} of {self.num_layers} decoder layers ran"
-            )
+        self._capture.run(acc, mask.t().to(self.device),  # [s, b], like the hidden states
+                          lambda: self.model(tokens, positions, attention_mask))
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
