@@ -66,16 +66,27 @@ def displacement(
     psi = token_displacement(h_prev, h_next, impl=impl)
     if mask is None:
         return psi.mean()
-    if mask.shape != psi.shape:
-        raise ValueError(
-            f"displacement: mask shape {tuple(mask.shape)} must equal the token shape "
-            f"{tuple(psi.shape)} (the hidden states' shape without the last dimension)"
-        )
-    mask = mask.to(device=psi.device, dtype=torch.bool)
     count = int(mask.sum())
     if count == 0:
         raise ValueError("displacement: the mask counts no tokens; at least one must be True")
-    return torch.where(mask, psi, torch.zeros_like(psi)).sum() / count
+    return masked_sum(psi, mask) / count
+
+
+def masked_sum(psi: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Sum of per-token ``psi`` over the tokens ``mask`` counts (all when None).
+
+    mask: bool with psi's shape, True = counted. Masked-out tokens may hold anything (NaN
+    included): they are selected away, not multiplied by zero.
+    """
+    if mask is None:
+        return psi.sum()
+    if mask.shape != psi.shape:
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} must equal the token shape {tuple(psi.shape)} "
+            "(the hidden states' shape without the last dimension)"
+        )
+    mask = mask.to(device=psi.device, dtype=torch.bool)
+    return torch.where(mask, psi, torch.zeros((), dtype=psi.dtype, device=psi.device)).sum()
 
 
 def jump_rates(psi: Union[Sequence[float], torch.Tensor]) -> Dict[int, float]:

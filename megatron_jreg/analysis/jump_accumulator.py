@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_jreg.jreg import jump_rates
+from megatron_jreg.jreg import jump_rates, masked_sum
 from megatron_jreg.ops import token_displacement
 
 # The keys of the report JSON that every consumer may rely on.
@@ -59,20 +59,11 @@ class JumpAccumulator:
         """
         self._check_layer(layer)
         psi = token_displacement(h_prev.detach(), h_next.detach(), impl=self.impl)  # [...] fp32
-        if mask is None:
-            count = psi.numel()
-            total = psi.double().sum()
-        else:
-            if mask.shape != psi.shape:
-                raise ValueError(
-                    f"JumpAccumulator.add: mask shape {tuple(mask.shape)} must equal the token "
-                    f"shape {tuple(psi.shape)} of the hidden states"
-                )
-            mask = mask.to(device=psi.device, dtype=torch.bool)
-            count = int(mask.sum())
-            total = torch.where(
-                mask, psi.double(), torch.zeros((), dtype=torch.float64, device=psi.device)
-            ).sum()
+        try:
+            total = masked_sum(psi.double(), mask)
+        except ValueError as err:
+            raise ValueError(f"JumpAccumulator.add: {err}") from None
+        count = psi.numel() if mask is None else int(mask.sum())
         self.add_sums(layer, float(total), count)
 
     def add_states(

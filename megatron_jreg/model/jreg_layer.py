@@ -21,7 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_jreg.jreg import layer_weights
+from megatron_jreg.jreg import layer_weights, masked_sum
 from megatron_jreg.model.config import JregConfig
 from megatron_jreg.ops import token_displacement
 
@@ -118,7 +118,7 @@ class JregTracker:
         with torch.set_grad_enabled(attach):
             psi = token_displacement(h_prev, h_next, impl=self.config.impl)  # [s_local, b] fp32
             mask = self._local_mask(psi.shape)
-            total = psi.sum() if mask is None else torch.where(mask, psi, torch.zeros_like(psi)).sum()
+            total = masked_sum(psi, mask)
             partial = total / self._global_count(psi, mask)
         if record:
             self._record(layer_number, partial.detach())
