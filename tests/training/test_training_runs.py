@@ -6,12 +6,13 @@ from conftest import base_args, read_metrics, train
 
 
 def test_loss_falls_and_jreg_lowers_final_displacement(demo_data, tmp_path):
-    runs = {}
+    runs, logs = {}, {}
     for lam in (0.0, 1.0):
         metrics = tmp_path / f"lam{lam}.jsonl"
-        train(base_args(demo_data, train_iters=50, log_interval=10, seq_length=128,
-                        micro_batch_size=8, global_batch_size=8, lr_warmup_iters=5,
-                        jreg_lambda=lam, metrics_file=metrics))
+        logs[lam] = train(base_args(demo_data, train_iters=50, log_interval=10, seq_length=128,
+                                    micro_batch_size=8, global_batch_size=8, lr_warmup_iters=5,
+                                    jreg_lambda=lam, metrics_file=metrics, eval_interval=25,
+                                    eval_iters=2, tensorboard_dir=tmp_path / f"tb{lam}")).stdout
         runs[lam] = read_metrics(metrics)
     for lam, rows in runs.items():
         assert [r["iteration"] for r in rows] == [10, 20, 30, 40, 50]
@@ -42,3 +43,35 @@ def test_parallel_runs_match_single_rank(demo_data, tmp_path, layout):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-4)
         assert b["jreg_penalty"] == pytest.approx(a["jreg_penalty"], rel=1e-3)
         assert b["psi"] == pytest.approx(a["psi"], rel=1e-3, abs=1e-6)
+
+
+def _tensorboard_scalars(directory):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_log_line_tensorboard_and_metrics_agree(demo_data, tmp_path):
+    metrics, tb = tmp_path / "m.jsonl", tmp_path / "tb"
+    out = train(base_args(demo_data, train_iters=4, log_interval=2, eval_interval=4, eval_iters=1,
+                          jreg_lambda=0.0, metrics_file=metrics, tensorboard_dir=tb)).stdout
+    lines = [l for l in out.splitlines() if l.startswith("iteration ")]
+    assert len(lines) == 2
+    for field in ("consumed tokens", "lm loss", "jreg penalty", "zeta_L", "lr", "grad norm",
+                  "tokens/s", "mem"):
+        assert f"| {field} " in lines[-1], lines[-1]
+    assert "validation at iteration 4 | lm loss" in out and out.strip().splitlines()[-1].startswith("done:")
+    rows = read_metrics(metrics)
+    scalars = _tensorboard_scalars(tb)
+    expected = {"lm loss", "jreg/penalty", "jreg/zeta_L", "jreg/zeta_L-1", "jreg/zeta_L-2",
+                "validation/lm loss"} | {f"jreg/psi/layer_{i:02d}" for i in range(1, 5)}
+    assert expected <= set(scalars), sorted(scalars)
+    assert scalars["lm loss"] == pytest.approx([r["lm_loss"] for r in rows], rel=1e-6)
+    # a baseline (lambda = 0) still logs every layer's displacement
+    assert scalars["jreg/psi/layer_04"] == pytest.approx([r["psi"][3] for r in rows], rel=1e-6)
+    assert all(v > 0 for v in scalars["jreg/psi/layer_04"])
+    for key in ("iteration", "lm_loss", "jreg_penalty", "psi", "zeta_L", "lr", "grad_norm",
+                "tokens_per_s"):
+        assert key in rows[-1]
