@@ -32,6 +32,24 @@ def demo_data(tmp_path_factory):
     return str(prefix) + "_text_document"
 
 
+@pytest.fixture(scope="session")
+def demo_sp_data(tmp_path_factory):
+    """The README demo's data: the whole demo corpus, a 2000-piece sentencepiece tokenizer."""
+    root = tmp_path_factory.mktemp("demo_sp_data")
+    corpus, model_prefix, prefix = root / "corpus.jsonl", root / "tokenizer", root / "demo"
+    for cmd in (
+        [sys.executable, "tools/make_demo_corpus.py", "--output", str(corpus)],
+        [sys.executable, "tools/train_tokenizer.py", "--input", str(corpus), "--model-prefix",
+         str(model_prefix), "--vocab-size", "2000"],
+        [sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+         str(prefix), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+         str(model_prefix) + ".model", "--append-eod", "--workers", "2"],
+    ):
+        proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(prefix) + "_text_document", str(model_prefix) + ".model"
+
+
 def base_args(data_prefix, **overrides):
     """Flags of a tiny fp32 run on the demo data; overrides use flag names without dashes."""
     args = {
