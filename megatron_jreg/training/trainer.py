@@ -49,6 +49,23 @@ def model_flops_per_token(model_cfg, vocab: int) -> float:
     return 6.0 * (layers * per_layer + h * vocab) + 12.0 * layers * h * s
 
 
+def build_scheduler(optimizer, o, train_cfg):
+    """megatron's OptimizerParamScheduler in its sample units (steps x global batch)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    g = train_cfg.global_batch_size
+    decay_iters = o.lr_decay_iters or train_cfg.train_iters
+    wsd = o.lr_wsd_decay_iters or max(1, decay_iters // 10)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters * g, lr_decay_steps=decay_iters * g,
+        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=train_cfg.train_iters * g, wd_incr_style="constant",
+        wsd_decay_steps=wsd * g if o.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style=o.lr_wsd_decay_style if o.lr_decay_style == "WSD" else None,
+    )
+
+
 class Trainer:
     def __init__(self, configs: Dict[str, object]):
         self.configs = configs
@@ -157,7 +174,6 @@ class Trainer:
             finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
         from megatron_jreg.model.builder import build_model, transformer_config
@@ -192,17 +208,7 @@ class Trainer:
             use_distributed_optimizer=o.use_distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
-        g = self.train_cfg.global_batch_size
-        decay_iters = o.lr_decay_iters or self.train_cfg.train_iters
-        wsd = o.lr_wsd_decay_iters or max(1, decay_iters // 10)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_iters * g, lr_decay_steps=decay_iters * g,
-            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=self.train_cfg.train_iters * g, wd_incr_style="constant",
-            wsd_decay_steps=wsd * g if o.lr_decay_style == "WSD" else None,
-            lr_wsd_decay_style=o.lr_wsd_decay_style if o.lr_decay_style == "WSD" else None,
-        )
+        self.scheduler = build_scheduler(self.optimizer, o, self.train_cfg)
         config.grad_scale_func = self.optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
         if len(self.model) > 1:
