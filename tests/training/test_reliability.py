@@ -17,7 +17,8 @@ from megatron_jreg.training.checkpointing import COMPLETE, TRACKER, iteration_di
 @pytest.mark.parametrize("nproc,extra", [
     (1, {}),
     (2, {"use_distributed_optimizer": True}),  # DP2: exercises the 0.16.1 dist-opt fixes
-], ids=["single", "dp2_distributed_optimizer"])
+    (1, {"bf16": True, "use_distributed_optimizer": True}),  # fp32 main params of bf16 weights
+], ids=["single", "dp2_distributed_optimizer", "bf16_distributed_optimizer"])
 def test_resume_is_bit_exact(demo_data, tmp_path, nproc, extra):
     common = dict(train_iters=8, save_interval=4, **extra)
     full = tmp_path / "full.jsonl"

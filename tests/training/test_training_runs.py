@@ -79,3 +79,15 @@ def test_log_line_tensorboard_and_metrics_agree(demo_data, tmp_path):
     for key in ("iteration", "lm_loss", "jreg_penalty", "psi", "zeta_L", "lr", "grad_norm",
                 "tokens_per_s"):
         assert key in rows[-1]
+
+
+def test_bf16_run_tracks_fp32(demo_data, tmp_path):
+    rows = {}
+    for name, extra in (("fp32", {}), ("bf16", {"bf16": True})):
+        metrics = tmp_path / f"{name}.jsonl"
+        train(base_args(demo_data, train_iters=6, metrics_file=metrics, **extra))
+        rows[name] = read_metrics(metrics)
+    for a, b in zip(rows["fp32"], rows["bf16"]):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=2e-2)
+        assert b["psi"] == pytest.approx(a["psi"], rel=0.1, abs=1e-3)
+    assert rows["bf16"][-1]["lm_loss"] < rows["bf16"][0]["lm_loss"]
