@@ -13,7 +13,8 @@ Without it the states are replicated over TP and each rank holds the full value.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from collections import defaultdict, deque
+from typing import Deque, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,11 @@ class JregTracker:
         self.token_mask: Optional[torch.Tensor] = None  # [b, s] bool of the current micro-batch
         self._sums: Optional[torch.Tensor] = None  # [L] sum over micro-batches of Psi_l partials
         self._counts = [0] * num_layers  # micro-batches seen per layer
+        # Full recompute replays a layer in backward, after later micro-batches' forwards
+        # have replaced token_mask. Each layer's no-grad pass queues its mask here and the
+        # recompute takes it back: megatron's schedules run a chunk's backwards in the order
+        # of its forwards, so a FIFO per layer pairs them.
+        self._recompute_masks: Dict[int, Deque[tuple]] = defaultdict(deque)
 
     # ---- per step -------------------------------------------------------------------------
     def set_loss_scale(self, loss_scale: float, num_microbatches: int) -> None:
@@ -76,32 +82,29 @@ class JregTracker:
     def reset(self) -> None:
         self._sums = None
         self._counts = [0] * self.num_layers
+        self._recompute_masks.clear()
 
     # ---- called by each layer -------------------------------------------------------------
-    def _local_mask(self, tokens_shape) -> Optional[torch.Tensor]:
-        """The current mask as [s_local, b] for this rank's slice of the sequence."""
+    def _local_mask(self, psi: torch.Tensor):
+        """(mask as [s_local, b] for this rank's slice of the sequence or None, the number of
+        tokens counted in the whole micro-batch, all TP ranks' slices included)."""
         if self.token_mask is None:
-            return None
+            tokens = psi.numel()
+            if self.sequence_parallel:
+                tokens *= parallel_state.get_tensor_model_parallel_world_size()
+            return None, float(tokens)
+        # the full-sequence mask is known on every TP rank: no communication needed
+        count = self.token_mask.sum().to(device=psi.device, dtype=torch.float32).clamp(min=1.0)
         mask = self.token_mask.t()  # [s, b]
         if self.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             rank = parallel_state.get_tensor_model_parallel_rank()
             mask = mask.chunk(tp, dim=0)[rank]
-        if tuple(mask.shape) != tuple(tokens_shape):
+        if tuple(mask.shape) != tuple(psi.shape):
             raise ValueError(
                 f"JREG token mask {tuple(mask.shape)} does not match the layer's tokens "
-                f"{tuple(tokens_shape)} ([s, b]); set_token_mask takes [b, s]")
-        return mask
-
-    def _global_count(self, psi: torch.Tensor, mask: Optional[torch.Tensor]):
-        """Tokens counted in the whole micro-batch (all TP ranks' slices under SP)."""
-        if mask is None:
-            tokens = psi.numel()
-            if self.sequence_parallel:
-                tokens *= parallel_state.get_tensor_model_parallel_world_size()
-            return float(tokens)
-        # the full-sequence mask is known on every TP rank: no communication needed
-        return self.token_mask.sum().to(device=psi.device, dtype=torch.float32).clamp(min=1.0)
+                f"{tuple(psi.shape)} ([s, b]); set_token_mask takes [b, s]")
+        return mask, count
 
     def observe(self, layer_number: int, h_prev: torch.Tensor, h_next: torch.Tensor) -> torch.Tensor:
         """Measure layer ``layer_number`` (global, 1-based) and attach its penalty.
@@ -109,17 +112,22 @@ class JregTracker:
         Returns ``h_next``, carrying the penalty's gradient when grad is enabled.
         """
         grad = torch.is_grad_enabled()
+        checkpointing = tp_random.is_checkpointing()
         # Full recompute runs each layer twice: once without grad (record here), once in
         # backward with grad (attach here). Record once, attach only where grad flows.
-        record = not (grad and tp_random.is_checkpointing())
+        record = not (grad and checkpointing)
         attach = grad and self.config.lam > 0.0
         if not (record or attach):
             return h_next
         with torch.set_grad_enabled(attach):
             psi = token_displacement(h_prev, h_next, impl=self.config.impl)  # [s_local, b] fp32
-            mask = self._local_mask(psi.shape)
-            total = masked_sum(psi, mask)
-            partial = total / self._global_count(psi, mask)
+            if checkpointing and grad:  # the recompute: the mask of its own micro-batch
+                mask, count = self._recompute_masks[layer_number].popleft()
+            else:
+                mask, count = self._local_mask(psi)
+                if checkpointing and self.config.lam > 0.0:
+                    self._recompute_masks[layer_number].append((mask, count))
+            partial = masked_sum(psi, mask) / count
         if record:
             self._record(layer_number, partial.detach())
         if attach:

@@ -25,6 +25,9 @@ LAYOUTS = {
     "dp2": {},
     "tp2_sp_full_recompute": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                               "recompute_granularity": "full"},
+    # recompute runs in backward, after later micro-batches' forwards: the penalty must
+    # use the recomputed micro-batch's token mask
+    "pp2_full_recompute": {"pipeline_model_parallel_size": 2, "recompute_granularity": "full"},
     "pp2_selective_recompute": {"pipeline_model_parallel_size": 2,
                                 "recompute_granularity": "selective",
                                 "recompute_modules": ["core_attn", "mlp", "layernorm"]},
@@ -38,8 +41,12 @@ SINGLE_RANK = {
 RTOL = 2e-5
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # PYTHONPATH: the workers import this checkout's package, whatever is installed
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
     env.pop("RANK", None)
     return env
 

@@ -12,7 +12,9 @@ import pytest
 def checks():
     script = os.path.join(os.path.dirname(__file__), "cpu_checks.py")
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                          env=dict(os.environ, PYTHONWARNINGS="ignore",
+                                   PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(
+                                       os.path.abspath(__file__))))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("CHECKS ")][-1]
     return json.loads(line[len("CHECKS "):])
