@@ -3,6 +3,8 @@
 
     python tools/eval_jump.py --hf-model DIR --text-file eval.txt --json out.json
     python tools/eval_jump.py --load CKPT --all-iterations --text-file eval.txt --plot traj.png
+    torchrun --nproc_per_node 4 tools/eval_jump.py --load CKPT --tensor-model-parallel-size 2 \
+        --text-file eval.txt --json out.json        # TP2 x DP2
 
 Options and the report format: ``--help`` and docs/evaluation.md. The logic lives in
 ``megatron_jreg.analysis``; model kinds plug in through ``megatron_jreg.analysis.sources``.

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic
@@ -136,6 +138,17 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
     ):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
+    layout_flags = [
+        flag
+        for flag, given in (
+            ("--tensor-model-parallel-size", getattr(args, "tensor_model_parallel_size", 1) != 1),
+            ("--pipeline-model-parallel-size", getattr(args, "pipeline_model_parallel_size", 1) != 1),
+            ("--sequence-parallel", getattr(args, "sequence_parallel", False)),
+        )
+        if given
+    ]
+    if layout_flags and not getattr(args, "load", None):
+        raise InputError(f"{' and '.join(layout_flags)} only apply to --load CKPT")
     report_files = list(args.reports)
     if args.compare is not None:
         if len(args.compare) not in (0, 2):
@@ -165,6 +178,11 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
     return report_files
 
 
+def _is_output_rank() -> bool:
+    """Under torchrun only global rank 0 prints and writes; the others stay quiet."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _measure(entry: SourceEntry, args: argparse.Namespace) -> JumpReport:
     source = entry.open()
     sequences = token_sequences(
@@ -178,19 +196,26 @@ def _measure(entry: SourceEntry, args: argparse.Namespace) -> JumpReport:
     if entry.iteration is not None:
         extra["iteration"] = entry.iteration
     extra.update(entry.extra)
-    return measure_jump(
-        source,
+    # a source spread over ranks (eval_jump --load under torchrun) measures itself
+    measure = getattr(source, "measure", None) or partial(measure_jump, source)
+    return measure(
         sequences,
         batch_size=args.batch_size,
         label=entry.label,
         max_tokens=args.max_tokens,
-        progress=not args.no_progress,
+        progress=not args.no_progress and _is_output_rank(),
         extra=extra,
     )
 
 
 def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     entries = build_sources(args, list(kinds))
+    output = _is_output_rank()
+
+    def show(text: str) -> None:
+        if output:
+            print(text, end="\n\n", flush=True)
+
     report_files = _check_args(args, entries)
     loaded = [load_report(path) for path in report_files]
 
@@ -198,9 +223,9 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     for entry in entries:
         report = _measure(entry, args)
         measured.append((entry, report))
-        print(report.format_table(), end="\n\n", flush=True)
+        show(report.format_table())
     for report in loaded:
-        print(report.format_table(), end="\n\n")
+        show(report.format_table())
     reports = [r for _, r in measured] + loaded
 
     if args.compare is not None:
@@ -209,12 +234,14 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
             raise InputError(
                 f"--compare without files needs exactly two models in the run, got {len(pair)}"
             )
-        print(compare_reports(pair[0], pair[1]).format_table(), end="\n\n")
+        show(compare_reports(pair[0], pair[1]).format_table())
 
     trajectory = sort_trajectory([(e.iteration, r) for e, r in measured if e.iteration is not None])
     if len(trajectory) > 1:
-        print(format_trajectory_table(trajectory), end="\n\n")
+        show(format_trajectory_table(trajectory))
 
+    if not output:
+        return 0
     if args.json:
         payload = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
         write_text_atomic(args.json, json.dumps(payload, indent=2) + "\n")
@@ -239,5 +266,6 @@ def main(argv: Optional[Sequence[str]] = None, kinds: Optional[Sequence[SourceKi
     try:
         return run(args, kinds)
     except InputError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        if _is_output_rank():  # every rank meets the same input error; say it once
+            print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -11,15 +11,25 @@ from megatron_jreg.analysis.jump_accumulator import JumpAccumulator, JumpReport
 from megatron_jreg.analysis.sources import HiddenStateSource
 
 
-def pad_batch(sequences: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(
+    sequences: List[List[int]],
+    pad_id: int,
+    width: Optional[int] = None,
+    rows: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Right-pad to the longest sequence: input_ids [b, s] int64, mask [b, s] bool.
 
     Right padding keeps every real token at the same position as when it runs alone, so
-    with a causal mask a token's states do not depend on its batch-mates.
+    with a causal mask a token's states do not depend on its batch-mates. ``width`` and
+    ``rows`` fix the shape instead (fully masked rows fill a short batch), as pipeline
+    p2p needs.
     """
-    width = max(len(seq) for seq in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    width = width if width is not None else max(len(seq) for seq in sequences)
+    rows = rows if rows is not None else len(sequences)
+    if len(sequences) > rows or any(len(seq) > width for seq in sequences):
+        raise ValueError(f"pad_batch: {len(sequences)} sequences do not fit [{rows}, {width}]")
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.bool)
     for row, seq in enumerate(sequences):
         input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = True

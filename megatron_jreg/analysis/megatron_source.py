@@ -1,5 +1,8 @@
 """Hidden states of our trainer's checkpoints (``eval_jump --load``), on one process.
 
+(Under torchrun, or with ``--tensor-model-parallel-size``/``--pipeline-model-parallel-size``,
+the model is spread over the ranks instead: see :mod:`distributed_measure`.)
+
 The checkpoint is rebuilt as a TP1 PP1 megatron-core GPTModel (see
 :mod:`checkpoint_loader`), whatever layout saved it. Forward hooks on the decoder layers
 hand each layer's input ``h_{l-1}`` and output ``h_l`` ([s, b, h]) to the accumulator:
@@ -80,7 +83,8 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="CKPT",
         default=None,
         help="checkpoint directories of our trainer (its --save); any TP/PP layout is read "
-        "on one process. The latest iteration unless --iteration/--iterations/--all-iterations",
+        "on one process, or under torchrun at --tensor/--pipeline-model-parallel-size. "
+        "The latest iteration unless --iteration/--iterations/--all-iterations",
     )
     which = group.add_mutually_exclusive_group()
     which.add_argument(
@@ -105,14 +109,62 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="PATH",
         help="--load: the run's tokenizer file, when it moved since training",
     )
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--load under torchrun: tensor-parallel ranks (default: 1); the world's remaining "
+        "factor after TP x PP is data parallel",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--load under torchrun: pipeline stages (default: 1)",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="--load under torchrun: split the sequence over the TP ranks (needs TP > 1)",
+    )
 
 
 def _run_name(root: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(root)))
 
 
+def parallel_layout(args: argparse.Namespace):
+    """The ParallelConfig the flags ask for, or None for the one-process TP1 PP1 path."""
+    from megatron_jreg.analysis.distributed_measure import check_layout, launched_world_size
+    from megatron_jreg.model.config import ParallelConfig
+
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    sp = bool(getattr(args, "sequence_parallel", False))
+    world = launched_world_size()
+    if world == 1 and tp == 1 and pp == 1 and not sp:
+        return None
+    try:
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp
+        )
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    if world < tp * pp:
+        raise InputError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
+            f"{tp * pp} processes, but {world} were launched; run under "
+            f"`torchrun --nproc_per_node {tp * pp}` (or a multiple of it)"
+        )
+    check_layout(parallel, world)
+    return parallel
+
+
 def _build(args: argparse.Namespace) -> List[SourceEntry]:
     roots = list(args.load)
+    parallel = parallel_layout(args)
     trajectory = bool(getattr(args, "all_iterations", False) or getattr(args, "iterations", None))
     if trajectory and len(roots) > 1:
         raise InputError(
@@ -140,6 +192,13 @@ def _build(args: argparse.Namespace) -> List[SourceEntry]:
             label = f"{_run_name(root)}@{it}"
 
             def open_source(root: str = root, it: int = it, label: str = label):
+                if parallel is not None:
+                    from megatron_jreg.analysis import distributed_measure as dm
+
+                    sharded = dm.load_sharded_checkpoint(root, it, parallel, device, dtype)
+                    return dm.ShardedCheckpointSource(
+                        sharded, label, include_final_norm, tokenizer_model
+                    )
                 loaded = load_checkpoint_model(root, it, device=device, dtype=dtype)
                 return MegatronCheckpointSource(loaded, label, include_final_norm, tokenizer_model)
 
