@@ -11,12 +11,17 @@ gradients. Per-token outputs (psi, 3 saved scalars, the incoming gradient) are c
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from megatron_jreg.ops import fused_available, token_displacement
+# Run from a checkout, use that checkout's package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_jreg.ops import fused_available, token_displacement  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

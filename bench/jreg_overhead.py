@@ -21,6 +21,10 @@ import os
 import subprocess
 import sys
 
+# Run from a checkout, use that checkout's package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 VARIANTS = ("off", "measure", "fused", "torch")
 
 

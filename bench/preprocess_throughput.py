@@ -25,6 +25,9 @@ import warnings
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
+# Run from a checkout, use that checkout's package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from megatron_jreg.data.demo_corpus import DemoCorpusConfig, iter_demo_documents  # noqa: E402
 from megatron_jreg.data.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from megatron_jreg.data.tokenizer_training import (  # noqa: E402

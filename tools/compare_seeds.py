@@ -11,11 +11,15 @@ bound of the one-sided interval.
 
 import argparse
 import json
+import os
 import sys
 
-from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic
-from megatron_jreg.analysis.errors import InputError
-from megatron_jreg.analysis.seed_stats import (
+# Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic  # noqa: E402
+from megatron_jreg.analysis.errors import InputError  # noqa: E402
+from megatron_jreg.analysis.seed_stats import (  # noqa: E402
     BACKENDS,
     compare_seed_scores,
     format_seed_table,

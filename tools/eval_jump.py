@@ -10,9 +10,13 @@ Options and the report format: ``--help`` and docs/evaluation.md. The logic live
 ``megatron_jreg.analysis``; model kinds plug in through ``megatron_jreg.analysis.sources``.
 """
 
+import os
 import sys
 
-from megatron_jreg.analysis.eval_jump_cli import main
+# Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_jreg.analysis.eval_jump_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,9 +4,13 @@
 """
 
 import argparse
+import os
 import sys
 
-from megatron_jreg.data.demo_corpus import DemoCorpusConfig, write_demo_corpus
+# Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_jreg.data.demo_corpus import DemoCorpusConfig, write_demo_corpus  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -4,10 +4,14 @@
 """
 
 import argparse
+import os
 import sys
 
-from megatron_jreg.data.text_sources import InputError
-from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_sentencepiece
+# Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_jreg.data.text_sources import InputError  # noqa: E402
+from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_sentencepiece  # noqa: E402
 
 
 def main(argv=None) -> int:
