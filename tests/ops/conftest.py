@@ -6,10 +6,6 @@ import torch
 from megatron_jreg.ops import fused_available
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device and the CUDA build of the kernel")
-
-
 def _cuda_skip_reason():
     if not torch.cuda.is_available():
         return "no CUDA device"
