@@ -201,7 +201,8 @@ class DocumentEncoder:
         tok = self.tokenizer
         eod = [tok.eod] if self.spec.append_eod else []
         if self._splitter is None:
-            docs = [tok.encode(t) for t in texts]
+            # One call per chunk: the tokenizer's batch path skips per-document call overhead.
+            docs = tok.encode_batch(texts)
             if eod:
                 for ids in docs:
                     ids.append(tok.eod)
