@@ -40,3 +40,34 @@ run_trainer() {
 load_args() {
   if [ -f "$1/latest_checkpointed_iteration.txt" ]; then echo "--load $1"; fi
 }
+
+# The paper's recipe on GPU nodes, shared by the 170m, 1b and 3b scripts: 100B tokens of
+# FineWeb-Edu in 200K steps. The batch size, schedule and optimizer settings here are ours
+# (the paper does not give them): 256 sequences x 2048 tokens = 0.52M tokens per step,
+# 200000 steps = 105B tokens; cosine decay to a tenth of --lr after 2000 warm-up steps;
+# AdamW (0.9, 0.95), weight decay 0.1, clipping at 1.0; bf16, distributed optimizer.
+#   run_paper_recipe PRESET [per-model flags: parallel layout, micro-batch, --lr, --min-lr]
+run_paper_recipe() {
+  local preset=$1
+  shift
+  : "${DATA_PATH:?set DATA_PATH to the prefix(es) written by tools/preprocess_data.py}"
+  : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the tokenizer the data was made with}"
+  JREG_LAMBDA=${JREG_LAMBDA:-1.0}
+  JREG_ALPHA=${JREG_ALPHA:-1.0}
+  RUN_DIR=${RUN_DIR:-$REPO/runs/${preset}_lambda${JREG_LAMBDA}_alpha${JREG_ALPHA}}
+  cd "$REPO"
+  # shellcheck disable=SC2046,SC2086  # DATA_PATH may be a weighted blend "0.7 a 0.3 b"
+  run_trainer \
+    --model-preset "$preset" --seq-length 2048 \
+    --global-batch-size 256 --train-iters 200000 \
+    --lr-warmup-iters 2000 --lr-decay-style cosine \
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
+    --bf16 --use-distributed-optimizer --transformer-impl "${TRANSFORMER_IMPL:-local}" \
+    --data-path $DATA_PATH --split 99,1,0 \
+    --tokenizer-type "${TOKENIZER_TYPE:-SentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
+    --jreg-lambda "$JREG_LAMBDA" --jreg-alpha "$JREG_ALPHA" --jreg-weighting softmax \
+    --save "$RUN_DIR/checkpoints" --save-interval 2000 $(load_args "$RUN_DIR/checkpoints") \
+    --eval-interval 2000 --eval-iters 20 --log-interval 10 \
+    --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl" \
+    "$@"
+}

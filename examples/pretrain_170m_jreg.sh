@@ -1,30 +1,13 @@
 #!/usr/bin/env bash
 # 170M Llama with JREG (paper: 4x H100, 16 h).
-# Ours: one node of 8 GPUs, data parallel only (the model fits on one GPU).
-# The paper's recipe: 100B tokens of FineWeb-Edu in 200K steps. The batch size, learning
-# rate and schedule below are ours (the paper does not give them): 256 sequences x 2048
-# tokens = 0.52M tokens per step, 200000 steps = 105B tokens.
+# Ours: one node of 8 GPUs, data parallel only (the model fits on one GPU); the recipe
+# shared with 1b and 3b (batch, schedule, optimizer: ours) is run_paper_recipe in
+# launch_common.sh. Micro-batch and learning rate below are ours too.
 #
 #   DATA_PATH=/data/fineweb_edu_text_document TOKENIZER_MODEL=/models/llama2/tokenizer.model \
 #     bash examples/pretrain_170m_jreg.sh
 #   JREG_LAMBDA=0 ... gives the baseline twin; NNODES/NODE_RANK/MASTER_ADDR for multi-node.
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
-: "${DATA_PATH:?set DATA_PATH to the prefix(es) written by tools/preprocess_data.py}"
-: "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the tokenizer the data was made with}"
-JREG_LAMBDA=${JREG_LAMBDA:-1.0}
-JREG_ALPHA=${JREG_ALPHA:-1.0}
-RUN_DIR=${RUN_DIR:-$REPO/runs/170m_lambda${JREG_LAMBDA}_alpha${JREG_ALPHA}}
-cd "$REPO"
-run_trainer \
-  --model-preset 170m --seq-length 2048 \
+run_paper_recipe 170m \
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \
-  --micro-batch-size 16 --global-batch-size 256 --train-iters 200000 \
-  --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 2000 --lr-decay-style cosine \
-  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
-  --bf16 --use-distributed-optimizer --transformer-impl ${TRANSFORMER_IMPL:-local} \
-  --data-path $DATA_PATH --split 99,1,0 \
-  --tokenizer-type ${TOKENIZER_TYPE:-SentencePieceTokenizer} --tokenizer-model "$TOKENIZER_MODEL" \
-  --jreg-lambda "$JREG_LAMBDA" --jreg-alpha "$JREG_ALPHA" --jreg-weighting softmax \
-  --save "$RUN_DIR/checkpoints" --save-interval 2000 $(load_args "$RUN_DIR/checkpoints") \
-  --eval-interval 2000 --eval-iters 20 --log-interval 10 \
-  --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"
+  --micro-batch-size 16 --lr 6e-4 --min-lr 6e-5

@@ -1,0 +1,103 @@
+"""The GPU launch scripts (examples/pretrain_{170m,1b,3b}_*.sh, the alpha sweep): run them with
+stand-in `torchrun`/`python` that record the command, then parse it with the trainer's own
+parser and run the trainer's pre-work validation for an 8-GPU node."""
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import REPO
+from megatron_jreg import cli
+from megatron_jreg.model.config import PRESETS
+from megatron_jreg.training.config import BUILDERS, SECTIONS
+from megatron_jreg.training.trainer import Trainer
+
+RECORDER = """#!/bin/sh
+# stand-in for {name}: one line per call, arguments separated by the unit separator
+printf '%s\\037' "{name}" "$@" >> "$LAUNCH_LOG"
+printf '\\n' >> "$LAUNCH_LOG"
+"""
+
+
+def launch(tmp_path, script, data_prefix, **env_overrides):
+    """The trainer commands a script would run, as (launcher argv, trainer argv) pairs."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for name in ("torchrun", "python"):
+        (bindir / name).write_text(RECORDER.format(name=name))
+        (bindir / name).chmod(0o755)
+    log = tmp_path / "launches.log"
+    log.write_text("")
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", LAUNCH_LOG=str(log),
+               GPUS_PER_NODE="8", DATA_PATH=data_prefix, TOKENIZER_MODEL="/models/tokenizer.model",
+               RUN_DIR=str(tmp_path / "run"))
+    env.pop("EXTRA_ARGS", None)
+    env.update(env_overrides)
+    proc = subprocess.run(["bash", os.path.join(REPO, "examples", script)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = []
+    for line in log.read_text().splitlines():
+        argv = line.split("\037")[:-1]
+        cut = argv.index("megatron_jreg.train")
+        calls.append((argv[:cut - 1], argv[cut + 1:]))
+    return calls
+
+
+def validated(argv, monkeypatch, world_size=8):
+    """The parsed configs, after the trainer's checks that run before any work."""
+    configs = cli.parse(SECTIONS, argv, build=BUILDERS)
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    Trainer(configs)._validate_before_work()
+    return configs
+
+
+@pytest.mark.parametrize("preset, tp", [("170m", 1), ("1b", 1), ("3b", 2)])
+def test_gpu_scripts_launch_a_valid_8_gpu_run(preset, tp, demo_data, tmp_path, monkeypatch):
+    [(launcher, argv)] = launch(tmp_path, f"pretrain_{preset}_jreg.sh", demo_data)
+    assert launcher == ["torchrun", "--standalone", "--nproc_per_node", "8"]
+    c = validated(argv, monkeypatch)
+    model, par, train = c["model"], c["parallel"], c["training"]
+    assert model.num_layers == PRESETS[preset]["num_layers"]
+    assert model.hidden_size == PRESETS[preset]["hidden_size"]
+    assert par.tensor_model_parallel_size == tp and par.sequence_parallel == (tp > 1)
+    assert model.bf16 and c["optim"].use_distributed_optimizer
+    assert model.seq_length == 2048 and train.train_iters == 200_000
+    dp = 8 // (tp * par.pipeline_model_parallel_size)
+    assert train.global_batch_size % (train.micro_batch_size * dp) == 0
+    assert c["jreg"].lam == 1.0 and c["jreg"].alpha == 1.0
+    assert c["checkpoint"].save == str(tmp_path / "run" / "checkpoints")
+    assert c["checkpoint"].load is None  # nothing saved yet: a fresh run
+
+
+def test_baseline_twin_differs_only_in_lambda(demo_data, tmp_path, monkeypatch):
+    [(_, jreg)] = launch(tmp_path, "pretrain_3b_jreg.sh", demo_data)
+    [(_, base)] = launch(tmp_path, "pretrain_3b_baseline.sh", demo_data)
+    a, b = validated(jreg, monkeypatch), validated(base, monkeypatch)
+    assert b["jreg"].lam == 0.0 and a["jreg"].lam == 1.0
+    for section in ("model", "parallel", "optim", "training", "data"):
+        assert a[section] == b[section], section
+
+
+def test_rerun_resumes_and_extra_args_override(demo_data, tmp_path, monkeypatch):
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2000")
+    [(_, argv)] = launch(tmp_path, "pretrain_170m_jreg.sh", demo_data,
+                         EXTRA_ARGS="--micro-batch-size 8 --recompute-granularity selective")
+    c = validated(argv, monkeypatch)
+    assert c["checkpoint"].load == str(ckpt)
+    assert c["training"].micro_batch_size == 8
+    assert c["parallel"].recompute_granularity == "selective"
+
+
+def test_alpha_sweep_runs_the_paper_grid(demo_data, tmp_path, monkeypatch):
+    env = {"RUN_DIR": ""}  # each run picks its own directory from lambda and alpha
+    monkeypatch.chdir(tmp_path)
+    calls = launch(tmp_path, "sweep_alpha_170m.sh", demo_data, **env)
+    runs = [validated(argv, monkeypatch) for _, argv in calls]
+    grid = [(r["jreg"].lam, r["jreg"].alpha) for r in runs]
+    assert grid == [(0.0, 1.0)] + [(1.0, a) for a in (0.0, 0.1, 0.3, 0.5, 1.0, 3.0)]
+    saves = {r["checkpoint"].save for r in runs}
+    assert len(saves) == len(runs), "two sweep runs would share a checkpoint directory"
