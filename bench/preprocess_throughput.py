@@ -9,6 +9,10 @@ interleaved, and the best time counts (the machine may be shared).
     python bench/preprocess_throughput.py --corpus-mb 100 --workers 1 2 4 8
 
 Targets (issue): 2 workers >= 1.7x 1 worker; 1 worker >= 1.3x the naive loop.
+
+Memory: the tool also runs as a command on the corpus and on the same corpus repeated
+``--memory-scale`` times; the peak resident set of its largest process should not grow
+with the corpus (streaming input, spilled index lists, streamed finalize).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import filecmp
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +75,38 @@ def naive_loop(corpus: str, prefix: str, tokenizer) -> None:
     del numpy
 
 
+def peak_rss_mib(argv: list[str]) -> float:
+    """Peak resident set of the largest process of a command (itself or a reaped child)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed with exit code {proc.returncode}")
+    return usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def memory_check(work: str, corpus: str, nbytes: int, scale: int, tok_type: str, tok_model) -> None:
+    big = os.path.join(work, f"corpus_x{scale}.jsonl")
+    with open(corpus, "rb") as src, open(big, "wb") as dst:
+        data = src.read()
+        for _ in range(scale):
+            dst.write(data)
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tools", "preprocess_data.py")
+    peaks = {}
+    for name, path in (("1x", corpus), (f"{scale}x", big)):
+        argv = [sys.executable, tool, "--input", path, "--output-prefix",
+                os.path.join(work, f"mem_{name}"), "--tokenizer-type", tok_type,
+                "--workers", "2", "--append-eod", "--overwrite"]
+        if tok_model:
+            argv += ["--tokenizer-model", tok_model]
+        peaks[name] = peak_rss_mib(argv)
+    one, many = peaks["1x"], peaks[f"{scale}x"]
+    print(f"peak RSS of the largest process: {one:.1f} MiB on {nbytes / 1e6:.0f} MB, "
+          f"{many:.1f} MiB on {scale * nbytes / 1e6:.0f} MB: {many / one:.3f}x for "
+          f"{scale}x the corpus (flat is 1.0x)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus-mb", type=float, default=24.0)
@@ -79,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--sp-model-type", choices=("bpe", "unigram"), default="bpe",
                    help="the trained sentencepiece model: bpe (Llama-2 style) or unigram (3x faster)")
+    p.add_argument("--memory-scale", type=int, default=4,
+                   help="memory check: the corpus repeated this many times (0 skips it)")
     p.add_argument("--workdir", default=None, help="default: a temp dir, removed afterwards")
     args = p.parse_args(argv)
     if args.corpus_mb < 20:
@@ -141,6 +180,8 @@ def main(argv=None) -> int:
                 if w > 1:
                     print(f"{w} workers vs 1 worker: {one / best[f'{w} worker(s)']:.2f}x"
                           + (" (target >= 1.7x)" if w == 2 else ""))
+        if args.memory_scale > 1:
+            memory_check(work, corpus, nbytes, args.memory_scale, tok_type, tok_model)
     return 0
 
 
