@@ -19,7 +19,9 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=7"],
+    # input formats of tools/preprocess_data.py: .zst, Parquet, --split-sentences
+    "data": ["zstandard", "pyarrow", "nltk"],
+    "test": ["pytest>=7", "zstandard", "pyarrow", "nltk"],
     "hf": ["transformers", "safetensors"],
     "plot": ["matplotlib"],
     "stats": ["scipy"],

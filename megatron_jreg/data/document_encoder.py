@@ -89,12 +89,15 @@ class _SentenceSplitter:
     def __init__(self, keep_newlines: bool) -> None:
         import nltk
 
+        # nltk >= 3.9 reads this name from the pickle-free ``punkt_tab`` data; older
+        # releases unpickle ``punkt``.
+        data = "punkt_tab" if hasattr(nltk.tokenize, "PunktTokenizer") else "punkt"
         try:
             splitter = nltk.load("tokenizers/punkt/english.pickle")
         except LookupError:
             raise RuntimeError(
-                "--split-sentences needs nltk's punkt data; run "
-                "python -c \"import nltk; nltk.download('punkt')\""
+                f"--split-sentences needs nltk's {data} data; run "
+                f"python -c \"import nltk; nltk.download('{data}')\" (or point NLTK_DATA at it)"
             ) from None
         if keep_newlines:
             # Punkt drops newlines between sentences; this keeps them, as Megatron-LM does.

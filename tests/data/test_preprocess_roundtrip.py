@@ -129,19 +129,6 @@ def test_json_keys_text_gzip_directory_and_glob(tmp_path):
     assert got == expected
 
 
-def test_split_sentences(tmp_path):
-    pytest.importorskip("nltk")
-    # Needs punkt data too; the tool says how to fetch it when missing.
-    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "One sentence here. And a second one."}])
-    prefix = str(tmp_path / "s")
-    rc = main(["--input", data, "--output-prefix", prefix, "--tokenizer-type", "ByteTokenizer",
-               "--split-sentences", "--append-eod"])
-    if rc == 2:
-        pytest.skip("nltk punkt data not installed")
-    got, ds = read_documents(prefix + "_text_sentence")
-    assert len(got) == 2 and got[-1][-1] == 256
-
-
 @pytest.mark.parametrize("tokenizer_args", ["SentencePieceTokenizer"], indirect=True)
 def test_gpt_dataset_batches(tmp_path, tokenizer_args):
     from megatron_jreg.data.gpt_datasets import GPTDataConfig, build_gpt_datasets
