@@ -91,3 +91,20 @@ def test_bf16_run_tracks_fp32(demo_data, tmp_path):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=2e-2)
         assert b["psi"] == pytest.approx(a["psi"], rel=0.1, abs=1e-3)
     assert rows["bf16"][-1]["lm_loss"] < rows["bf16"][0]["lm_loss"]
+
+
+def test_fp16_loss_scale_reaches_the_penalty(demo_data, tmp_path):
+    """fp16 scales the loss by a dynamic loss scale (2^32 to start) and unscales gradients in
+    the optimizer; the penalty's injected gradient must carry the same scale, or after
+    unscaling JREG does nothing. A strong lambda makes the difference plain: the fp16 run
+    follows fp32 with the same lambda, not fp32 without JREG."""
+    rows = {}
+    for name, extra in (("fp32 off", {"jreg_lambda": 0.0}), ("fp32", {"jreg_lambda": 20.0}),
+                        ("fp16", {"jreg_lambda": 20.0, "fp16": True})):
+        metrics = tmp_path / f"{name.replace(' ', '_')}.jsonl"
+        train(base_args(demo_data, train_iters=10, metrics_file=metrics, **extra))
+        rows[name] = read_metrics(metrics)[-1]
+    off, on, half = rows["fp32 off"]["R"], rows["fp32"]["R"], rows["fp16"]["R"]
+    assert on < 0.8 * off, (on, off)  # the strong penalty moved the fp32 run
+    assert abs(half - on) < 0.2 * abs(off - on), (half, on, off)
+    assert rows["fp16"]["psi"] == pytest.approx(rows["fp32"]["psi"], rel=0.1, abs=1e-3)
