@@ -152,9 +152,14 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         with open(os.path.join(partial, COMPLETE), "w") as f:
             json.dump({"iteration": iteration,
                        "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
+        # Saving an iteration again (a run resumed from an earlier one): move the old copy
+        # aside first, so a crash here leaves one complete copy under some name.
+        stale = final + ".replaced"
+        shutil.rmtree(stale, ignore_errors=True)
         if os.path.exists(final):
-            shutil.rmtree(final)
+            os.replace(final, stale)
         os.replace(partial, final)
+        shutil.rmtree(stale, ignore_errors=True)
         tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tmp, "w") as f:
             f.write(str(iteration))

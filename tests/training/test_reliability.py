@@ -74,6 +74,22 @@ def test_torn_checkpoint_is_detected_and_earlier_one_loads(demo_data, tmp_path):
     assert "loaded checkpoint" in ok.stdout and "iteration 2" in ok.stdout
 
 
+def test_saving_an_iteration_again_replaces_it_whole(demo_data, tmp_path):
+    """Resumed from an earlier checkpoint, a run reaches a saved iteration again: the new
+    save replaces the old one and leaves no side directories; the result loads."""
+    ckpt = tmp_path / "ckpt"
+    first = tmp_path / "first.jsonl"
+    train(base_args(demo_data, train_iters=4, save=ckpt, save_interval=2, metrics_file=first))
+    again = tmp_path / "again.jsonl"
+    train(base_args(demo_data, train_iters=4, save=ckpt, save_interval=2, load=ckpt, ckpt_step=2,
+                    metrics_file=again))
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER]
+    assert open(ckpt / TRACKER).read() == "4"
+    assert read_metrics(again)[-1]["lm_loss"] == read_metrics(first)[-1]["lm_loss"]
+    resumed = train(base_args(demo_data, train_iters=5, load=ckpt))
+    assert "iteration 4" in resumed.stdout
+
+
 def test_corrupt_shard_gives_clear_error(demo_data, tmp_path):
     ckpt = tmp_path / "ckpt"
     train(base_args(demo_data, train_iters=2, save=ckpt))
