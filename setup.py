@@ -21,7 +21,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # input formats of tools/preprocess_data.py: .zst, Parquet, --split-sentences
     "data": ["zstandard", "pyarrow", "nltk"],
-    "test": ["pytest>=7", "zstandard", "pyarrow", "nltk"],
+    "test": ["pytest>=7", "zstandard", "pyarrow", "nltk", "scipy"],
     "hf": ["transformers", "safetensors"],
     "plot": ["matplotlib"],
     "stats": ["scipy"],
