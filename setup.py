@@ -21,11 +21,12 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # input formats of tools/preprocess_data.py: .zst, Parquet, --split-sentences
     "data": ["zstandard", "pyarrow", "nltk"],
-    "test": ["pytest>=7", "zstandard", "pyarrow", "nltk", "scipy"],
     "hf": ["transformers", "safetensors"],
     "plot": ["matplotlib"],
     "stats": ["scipy"],
 }
+# the tests cover the optional readers and both t-test paths (scipy and the exact one)
+EXTRAS["test"] = ["pytest>=7", *EXTRAS["data"], *EXTRAS["stats"]]
 
 
 def _extension_build():

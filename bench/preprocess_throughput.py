@@ -31,7 +31,8 @@ import warnings
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 # Run from a checkout, use that checkout's package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from megatron_jreg.data.demo_corpus import DemoCorpusConfig, iter_demo_documents  # noqa: E402
 from megatron_jreg.data.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
@@ -91,8 +92,7 @@ def memory_check(work: str, corpus: str, nbytes: int, scale: int, tok_type: str,
         data = src.read()
         for _ in range(scale):
             dst.write(data)
-    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "tools", "preprocess_data.py")
+    tool = os.path.join(REPO, "tools", "preprocess_data.py")
     peaks = {}
     for name, path in (("1x", corpus), (f"{scale}x", big)):
         argv = [sys.executable, tool, "--input", path, "--output-prefix",

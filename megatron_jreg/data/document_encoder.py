@@ -89,12 +89,12 @@ class _SentenceSplitter:
     def __init__(self, keep_newlines: bool) -> None:
         import nltk
 
-        # nltk >= 3.9 reads this name from the pickle-free ``punkt_tab`` data; older
-        # releases unpickle ``punkt``.
-        data = "punkt_tab" if hasattr(nltk.tokenize, "PunktTokenizer") else "punkt"
         try:
             splitter = nltk.load("tokenizers/punkt/english.pickle")
         except LookupError:
+            # nltk >= 3.9 reads this name from the pickle-free ``punkt_tab`` data; older
+            # releases unpickle ``punkt``.
+            data = "punkt_tab" if hasattr(nltk.tokenize, "PunktTokenizer") else "punkt"
             raise RuntimeError(
                 f"--split-sentences needs nltk's {data} data; run "
                 f"python -c \"import nltk; nltk.download('{data}')\" (or point NLTK_DATA at it)"

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_jreg.data.preprocess import main
 from megatron_jreg.data.tokenizers import build_tokenizer
-from preprocess_helpers import make_documents
+from preprocess_helpers import make_documents, write_jsonl
 from test_preprocess_roundtrip import read_documents
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,10 +84,9 @@ def run_tool(argv, nltk_data=None):
 def test_split_sentences(tmp_path, punkt_data, keep_newlines):
     docs = ["One sentence here. And a second one.\nThird line? Yes, Dr. Smith agrees.",
             "Just one."]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in docs])
     prefix = str(tmp_path / "s")
-    proc = run_tool(["--input", str(data), "--output-prefix", prefix, *BYTE, "--split-sentences",
+    proc = run_tool(["--input", data, "--output-prefix", prefix, *BYTE, "--split-sentences",
                      "--workers", "2"] + (["--keep-newlines"] if keep_newlines else []),
                     nltk_data=punkt_data)
     assert proc.returncode == 0, proc.stderr
@@ -115,9 +114,8 @@ def test_split_sentences_without_punkt_data_says_how_to_get_it(tmp_path):
         pytest.skip("this machine has punkt data installed")
     except LookupError:
         pass
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"text": "One. Two."}) + "\n")
-    proc = run_tool(["--input", str(data), "--output-prefix", str(tmp_path / "s"), *BYTE,
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "One. Two."}])
+    proc = run_tool(["--input", data, "--output-prefix", str(tmp_path / "s"), *BYTE,
                      "--split-sentences"], nltk_data=str(tmp_path / "empty"))
     assert proc.returncode == 2
     assert "nltk.download('punkt" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -93,9 +93,8 @@ def test_rerun_resumes_and_extra_args_override(demo_data, tmp_path, monkeypatch)
 
 
 def test_alpha_sweep_runs_the_paper_grid(demo_data, tmp_path, monkeypatch):
-    env = {"RUN_DIR": ""}  # each run picks its own directory from lambda and alpha
-    monkeypatch.chdir(tmp_path)
-    calls = launch(tmp_path, "sweep_alpha_170m.sh", demo_data, **env)
+    # RUN_DIR unset: each run picks its own directory from lambda and alpha
+    calls = launch(tmp_path, "sweep_alpha_170m.sh", demo_data, RUN_DIR="")
     runs = [validated(argv, monkeypatch) for _, argv in calls]
     grid = [(r["jreg"].lam, r["jreg"].alpha) for r in runs]
     assert grid == [(0.0, 1.0)] + [(1.0, a) for a in (0.0, 0.1, 0.3, 0.5, 1.0, 3.0)]
