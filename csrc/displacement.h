@@ -14,6 +14,9 @@
 // degenerate token, whose gradient is 0 as in the reference), so that
 //
 //   dpsi/da = -(inv*b - ka*a)/2,   dpsi/db = -(inv*a - kb*b)/2       (one read, one write)
+//
+// A token whose upstream gradient is exactly 0 (masked out of the mean) gets exactly 0
+// gradient without reading a or b: a NaN or inf in a masked token never reaches the model.
 #pragma once
 
 #include <cmath>

@@ -145,13 +145,18 @@ void backward_kernel(const at::Tensor& grad_psi, const at::Tensor& a, const at::
   scalar_t* pgb = grad_b.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, tokens, grain_size(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      scalar_t* rga = pga + t * hidden;
+      scalar_t* rgb = pgb + t * hidden;
+      if (pg[t] == acc_t(0)) {  // a masked-out token: exactly 0, whatever a and b hold
+        std::fill(rga, rga + hidden, scalar_t(0));
+        std::fill(rgb, rgb + hidden, scalar_t(0));
+        continue;
+      }
       const acc_t gcos = acc_t(-0.5) * pg[t];  // dpsi/dcos = -1/2
       const acc_t* s = pstats + t * kStats;
       const acc_t inv = gcos * s[0], ka = gcos * s[1], kb = gcos * s[2];
       const scalar_t* ra = pa + t * hidden;
       const scalar_t* rb = pb + t * hidden;
-      scalar_t* rga = pga + t * hidden;
-      scalar_t* rgb = pgb + t * hidden;
       for (int64_t i = 0; i < hidden; ++i) {
         const acc_t x = static_cast<acc_t>(ra[i]);
         const acc_t y = static_cast<acc_t>(rb[i]);

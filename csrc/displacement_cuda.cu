@@ -114,11 +114,20 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(
   const int64_t warps = int64_t(gridDim.x) * (kThreads / kWarp);
   for (int64_t t = int64_t(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp; t < tokens;
        t += warps) {
-    const acc_t gcos = acc_t(-0.5) * grad_psi[t];  // dpsi/dcos = -1/2
+    const acc_t g = grad_psi[t];
+    const int64_t row = t * hidden;
+    if (g == acc_t(0)) {  // a masked-out token: exactly 0, whatever a and b hold (warp-uniform)
+      const T zero = C::from_acc(acc_t(0));
+      for (int64_t i = lane; i < hidden; i += kWarp) {
+        grad_a[row + i] = zero;
+        grad_b[row + i] = zero;
+      }
+      continue;
+    }
+    const acc_t gcos = acc_t(-0.5) * g;  // dpsi/dcos = -1/2
     const acc_t inv = gcos * stats[t * kStats + 0];
     const acc_t ka = gcos * stats[t * kStats + 1];
     const acc_t kb = gcos * stats[t * kStats + 2];
-    const int64_t row = t * hidden;
     if (kVectorized) {
 #pragma unroll 2
       for (int64_t i = int64_t(lane) * kVec; i < hidden; i += kWarp * kVec) {

@@ -1,7 +1,9 @@
 """Command-line flags generated from the config dataclasses, with YAML files underneath.
 
 Precedence: dataclass defaults < ``--model-preset`` sizes < ``--config FILE.yaml`` < flags.
-A field's flag is its metadata ``flag`` (Megatron-LM's name) or ``--field-name``.
+A field's flag is its metadata ``flag`` (Megatron-LM's name) or ``--field-name``; a field
+with metadata ``cli=False`` (state the program sets, such as the built vocabulary size) has
+no flag but is kept in the saved YAML.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
         group = parser.add_argument_group(section)
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            if not field.init or field.name.startswith("_"):
+            if not field.init or field.name.startswith("_") or field.metadata.get("cli") is False:
                 continue
             flag = _flag(field)
             if flag in seen:

@@ -60,16 +60,22 @@ def displacement(
 
     h_prev, h_next: [..., h]; mask: [...] bool, True = counted (None counts every token).
     impl: "auto" | "fused" | "torch", passed to ``megatron_jreg.ops.token_displacement``.
+    Masked-out tokens never affect the value or the gradients, whatever they hold.
     """
     from megatron_jreg.ops import token_displacement
 
-    psi = token_displacement(h_prev, h_next, impl=impl)
     if mask is None:
-        return psi.mean()
+        return token_displacement(h_prev, h_next, impl=impl).mean()
+    if mask.shape != h_prev.shape[:-1]:
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} must equal the token shape {tuple(h_prev.shape[:-1])} "
+            "(the hidden states' shape without the last dimension)"
+        )
     count = int(mask.sum())
     if count == 0:
         raise ValueError("displacement: the mask counts no tokens; at least one must be True")
-    return masked_sum(psi, mask) / count
+    # masked-out tokens give psi 0 and zero gradient even when they hold NaN
+    return token_displacement(h_prev, h_next, impl=impl, mask=mask).sum() / count
 
 
 def masked_sum(psi: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

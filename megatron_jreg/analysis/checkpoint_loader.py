@@ -2,9 +2,9 @@
 
 Shared by ``eval_jump --load`` and ``tools/convert_to_hf.py``. The run's resolved config
 (``run_config.yaml`` in the iteration directory) rebuilds the model; dist-checkpointing
-reshards the weights from whatever TP/PP/VPP layout wrote them. The vocabulary is padded
-per TP size at save time (``padded_vocab_size(tp)``), so the TP1 model is built with the
-embedding's row count as saved (read from the checkpoint's metadata), not re-padded.
+reshards the weights from whatever TP/PP/VPP layout wrote them. The model is built with
+the embedding's row count as saved (read from the checkpoint's metadata), not re-padded:
+checkpoints of earlier versions padded the vocabulary per TP size.
 
 Everything a user can get wrong (paths, torn saves, a moved tokenizer) raises
 :class:`InputError` before any weights are read where it can.
@@ -20,9 +20,6 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_jreg.analysis.errors import InputError
-
-EMBEDDING_KEY = "embedding.word_embeddings.weight"
-
 
 def _checkpointing():
     from megatron_jreg.training import checkpointing
@@ -104,19 +101,12 @@ def read_run_configs(path: str) -> Dict[str, object]:
 
 
 def saved_vocab_rows(path: str, model_cfg) -> int:
-    """Rows of the saved embedding: the vocabulary as padded for the TP size that saved it."""
-    from megatron.core import dist_checkpointing
-
+    """Rows of the saved embedding: the padded vocabulary the run was built with."""
+    ckpt = _checkpointing()
     try:
-        metadata = dist_checkpointing.load_tensors_metadata(path)
-    except Exception as err:
-        raise InputError(
-            f"{path}: cannot read the checkpoint's tensor metadata ({type(err).__name__}); "
-            "the directory may be damaged: pick another --iteration"
-        ) from None
-    if EMBEDDING_KEY not in metadata:
-        raise InputError(f"{path}: the checkpoint holds no {EMBEDDING_KEY}; not a GPT checkpoint")
-    rows = int(metadata[EMBEDDING_KEY].global_shape[0])
+        rows = ckpt.saved_embedding_rows(path)
+    except ckpt.CheckpointError as err:
+        raise InputError(f"{err}; pick another --iteration") from None
     if model_cfg.vocab_size is not None and rows < model_cfg.vocab_size:
         raise InputError(
             f"{path}: the embedding has {rows} rows but the run config's vocabulary is "
@@ -130,8 +120,7 @@ def eval_model_config(model_cfg, vocab_rows: int, dtype: str = "float32"):
     return dataclasses.replace(
         model_cfg,
         model_preset=None,
-        vocab_size=vocab_rows,
-        make_vocab_size_divisible_by=1,  # already padded: keep the saved row count
+        padded_vocab=vocab_rows,  # already padded: keep the saved row count
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
         hidden_dropout=0.0,
@@ -180,7 +169,7 @@ class LoadedCheckpoint:
 
     @property
     def padded_vocab_size(self) -> int:
-        return int(self.model_config.vocab_size)
+        return int(self.model_config.padded_vocab_size())
 
     @property
     def seed(self) -> int:

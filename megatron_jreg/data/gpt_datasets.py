@@ -1,8 +1,9 @@
 """Train/valid/test GPT datasets over preprocessed ``.bin``/``.idx`` data, via megatron-core.
 
 The trainer calls ``build_gpt_datasets``; everything goes through megatron-core's
-``BlendedMegatronDatasetBuilder`` and ``GPTDataset`` unchanged, so blends, splits and the
-index cache behave exactly as in Megatron-LM.
+``BlendedMegatronDatasetBuilder`` and ``GPTDataset``, so blends, splits and the index cache
+behave exactly as in Megatron-LM. Each sample also carries ``token_mask`` (see
+:func:`token_masked_gpt_dataset_class`): JREG's displacement counts real tokens only.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def build_gpt_datasets(
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefixes, weights = config.blend()
@@ -103,7 +104,7 @@ def build_gpt_datasets(
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
     builder = BlendedMegatronDatasetBuilder(
-        GPTDataset,
+        token_masked_gpt_dataset_class(),
         [train_samples, valid_samples, test_samples],
         lambda: True,  # every rank builds (or loads cached) indices; megatron syncs if needed
         gpt_config,
@@ -131,3 +132,46 @@ def _single_rank_group_if_needed():
         yield
     finally:
         dist.destroy_process_group()
+
+
+_TOKEN_MASKED_CLASS = None
+
+
+def token_masked_gpt_dataset_class():
+    """megatron-core's ``GPTDataset`` whose samples also carry ``token_mask`` ([s] bool).
+
+    ``token_mask`` is False exactly at the positions whose input token is padding that
+    GPTDataset appended (a sample that runs past the end of the data). GPTDataset maps
+    padding to token id 0 and marks it only through ``loss_mask``, which also drops EOD
+    targets under ``eod_mask_loss`` and the last real token (its target is padding); so
+    the padding is read from the sample before that mapping: the trailing run of the pad
+    id (padding is only ever appended). Real tokens, EOD included, are counted.
+    """
+    global _TOKEN_MASKED_CLASS
+    if _TOKEN_MASKED_CLASS is not None:
+        return _TOKEN_MASKED_CLASS
+    import numpy
+    import torch
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    class TokenMaskedGPTDataset(GPTDataset):
+        def _query_document_sample_shuffle_indices(self, idx):
+            text, document_ids = super()._query_document_sample_shuffle_indices(idx)
+            pad = text == self._pad_token_id
+            # the real prefix: everything before the trailing run of padding
+            trailing = len(text) if pad.all() else int(numpy.argmin(pad[::-1]))
+            self._real_tokens = len(text) - trailing
+            return text, document_ids
+
+        def __getitem__(self, idx):
+            sample = super().__getitem__(idx)
+            mask = torch.zeros(sample["tokens"].shape[0], dtype=torch.bool)
+            mask[:self._real_tokens] = True
+            sample["token_mask"] = mask
+            return sample
+
+    # megatron keys its sample-index cache by the class name: keep GPTDataset's, so the
+    # cache (and the sample order) is the one Megatron-LM builds for the same data
+    TokenMaskedGPTDataset.__name__ = TokenMaskedGPTDataset.__qualname__ = "GPTDataset"
+    _TOKEN_MASKED_CLASS = TokenMaskedGPTDataset
+    return _TOKEN_MASKED_CLASS

@@ -1,4 +1,9 @@
-"""Build megatron-core GPTModel chunks in Llama form with JREG layers."""
+"""Build megatron-core GPTModel chunks in Llama form with JREG layers.
+
+The model is the same under every layout: the vocabulary is padded independently of TP,
+and the megatron-core workarounds of :mod:`megatron_jreg.platform.mcore_fixes` and the
+sequence-parallel RMSNorm of :mod:`megatron_jreg.model.norm` apply on every device.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +16,27 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_jreg.model.config import ModelConfig, ParallelConfig
+from megatron_jreg.model.config import ModelConfig, ParallelConfig, resolve_transformer_impl
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
+from megatron_jreg.model.norm import RMSNorm
+from megatron_jreg.platform import mcore_fixes
+
+
+def _impl(model: ModelConfig) -> str:
+    return resolve_transformer_impl(model.transformer_impl)[0]
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """megatron's TransformerConfig for a Llama-form model under the given split."""
     vp = parallel.virtual_stages(model.num_layers)
     dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
-    te = model.transformer_impl == "transformer_engine"
+    te = _impl(model) == "transformer_engine"
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -61,27 +77,58 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         bias_dropout_fusion=te,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # Free each pipeline stage's output activations once sent (Megatron-LM's default
+        # with PP); needs viewless stage outputs, which the JREG layer guarantees.
+        deallocate_pipeline_outputs=True,
     )
+
+
+def jreg_layer_spec(base: ModuleSpec, tracker: Optional[JregTracker]) -> ModuleSpec:
+    """``base`` (a dense TransformerLayer spec) with its layer swapped for the JREG one.
+
+    Refuses what JREG does not measure: a layer that is not megatron's TransformerLayer, or
+    a mixture-of-experts MLP.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if not (isinstance(base.module, type) and issubclass(base.module, TransformerLayer)):
+        raise ValueError(f"JREG wraps megatron's TransformerLayer; the spec builds {base.module!r}")
+    mlp = getattr(base.submodules, "mlp", None)
+    mlp_module = getattr(mlp, "module", mlp)
+    if isinstance(mlp_module, type) and issubclass(mlp_module, MoELayer):
+        raise ValueError("not supported with JREG yet: a mixture-of-experts layer spec "
+                         "(the JREG layer measures dense Transformer layers only)")
+    return ModuleSpec(module=JregTransformerLayer, submodules=base.submodules,
+                      params=dict(base.params or {}, jreg_tracker=tracker))
 
 
 def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec:
     """The Llama layer spec with megatron's TransformerLayer swapped for the JREG one."""
-    if model.transformer_impl == "transformer_engine":
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec,
-            )
-            import transformer_engine  # noqa: F401
-        except ImportError as err:
-            raise RuntimeError(
-                "--transformer-impl transformer_engine needs Transformer Engine installed "
-                f"({err}); install it or use --transformer-impl local") from err
-        spec = get_gpt_layer_with_transformer_engine_spec()
+    if _impl(model) == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return jreg_layer_spec(get_gpt_layer_with_transformer_engine_spec(), tracker)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    # megatron's local norm (WrappedTorchNorm) refuses sequence parallelism: ours does not
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    return jreg_layer_spec(spec, tracker)
+
+
+def block_spec(model: ModelConfig, config: TransformerConfig, tracker: Optional[JregTracker],
+               vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+    """This stage's layers and final norm. Given explicitly because megatron's default final
+    norm for a layer spec is Apex's FusedLayerNorm when Apex is installed (no RMSNorm) and
+    WrappedTorchNorm otherwise (no sequence parallelism)."""
+    if _impl(model) == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.module = JregTransformerLayer
-    spec.params = dict(spec.params or {}, jreg_tracker=tracker)
-    return spec
+        final_norm = RMSNorm
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(model, tracker)] * layers,
+                                      layer_norm=final_norm)
 
 
 def build_model(
@@ -94,8 +141,17 @@ def build_model(
 
     parallel_state must already be initialised with the same TP/PP/VPP sizes.
     """
+    mcore_fixes.apply()
     config = config or transformer_config(model, parallel)
-    vocab = model.padded_vocab_size(parallel.tensor_model_parallel_size)
+    if config.num_moe_experts:
+        raise ValueError("not supported with JREG yet: num_moe_experts (mixture-of-experts layers)")
+    if config.context_parallel_size != 1:
+        raise ValueError("not supported with JREG yet: context parallelism")
+    vocab = model.padded_vocab_size()
+    tp = parallel.tensor_model_parallel_size
+    if vocab % tp:
+        raise ValueError(f"the padded vocabulary ({vocab} rows) is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; pick a TP that divides it")
     vp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vp or 1):
@@ -103,7 +159,7 @@ def build_model(
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec(model, tracker),
+                transformer_layer_spec=block_spec(model, config, tracker, stage),
                 vocab_size=vocab,
                 max_sequence_length=model.max_positions,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

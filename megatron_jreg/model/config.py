@@ -26,6 +26,31 @@ PRESETS = {
 }
 
 
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (its megatron-core extension included)."""
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions import transformer_engine as _te  # noqa: F401
+    except Exception:  # ImportError, or a TE build that does not match this torch/CUDA
+        return False
+    return True
+
+
+def resolve_transformer_impl(impl: str) -> tuple:
+    """(``local`` or ``transformer_engine``, why) for ``--transformer-impl impl``."""
+    if impl == "auto":
+        if transformer_engine_available():
+            return "transformer_engine", "Transformer Engine is installed"
+        return "local", "Transformer Engine is not installed (pip install transformer-engine[pytorch])"
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError("--transformer-impl transformer_engine needs Transformer Engine installed; "
+                         "install it or use --transformer-impl local (or auto)")
+    return impl, "requested with --transformer-impl"
+
+
 def _flag(name: str, help_text: str, **extra) -> dict:
     return {"flag": name, "help": help_text, **extra}
 
@@ -50,7 +75,12 @@ class ModelConfig:
     vocab_size: Optional[int] = field(default=None, metadata=_flag(
         "--vocab-size", "vocabulary size; default the tokenizer's"))
     make_vocab_size_divisible_by: int = field(default=128, metadata=_flag(
-        "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP"))
+        "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this, whatever "
+        "the TP size (Megatron-LM multiplies by TP; here the model does not depend on the "
+        "layout), so TP must divide it"))
+    padded_vocab: Optional[int] = field(default=None, metadata={
+        "cli": False, "help": "embedding rows as built: set by the trainer (from a loaded "
+        "checkpoint's embedding when resuming) and saved in run_config.yaml"})
     rotary_base: int = field(default=10000, metadata=_flag("--rotary-base", "RoPE base"))
     norm_epsilon: float = field(default=1e-5, metadata=_flag("--norm-epsilon", "RMSNorm epsilon"))
     init_method_std: float = field(default=0.02, metadata=_flag(
@@ -60,8 +90,11 @@ class ModelConfig:
         "--attention-dropout", "attention dropout"))
     bf16: bool = field(default=False, metadata=_flag("--bf16", "bf16 params and activations"))
     fp16: bool = field(default=False, metadata=_flag("--fp16", "fp16 with dynamic loss scaling"))
-    transformer_impl: str = field(default="local", metadata=_flag(
-        "--transformer-impl", "local (torch) or transformer_engine (needs TE installed)"))
+    transformer_impl: str = field(default="auto", metadata=_flag(
+        "--transformer-impl", "auto (Transformer Engine when it imports, else local), "
+        "transformer_engine or local (torch)"))
+    num_experts: Optional[int] = field(default=None, metadata=_flag(
+        "--num-experts", "mixture-of-experts layers: not supported with JREG yet"))
 
     def __post_init__(self):
         if self.model_preset is not None:
@@ -81,9 +114,16 @@ class ModelConfig:
                 f"{self.num_attention_heads}")
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are exclusive; pass one")
-        if self.transformer_impl not in ("local", "transformer_engine"):
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of "
+                             f"{', '.join(TRANSFORMER_IMPLS)}")
+        if self.num_experts:
             raise ValueError(
-                f"--transformer-impl {self.transformer_impl!r}: choose local or transformer_engine")
+                f"--num-experts {self.num_experts}: not supported with JREG yet: the JREG layer "
+                "measures dense Transformer layers only; drop --num-experts")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
+                             f"{self.make_vocab_size_divisible_by}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
             raise ValueError(
                 f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
@@ -109,10 +149,15 @@ class ModelConfig:
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
-    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+    def padded_vocab_size(self) -> int:
+        """Embedding rows: ``padded_vocab`` when set (a resumed checkpoint's), else the
+        vocabulary rounded up to ``make_vocab_size_divisible_by``; never a function of the
+        parallel layout, so one seed gives one model under every TP/PP/DP split."""
+        if self.padded_vocab is not None:
+            return self.padded_vocab
         if self.vocab_size is None:
             raise ValueError("vocab size unknown: set --vocab-size or give a tokenizer")
-        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
 
@@ -128,6 +173,10 @@ class ParallelConfig:
         "--num-layers-per-virtual-pipeline-stage", "layers per model chunk (interleaved pipeline)"))
     sequence_parallel: bool = field(default=False, metadata=_flag(
         "--sequence-parallel", "split norms/dropout activations over TP ranks along the sequence"))
+    context_parallel_size: int = field(default=1, metadata=_flag(
+        "--context-parallel-size", "context-parallel ranks: not supported with JREG yet"))
+    expert_model_parallel_size: int = field(default=1, metadata=_flag(
+        "--expert-model-parallel-size", "expert-parallel ranks: not supported with JREG yet"))
     recompute_granularity: Optional[str] = field(default=None, metadata=_flag(
         "--recompute-granularity", "full or selective activation recomputation"))
     recompute_method: Optional[str] = field(default=None, metadata=_flag(
@@ -141,6 +190,16 @@ class ParallelConfig:
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+        if self.context_parallel_size != 1:
+            raise ValueError(
+                f"--context-parallel-size {self.context_parallel_size}: not supported with JREG "
+                "yet: each layer's displacement is a mean over the whole sequence, which context "
+                "parallelism splits over ranks; use --sequence-parallel with TP, or more data "
+                "parallelism")
+        if self.expert_model_parallel_size != 1:
+            raise ValueError(
+                f"--expert-model-parallel-size {self.expert_model_parallel_size}: not supported "
+                "with JREG yet: the JREG layer measures dense Transformer layers only")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if self.recompute_granularity not in (None, "full", "selective"):

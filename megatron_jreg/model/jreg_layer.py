@@ -21,8 +21,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
 
-from megatron_jreg.jreg import layer_weights, masked_sum
+from megatron_jreg.jreg import layer_weights
 from megatron_jreg.model.config import JregConfig
 from megatron_jreg.ops import token_displacement
 
@@ -56,6 +57,10 @@ class JregTracker:
     """
 
     def __init__(self, config: JregConfig, num_layers: int, sequence_parallel: bool = False):
+        if (parallel_state.model_parallel_is_initialized()
+                and parallel_state.get_context_parallel_world_size() != 1):
+            raise ValueError("not supported with JREG yet: context parallelism (each layer's "
+                             "displacement is a mean over the whole sequence)")
         self.config = config
         self.num_layers = num_layers
         self.sequence_parallel = sequence_parallel
@@ -85,26 +90,29 @@ class JregTracker:
         self._recompute_masks.clear()
 
     # ---- called by each layer -------------------------------------------------------------
-    def _local_mask(self, psi: torch.Tensor):
+    def _local_mask(self, hidden: torch.Tensor):
         """(mask as [s_local, b] for this rank's slice of the sequence or None, the number of
-        tokens counted in the whole micro-batch, all TP ranks' slices included)."""
+        tokens counted in the whole micro-batch, all TP ranks' slices included).
+
+        hidden: this rank's [s_local, b, h] hidden states."""
+        tokens_shape = tuple(hidden.shape[:-1])
         if self.token_mask is None:
-            tokens = psi.numel()
+            tokens = hidden[..., 0].numel()
             if self.sequence_parallel:
                 tokens *= parallel_state.get_tensor_model_parallel_world_size()
             return None, float(tokens)
         # the full-sequence mask is known on every TP rank: no communication needed
-        count = self.token_mask.sum().to(device=psi.device, dtype=torch.float32).clamp(min=1.0)
+        count = self.token_mask.sum().to(device=hidden.device, dtype=torch.float32).clamp(min=1.0)
         mask = self.token_mask.t()  # [s, b]
         if self.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             rank = parallel_state.get_tensor_model_parallel_rank()
             mask = mask.chunk(tp, dim=0)[rank]
-        if tuple(mask.shape) != tuple(psi.shape):
+        if tuple(mask.shape) != tokens_shape:
             raise ValueError(
                 f"JREG token mask {tuple(mask.shape)} does not match the layer's tokens "
-                f"{tuple(psi.shape)} ([s, b]); set_token_mask takes [b, s]")
-        return mask, count
+                f"{tokens_shape} ([s, b]); set_token_mask takes [b, s]")
+        return mask.to(device=hidden.device), count
 
     def observe(self, layer_number: int, h_prev: torch.Tensor, h_next: torch.Tensor) -> torch.Tensor:
         """Measure layer ``layer_number`` (global, 1-based) and attach its penalty.
@@ -120,19 +128,23 @@ class JregTracker:
         if not (record or attach):
             return h_next
         with torch.set_grad_enabled(attach):
-            psi = token_displacement(h_prev, h_next, impl=self.config.impl)  # [s_local, b] fp32
             if checkpointing and grad:  # the recompute: the mask of its own micro-batch
                 mask, count = self._recompute_masks[layer_number].popleft()
             else:
-                mask, count = self._local_mask(psi)
+                mask, count = self._local_mask(h_next)
                 if checkpointing and self.config.lam > 0.0:
                     self._recompute_masks[layer_number].append((mask, count))
-            partial = masked_sum(psi, mask) / count
+            # [s_local, b] fp32; masked-out tokens give 0 and zero gradient (NaN included)
+            psi = token_displacement(h_prev, h_next, impl=self.config.impl, mask=mask)
+            partial = psi.sum() / count
         if record:
             self._record(layer_number, partial.detach())
         if attach:
             penalty = partial * (self.config.lam * self._weights_list[layer_number - 1])
-            h_next = JregLossCarrier.apply(h_next, penalty, self)
+            # A custom Function returning its input gives a view; a stage's output must be
+            # viewless for the schedule's deallocate_output_tensor (deallocate_pipeline_outputs).
+            h_next = make_viewless_tensor(JregLossCarrier.apply(h_next, penalty, self),
+                                          requires_grad=True, keep_graph=True)
         return h_next
 
     def _record(self, layer_number: int, partial: torch.Tensor) -> None:
@@ -180,6 +192,11 @@ class JregTransformerLayer(TransformerLayer):
 
     def __init__(self, *args, jreg_tracker: Optional[JregTracker] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.config.context_parallel_size != 1:
+            raise ValueError("not supported with JREG yet: context parallelism (each layer's "
+                             "displacement is a mean over the whole sequence)")
+        if self.config.num_moe_experts:
+            raise ValueError("not supported with JREG yet: mixture-of-experts layers")
         self.jreg_tracker = jreg_tracker
 
     def forward(self, *args, **kwargs):

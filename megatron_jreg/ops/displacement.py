@@ -16,7 +16,7 @@ tested against; ``impl="torch"`` selects it.
 from __future__ import annotations
 
 import math
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -140,12 +140,29 @@ def resolve_impl(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> str:
     return "fused" if fits and fused_available(a.device) else "torch"
 
 
-def token_displacement(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+def token_displacement(a: torch.Tensor, b: torch.Tensor, impl: str = "auto",
+                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token psi = (1 - cos(a, b)) / 2 over the last dimension; differentiable in a and b.
 
     a, b: [..., h], same shape. Returns [...] in fp32 (float64 for float64 input).
     impl: "auto" | "fused" | "torch" (see ``resolve_impl``).
+    mask: [...] bool, True = counted. A masked-out token gets psi 0 and exactly zero
+    gradient, whatever its hidden states hold (NaN and inf included), on both paths.
     """
+    if mask is not None:
+        if tuple(mask.shape) != tuple(a.shape[:-1]):
+            raise ValueError(f"token_displacement: mask {tuple(mask.shape)} must be the tokens' "
+                             f"shape {tuple(a.shape[:-1])}")
+        mask = mask.to(device=a.device, dtype=torch.bool)
     if resolve_impl(a, b, impl) == "fused":
-        return FusedTokenDisplacement.apply(a, b)
-    return token_displacement_reference(a, b)
+        # the kernel's backward gives exactly 0 to a token whose upstream gradient is 0
+        psi = FusedTokenDisplacement.apply(a, b)
+    else:
+        if mask is not None:  # autograd would give 0 * NaN = NaN: zero the inputs instead
+            keep = mask.unsqueeze(-1)
+            a = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device))
+            b = torch.where(keep, b, torch.zeros((), dtype=b.dtype, device=b.device))
+        psi = token_displacement_reference(a, b)
+    if mask is None:
+        return psi
+    return torch.where(mask, psi, torch.zeros((), dtype=psi.dtype, device=psi.device))

@@ -5,15 +5,16 @@ demo) :func:`activate` redirects each of them; on a GPU run it is never called. 
 patch names the megatron file and the behaviour it answers to; ``tests/platform`` covers
 each one. The redirections are process-global and idempotent.
 
-Bugs of 0.16.1 that also hit GPU users without Apex/TE live in
-:mod:`megatron_jreg.platform.mcore_fixes`, not here.
+Only device redirection lives here. Workarounds for megatron-core bugs and for missing
+optional packages (Transformer Engine, Apex) apply on every device and live in
+:mod:`megatron_jreg.platform.mcore_fixes` (and the layer spec), applied by the model
+builder whatever the device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import queue
 
 import torch
 
@@ -116,68 +117,15 @@ def _patch_rng() -> None:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
-    # CheckpointWithoutOutput.__init__(fp8=False) stores fp8 = (fp8 is not None), i.e. True,
-    # then reaches for Transformer Engine's FP8 state (NameError without TE) under selective
-    # recompute of layernorm/mlp. Without TE there is no FP8.
-    cls = mrandom.CheckpointWithoutOutput
-    if not getattr(cls.__init__, "_megatron_jreg_cpu", False):
-        original_init = cls.__init__
-
-        def init(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
-            if not mrandom.HAVE_TE:
-                self.fp8 = False
-
-        init._megatron_jreg_cpu = True
-        cls.__init__ = init
-
-
-def _patch_sequence_parallel_norm() -> None:
-    # transformer/torch_norm.py: WrappedTorchNorm (the local spec's norm) asserts
-    # `not config.sequence_parallel`. Sequence parallelism only needs the norm weights
-    # marked `sequence_parallel`, so finalize_model_grads all-reduces them over TP.
-    from megatron.core.transformer import torch_norm
-
-    cls = torch_norm.WrappedTorchNorm
-    if getattr(cls.__new__, "_megatron_jreg_cpu", False):
-        return
-    original_new = cls.__new__
-
-    def new(cls_, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-            zero_centered_gamma=False, normalization="LayerNorm"):
-        if not config.sequence_parallel:
-            return original_new(cls_, config, hidden_size, eps, persist_layer_norm,
-                                zero_centered_gamma, normalization)
-        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    new._megatron_jreg_cpu = True
-    cls.__new__ = new
-
-
-def _patch_checkpoint_writer() -> None:
-    # dist_checkpointing/strategies/filesystem_async.py: the writer's result queue is a
-    # spawn-context Manager().Queue(), which starts a server process that re-imports
-    # __main__. Synchronous saves run the writer in this process, so a plain queue works.
-    # (Asynchronous saves are a GPU-run feature and are not used on CPU.)
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    filesystem_async._results_queue = queue.Queue()
-
 
 def activate() -> None:
-    """Apply every CPU redirection (idempotent). Call before building models/optimizers."""
+    """Apply every CPU redirection (idempotent). Call before building models/optimizers.
+
+    It applies no megatron-core fix: those come from ``build_model`` and
+    ``initialize_distributed`` on every device, so CPU runs (CI) take the GPU runs' path."""
     global _ACTIVE
     if _ACTIVE:
         return
     _patch_torch_devices()
     _patch_rng()
-    _patch_sequence_parallel_norm()
-    _patch_checkpoint_writer()
-    from megatron_jreg.platform import mcore_fixes
-
-    mcore_fixes.apply()
     _ACTIVE = True

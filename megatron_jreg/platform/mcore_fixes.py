@@ -1,16 +1,64 @@
-"""Fixes for megatron-core 0.16.1 bugs on the path without Apex or Transformer Engine.
+"""Workarounds for megatron-core 0.16.1 bugs and missing optional packages, on every device.
 
-They bite CPU runs and GPU users without those packages alike (torch.optim.Adam under
-``DistributedOptimizer``), so :func:`apply` is called by every run; each fix is a no-op
-when Apex or TE provides the optimizer. All of them concern checkpoint state of
-``megatron/core/optimizer/distrib_optimizer.py``.
+These are not CPU matters: a GPU run without Transformer Engine or Apex hits each of them.
+:func:`apply` is idempotent and is called by :func:`megatron_jreg.model.builder.build_model`
+and by :func:`megatron_jreg.distributed.setup.initialize_distributed`, whatever the device;
+:mod:`megatron_jreg.platform.cpu` only maps CUDA onto the CPU. Each fix names the
+megatron-core line it answers to and is tested on its own in ``tests/platform``.
+
+| fix | megatron-core 0.16.1 | hits |
+|---|---|---|
+| :func:`fix_checkpoint_without_output_fp8` | ``tensor_parallel/random.py:636`` | selective recompute of layernorm/mlp without TE |
+| :func:`fix_checkpoint_writer_queue` | ``dist_checkpointing/strategies/filesystem_async.py:54`` | every synchronous save |
+| :func:`fix_distributed_optimizer_checkpoints` | ``optimizer/distrib_optimizer.py:641, 820, 911`` | DistributedOptimizer + torch Adam (no Apex/TE) |
+| sequence-parallel RMSNorm (``model/norm.py``) | ``transformer/torch_norm.py:32``, ``transformer/transformer_block.py:63`` | ``--sequence-parallel`` without TE |
+| viewless JREG carrier output (``model/jreg_layer.py``) | ``pipeline_parallel/schedules.py`` ``deallocate_output_tensor`` | PP with ``deallocate_pipeline_outputs`` |
+
+The last two are fixed through megatron-core's seams (the layer/block spec and our own
+layer), not by patching, so they need no entry in :func:`apply`.
 """
 
 from __future__ import annotations
 
+import queue
+
 import torch
 
 _APPLIED = False
+
+
+def fix_checkpoint_without_output_fp8() -> None:
+    """``CheckpointWithoutOutput.__init__(fp8=False)`` stores ``self.fp8 = fp8 is not None``,
+    i.e. True (``tensor_parallel/random.py:636``), and its forward then calls Transformer
+    Engine's ``FP8GlobalStateManager`` (line 589): a NameError without TE under selective
+    recompute of ``layernorm`` or ``mlp``. Without TE there is no FP8, so fp8 is False."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CheckpointWithoutOutput
+    if getattr(cls.__init__, "_megatron_jreg_fix", False):
+        return
+    original_init = cls.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if not mrandom.HAVE_TE:
+            self.fp8 = False
+
+    init._megatron_jreg_fix = True
+    cls.__init__ = init
+
+
+def fix_checkpoint_writer_queue() -> None:
+    """The dist-checkpointing writer collects results through a spawn-context
+    ``Manager().Queue()`` (``dist_checkpointing/strategies/filesystem_async.py:54``), which
+    starts a server process that re-imports ``__main__`` (a second copy of the training
+    script's imports, and a failure for ``python -c`` or stdin). Our saves are synchronous:
+    the writer runs in this process, so an in-process queue carries the results. (Async
+    saves, which would need the cross-process queue, are not offered.)"""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _fresh_state_dict(optimizer) -> dict:
@@ -25,16 +73,18 @@ def _fresh_state_dict(optimizer) -> dict:
     return state
 
 
-def apply() -> None:
-    global _APPLIED
-    if _APPLIED:
-        return
+def fix_distributed_optimizer_checkpoints() -> None:
+    """Three checkpoint bugs of ``DistributedOptimizer`` on the torch-Adam path (no Apex/TE);
+    each is a no-op when Apex or TE provides the optimizer."""
     from megatron.core.optimizer import distrib_optimizer as do
 
     cls = do.DistributedOptimizer
+    if getattr(cls.state_dict, "_megatron_jreg_fix", False):
+        return
 
-    # (1) state_dict() asserts every param already holds an Adam 'step', so building the
-    # sharded state dict to *load into* a fresh optimizer dies with a bare AssertionError.
+    # (1) state_dict() asserts every param already holds an Adam 'step' (line 641), so
+    # building the sharded state dict to *load into* a fresh optimizer dies with a bare
+    # AssertionError.
     original_state_dict = cls.state_dict
 
     def state_dict(self):
@@ -42,12 +92,10 @@ def apply() -> None:
             return _fresh_state_dict(self)
         return original_state_dict(self)
 
-    cls.state_dict = state_dict
-
-    # (2) _set_main_param_and_optimizer_states copies every live Adam key including 'step':
-    # fully_reshardable loads raise KeyError: 'step', dp_reshardable silently resets the
-    # step to 0; and it copy_()s into views of leaf params with grad enabled. load_state_dict
-    # already set the right step from param_groups, so keep the live one.
+    # (2) _set_main_param_and_optimizer_states (line 911) copies every live Adam key
+    # including 'step': fully_reshardable loads raise KeyError: 'step', dp_reshardable
+    # silently resets the step to 0; and it copy_()s into views of leaf params with grad
+    # enabled. load_state_dict already set the right step from param_groups: keep it.
     original_set_states = cls._set_main_param_and_optimizer_states
 
     def set_states(self, model_param, tensors):
@@ -59,10 +107,8 @@ def apply() -> None:
         with torch.no_grad():
             return original_set_states(self, model_param, tensors)
 
-    cls._set_main_param_and_optimizer_states = set_states
-
-    # (3) load_state_dict puts ONE step tensor into every param's state; torch Adam
-    # increments it in place once per param, so bias correction drifts after a resume.
+    # (3) load_state_dict puts ONE step tensor into every param's state (line 820); torch
+    # Adam increments it in place once per param, so bias correction drifts after a resume.
     original_load = cls.load_state_dict
 
     def load_state_dict(self, state_dict):
@@ -72,5 +118,25 @@ def apply() -> None:
                 if "step" in state:
                     state["step"] = state["step"].clone()
 
+    state_dict._megatron_jreg_fix = True
+    cls.state_dict = state_dict
+    cls._set_main_param_and_optimizer_states = set_states
     cls.load_state_dict = load_state_dict
+
+
+FIXES = (fix_checkpoint_without_output_fp8, fix_checkpoint_writer_queue,
+         fix_distributed_optimizer_checkpoints)
+
+
+def apply() -> None:
+    """Apply every fix (idempotent). Called before any model or optimizer is built."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    for fix in FIXES:
+        fix()
     _APPLIED = True
+
+
+def is_applied() -> bool:
+    return _APPLIED

@@ -90,6 +90,25 @@ def read_run_config(path: str) -> Optional[str]:
     return open(file).read() if os.path.exists(file) else None
 
 
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def saved_embedding_rows(path: str) -> int:
+    """Rows of the embedding saved in iteration directory ``path``: the padded vocabulary
+    the run was built with (from the dist-checkpoint metadata; no tensor is read)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(path)
+    except Exception as err:
+        raise CheckpointError(
+            f"cannot read the tensor metadata of {path} ({type(err).__name__}); the directory "
+            "may be damaged: load an earlier one with --ckpt-step") from None
+    if EMBEDDING_KEY not in metadata:
+        raise CheckpointError(f"{path} holds no {EMBEDDING_KEY}; not a GPT checkpoint")
+    return int(metadata[EMBEDDING_KEY].global_shape[0])
+
+
 def model_sharded_state_dict(model_chunks) -> Dict:
     modules = [getattr(chunk, "module", chunk) for chunk in model_chunks]
     if len(modules) == 1:

@@ -87,6 +87,7 @@ class Trainer:
         from megatron.core import parallel_state
 
         from megatron_jreg.data.tokenizers import build_tokenizer
+        from megatron_jreg.model.config import resolve_transformer_impl
         from megatron_jreg.distributed.setup import (
             initialize_distributed,
             initialize_model_parallel,
@@ -104,6 +105,10 @@ class Trainer:
                 f"{self.tokenizer.vocab_size}; drop --vocab-size to use the tokenizer's")
         initialize_distributed()
         self.device = torch.device("cpu") if use_cpu() else torch.device("cuda", torch.cuda.current_device())
+        impl, why = resolve_transformer_impl(self.model_cfg.transformer_impl)
+        log(f"transformer implementation: {impl} ({why})")
+        self.model_cfg.transformer_impl = impl  # the saved run config records what ran
+        self._resolve_padded_vocab()
         initialize_model_parallel(self.model_cfg, self.parallel)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -133,10 +138,47 @@ class Trainer:
             self.wandb = None
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler)
 
+    def _resolve_padded_vocab(self) -> None:
+        """Embedding rows: a resumed checkpoint's own (so a checkpoint padded otherwise, e.g.
+        by an earlier version that multiplied by TP, still loads), else the vocabulary
+        padded to --make-vocab-size-divisible-by. Recorded in the saved run config."""
+        from megatron_jreg.training.checkpointing import (
+            iteration_dir,
+            resolve_iteration,
+            saved_embedding_rows,
+        )
+
+        m = self.model_cfg
+        m.padded_vocab = None
+        rows = m.padded_vocab_size()
+        if self.ckpt_cfg.load:
+            path = iteration_dir(self.ckpt_cfg.load,
+                                 resolve_iteration(self.ckpt_cfg.load, self.ckpt_cfg.ckpt_step))
+            saved = saved_embedding_rows(path)
+            tp = self.parallel.tensor_model_parallel_size
+            if saved < m.vocab_size:
+                raise ValueError(f"--load {self.ckpt_cfg.load}: the saved embedding has {saved} rows, "
+                                 f"fewer than the tokenizer's {m.vocab_size}; wrong tokenizer or checkpoint")
+            if saved % tp:
+                raise ValueError(f"--load {self.ckpt_cfg.load}: the saved embedding has {saved} rows, "
+                                 f"not divisible by --tensor-model-parallel-size {tp}; pick a TP that "
+                                 "divides it")
+            if saved != rows:
+                log(f"vocabulary: keeping the checkpoint's {saved} embedding rows "
+                    f"(--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} gives {rows})")
+            rows = saved
+        m.padded_vocab = rows
+
     def _validate_before_work(self) -> None:
         """Config errors that need no process group: fail before any work."""
         self.parallel.virtual_stages(self.model_cfg.num_layers)
         tp = self.parallel.tensor_model_parallel_size
+        multiple = self.model_cfg.make_vocab_size_divisible_by
+        if multiple % tp and not self.ckpt_cfg.load:
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} does not divide --make-vocab-size-divisible-by "
+                f"{multiple}: the vocabulary is padded to a multiple of it under every layout; "
+                f"pass --make-vocab-size-divisible-by {multiple * tp // math.gcd(multiple, tp)}")
         if self.model_cfg.num_attention_heads % tp or self.model_cfg.query_groups % tp:
             raise ValueError(
                 f"--tensor-model-parallel-size {tp} must divide --num-attention-heads "
@@ -243,11 +285,13 @@ class Trainer:
         for j in range(self.num_microbatches):
             first = start + j * mbs * self.dp_size + self.dp_rank * mbs
             samples = [dataset[(first + k) % len(dataset)] for k in range(mbs)]
-            batch = {}
-            for key in ("tokens", "labels", "loss_mask", "position_ids"):
-                batch[key] = torch.stack([torch.as_tensor(s[key]) for s in samples]).to(
-                    self.device, non_blocking=True)
-            batches.append(batch)
+            batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+                     for key in ("tokens", "labels", "loss_mask", "position_ids", "token_mask")
+                     if key in samples[0]}
+            # JREG counts real tokens only; without padding every token counts (the fast path)
+            if "token_mask" in batch and bool(batch["token_mask"].all()):
+                del batch["token_mask"]
+            batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
         return batches
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -364,8 +408,8 @@ class Trainer:
                 f"jreg penalty {penalty:.6f} | zeta_L {zeta['zeta_L']:.3f} | lr {lr:.3e} | "
                 f"grad norm {grad_norm:.3f} | tokens/s {tps:,.0f}")
         if self.device.type == "cuda":
-            flops = model_flops_per_token(self.model_cfg, self.model_cfg.padded_vocab_size(
-                self.parallel.tensor_model_parallel_size)) * tps / dist.get_world_size()
+            flops = (model_flops_per_token(self.model_cfg, self.model_cfg.padded_vocab_size())
+                     * tps / dist.get_world_size())
             line += f" | TFLOP/s/GPU {flops / 1e12:.1f}"
         line += f" | mem {mem:.2f} GiB"
         skipped = sum(w["skipped"] for w in window)

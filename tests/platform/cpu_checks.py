@@ -50,21 +50,11 @@ torch.set_rng_state(default_state)
 obs["fork_differs_from_default"] = not torch.equal(a, plain)
 obs["cuda_rng_state_empty"] = mrandom._get_cuda_rng_state().numel() == 0
 
-# selective recompute helper without Transformer Engine
-obs["checkpoint_without_output_fp8"] = mrandom.CheckpointWithoutOutput().fp8
-
-# sequence-parallel norm on the local spec
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
-
-cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
-                        sequence_parallel=True, tensor_model_parallel_size=2)
-norm = WrappedTorchNorm(cfg, 8, eps=1e-5, normalization="RMSNorm")
-obs["sp_norm"] = [type(norm).__name__, all(getattr(p, "sequence_parallel", False) for p in norm.parameters())]
-x = torch.randn(3, 8)
-obs["sp_norm_is_rmsnorm"] = torch.allclose(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-
+# device redirection only: no megatron-core fix rides on the CPU platform
+from megatron_jreg.platform import mcore_fixes  # noqa: E402
 from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
 
+obs["mcore_fixes_applied"] = mcore_fixes.is_applied()
+obs["checkpoint_without_output_fp8"] = mrandom.CheckpointWithoutOutput().fp8
 obs["writer_queue_is_local"] = isinstance(filesystem_async._results_queue, queue.Queue)
 print("CHECKS " + json.dumps(obs))

@@ -40,14 +40,9 @@ def test_rng_tracker_is_cpu_and_isolated(checks):
     assert checks["cuda_rng_state_empty"]
 
 
-def test_selective_recompute_has_no_fp8_without_te(checks):
-    assert checks["checkpoint_without_output_fp8"] is False
-
-
-def test_sequence_parallel_norm(checks):
-    assert checks["sp_norm"] == ["RMSNorm", True]
-    assert checks["sp_norm_is_rmsnorm"]
-
-
-def test_checkpoint_writer_queue(checks):
-    assert checks["writer_queue_is_local"]
+def test_cpu_platform_carries_no_megatron_core_fix(checks):
+    """The fixes apply on every device from the model builder; activate() maps devices only
+    (megatron-core's own, unfixed behaviour is still visible after it)."""
+    assert checks["mcore_fixes_applied"] is False
+    assert checks["checkpoint_without_output_fp8"] is True
+    assert checks["writer_queue_is_local"] is False

@@ -26,4 +26,4 @@ with FlopCounterMode(display=False) as counter:
     loss = model(tokens, pos, causal_attention_mask(S), labels=tokens).sum()
     loss.backward()
 print(json.dumps({"counted": counter.get_total_flops(),
-                  "formula": model_flops_per_token(cfg, cfg.padded_vocab_size(1)) * B * S}))
+                  "formula": model_flops_per_token(cfg, cfg.padded_vocab_size()) * B * S}))
