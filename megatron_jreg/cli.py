@@ -60,7 +60,7 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
             seen[flag] = f"{section}.{field.name}"
             dest = f"{section}.{field.name}"
             metavar = field.name.upper()
-            help_text = field.metadata.get("help", "")
+            help_text = field.metadata.get("help", "").replace("%", "%%")  # argparse formats it
             kind, is_list = _base_type(hints[field.name])
             if kind is bool and flag.startswith("--no-"):  # already a negation: a plain switch
                 group.add_argument(flag, dest=dest, action="store_const", const=True, help=help_text)

@@ -49,6 +49,13 @@ def test_resolved_config_round_trips():
     (["--data-path", "x", "--sequence-parallel"], "--sequence-parallel needs"),
     (["--data-path", "x", "--bf16", "--fp16"], "exclusive"),
     (["--data-path", "x", "--jreg-lambda", "-1"], "--jreg-lambda must be >= 0"),
+    # megatron-core features JREG does not support yet: refused by name, not "unrecognized"
+    (["--data-path", "x", "--context-parallel-size", "2"],
+     "--context-parallel-size 2: not supported with JREG yet"),
+    (["--data-path", "x", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size 2: not supported with JREG yet"),
+    (["--data-path", "x", "--num-experts", "8"], "--num-experts 8: not supported with JREG yet"),
+    (["--data-path", "x", "--transformer-impl", "te"], "--transformer-impl 'te': choose one of"),
 ])
 def test_bad_flags_exit_2_with_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -63,3 +70,58 @@ def test_yaml_unknown_key(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse(["--config", str(cfg), "--data-path", "x"])
     assert "unknown setting 'learning_rate'" in capsys.readouterr().err
+
+
+def test_tp_must_divide_the_vocabulary_multiple(monkeypatch):
+    """The vocabulary is padded to --make-vocab-size-divisible-by whatever the TP size, so
+    a TP that does not divide it is refused before any work, with the multiple that fits."""
+    from megatron_jreg.training.trainer import Trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    c = parse(["--data-path", "x", "--tensor-model-parallel-size", "2",
+               "--make-vocab-size-divisible-by", "3"])
+    with pytest.raises(ValueError, match=r"does not divide --make-vocab-size-divisible-by 3.*"
+                                         r"pass --make-vocab-size-divisible-by 6"):
+        Trainer(c)._validate_before_work()
+
+
+def test_padded_vocabulary_does_not_depend_on_tp():
+    c = parse(["--data-path", "x", "--vocab-size", "259", "--tensor-model-parallel-size", "2"])
+    assert c["model"].padded_vocab_size() == 384  # 128 * 3, not 256 * 2
+    c = parse(["--data-path", "x", "--vocab-size", "259", "--make-vocab-size-divisible-by", "64"])
+    assert c["model"].padded_vocab_size() == 320
+    assert "--padded-vocab" not in cli.build_parser(SECTIONS).format_help()  # set by the trainer
+
+
+def test_transformer_impl_auto_resolves_to_what_is_installed():
+    from megatron_jreg.model.config import resolve_transformer_impl, transformer_engine_available
+
+    assert parse(["--data-path", "x"])["model"].transformer_impl == "auto"
+    impl, why = resolve_transformer_impl("auto")
+    if transformer_engine_available():
+        assert impl == "transformer_engine"
+    else:
+        assert impl == "local" and "not installed" in why
+        with pytest.raises(ValueError, match="needs Transformer Engine installed"):
+            resolve_transformer_impl("transformer_engine")
+    assert resolve_transformer_impl("local")[0] == "local"
+
+
+def test_trainer_help_runs_and_lists_every_flag():
+    """`python -m megatron_jreg.train --help` as a user types it (a % in a help text once
+    crashed argparse's formatter)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, run_env
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_jreg.train", "--help"], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for section, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            if field.metadata.get("cli") is False:
+                assert f"--{field.name.replace('_', '-')}" not in proc.stdout
+            elif "flag" in field.metadata:
+                assert field.metadata["flag"] in proc.stdout, field.metadata["flag"]
+    assert "default 10% of decay" in proc.stdout
