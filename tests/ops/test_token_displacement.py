@@ -235,3 +235,50 @@ def test_torch_compile_traces_the_op():
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(cga, ga)
     torch.testing.assert_close(cgb, gb)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["fused", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_tokens_never_give_nan_gradients(device, impl, dtype):
+    """NaN and inf in masked-out tokens (e.g. padding) give psi 0 there and exactly zero
+    gradient there; the counted tokens' values and gradients equal those of the same
+    tokens alone (the reference on the clean rows)."""
+    a, b = _inputs((6, 5, 64), dtype, device, seed=3)
+    mask = torch.rand(6, 5, generator=torch.Generator().manual_seed(4)) > 0.4
+    mask[0, 0] = True
+    mask = mask.to(device)
+    bad_a, bad_b = a.clone(), b.clone()
+    bad_a[~mask] = float("nan")
+    bad_b[~mask] = float("inf")
+    bad_a, bad_b = bad_a.requires_grad_(True), bad_b.requires_grad_(True)
+    psi = token_displacement(bad_a, bad_b, impl=impl, mask=mask)
+    loss = displacement(bad_a, bad_b, mask=mask, impl=impl)
+    loss.backward()
+    assert torch.isfinite(psi).all() and bool((psi[~mask] == 0).all())
+    assert torch.isfinite(bad_a.grad).all() and torch.isfinite(bad_b.grad).all()
+    assert bool((bad_a.grad[~mask] == 0).all()) and bool((bad_b.grad[~mask] == 0).all())
+    # the counted tokens: the float64 reference over those rows only
+    ra = a[mask].double().cpu().requires_grad_(True)
+    rb = b[mask].double().cpu().requires_grad_(True)
+    ref = token_displacement_reference(ra, rb).mean()
+    ref.backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=tol, atol=1e-6)
+    scale = float(ra.grad.abs().max())
+    assert float((bad_a.grad[mask].double().cpu() - ra.grad).abs().max()) <= tol * scale
+    assert float((bad_b.grad[mask].double().cpu() - rb.grad).abs().max()) <= tol * scale
+
+
+def test_a_zero_upstream_gradient_skips_the_token_in_the_kernel():
+    """The kernel's rule behind masking: upstream gradient exactly 0 -> exactly 0, without
+    reading the token (so 0 * NaN never happens); other tokens are untouched."""
+    a, b = _inputs((4, 16), torch.float32, "cpu", seed=5)
+    a[1] = float("nan")
+    a, b = a.requires_grad_(True), b.requires_grad_(True)
+    psi = token_displacement(a, b, impl="fused")
+    weight = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    (psi * weight).sum().backward()
+    assert bool((a.grad[1] == 0).all()) and bool((b.grad[1] == 0).all())
+    assert bool((a.grad[3] == 0).all())
+    assert float(a.grad[0].abs().max()) > 0 and float(b.grad[2].abs().max()) > 0
