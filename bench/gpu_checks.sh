@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# One prepared run for a machine with a GPU: build with the CUDA kernel, run the GPU-marked
-# tests, then the GPU benchmarks (op time and bandwidth at [2048, 4, 3072] bf16; step time
-# and memory of a training step at the 170m preset's dimensions, JREG off / fused / torch).
-# Prints everything; writes nothing outside the working tree.
+# One prepared run for a machine with a GPU (about 8 minutes on one H200): install with the
+# CUDA kernel, then bench/gpu_checks.py: the GPU-marked tests, the op's bandwidth against
+# the GPU's peak, JREG's step overhead at 170m, the 3B script's model flags at 2 layers
+# (local spec and Transformer Engine when installed; bf16, selective recompute of
+# layernorm), tokens/s and MFU at 170m. Ends with one summary table; exit 1 if a check failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-pip install -q --no-build-isolation -e ".[test]"
+pip install -q --no-build-isolation --no-deps -e .
 python -c "import torch, megatron_jreg._C as c; print('CUDA kernel built:', c.cuda_built())"
-python -m pytest -q -m gpu tests/ops
-python bench/displacement_op.py --device cuda --dtype bf16
-python bench/jreg_overhead.py --device cuda --layers 12 --hidden 768 --seq 2048 --micro-batch 8 --vocab 32000
+python bench/gpu_checks.py --device cuda "$@"

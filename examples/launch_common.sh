@@ -8,6 +8,7 @@
 #   RUN_DIR        where checkpoints, TensorBoard logs and metrics go
 #   JREG_LAMBDA    0 gives the baseline twin of a JREG script (same everything else)
 #   JREG_ALPHA     the depth weighting alpha
+#   TRANSFORMER_IMPL  auto (default: Transformer Engine when installed), local or transformer_engine
 #   EXTRA_ARGS     more trainer flags, appended last (they override the script's)
 
 set -euo pipefail
@@ -62,7 +63,7 @@ run_paper_recipe() {
     --global-batch-size 256 --train-iters 200000 \
     --lr-warmup-iters 2000 --lr-decay-style cosine \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
-    --bf16 --use-distributed-optimizer --transformer-impl "${TRANSFORMER_IMPL:-local}" \
+    --bf16 --use-distributed-optimizer --transformer-impl "${TRANSFORMER_IMPL:-auto}" \
     --data-path $DATA_PATH --split 99,1,0 \
     --tokenizer-type "${TOKENIZER_TYPE:-SentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
     --jreg-lambda "$JREG_LAMBDA" --jreg-alpha "$JREG_ALPHA" --jreg-weighting softmax \

@@ -100,3 +100,43 @@ def test_alpha_sweep_runs_the_paper_grid(demo_data, tmp_path, monkeypatch):
     assert grid == [(0.0, 1.0)] + [(1.0, a) for a in (0.0, 0.1, 0.3, 0.5, 1.0, 3.0)]
     saves = {r["checkpoint"].save for r in runs}
     assert len(saves) == len(runs), "two sweep runs would share a checkpoint directory"
+
+
+def test_3b_script_builds_its_model_without_the_cpu_platform(demo_data, tmp_path):
+    """The 3B script's exact model and layout flags (TP=2 + sequence parallelism, bf16,
+    --transformer-impl auto), at 2 layers, built by 2 ranks in processes where the CPU
+    redirection never ran (tests/platform/gpu_path_worker.py): what a GPU node builds
+    without Transformer Engine. Its norms run forward and backward on the SP shards."""
+    import dataclasses
+    import json
+    import sys
+
+    from conftest import run_env
+
+    [(_, argv)] = launch(tmp_path, "pretrain_3b_jreg.sh", demo_data)
+    c = cli.parse(SECTIONS, argv, build=BUILDERS)
+    assert c["model"].transformer_impl == "auto" and c["parallel"].sequence_parallel
+    model = dict(dataclasses.asdict(c["model"]), num_layers=2, vocab_size=32000)
+    case = {"model": model, "parallel": dataclasses.asdict(c["parallel"])}
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"out_dir": str(out), "cases": {"3b": case}}))
+    worker = os.path.join(REPO, "tests", "platform", "gpu_path_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", worker, str(spec)], env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for rank in range(2):
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        got = report["cases"]["3b"]
+        assert report["cpu_redirection_active"] is False
+        assert got["ok"], got.get("error")
+        assert got["layers"] == [1, 2] and got["norms_sp_marked"] is True
+        assert got["norms_run"] == 5 and got["norm_grads_finite"]
+        assert got["embedding_rows"] == [32000 // 2]  # 32000 is a multiple of 128: no padding
+        # half of each TP-split matrix per rank: 2 layers + embedding + output layer
+        h, ffn = PRESETS["3b"]["hidden_size"], PRESETS["3b"]["ffn_hidden_size"]
+        kv = h // PRESETS["3b"]["num_attention_heads"] * PRESETS["3b"]["num_query_groups"]
+        layer = (h * (h + 2 * kv) + h * h + 3 * h * ffn) // 2 + 2 * h
+        assert got["params_on_rank"] == 2 * layer + 2 * 32000 * h // 2 + h
