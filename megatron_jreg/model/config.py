@@ -44,7 +44,8 @@ def resolve_transformer_impl(impl: str) -> tuple:
     if impl == "auto":
         if transformer_engine_available():
             return "transformer_engine", "Transformer Engine is installed"
-        return "local", "Transformer Engine is not installed (pip install transformer-engine[pytorch])"
+        return "local", ("Transformer Engine is not installed; "
+                         "pip install transformer-engine[pytorch] to use it")
     if impl == "transformer_engine" and not transformer_engine_available():
         raise ValueError("--transformer-impl transformer_engine needs Transformer Engine installed; "
                          "install it or use --transformer-impl local (or auto)")
