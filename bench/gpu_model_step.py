@@ -18,7 +18,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # one_device_model
 
 # bf16 dense peak of the GPU, TFLOP/s (NVIDIA's datasheet figures, without sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -32,23 +33,12 @@ def peak_tflops(name: str):
 
 
 def run(args) -> dict:
-    if args.device == "cpu":
-        os.environ["MEGATRON_JREG_DEVICE"] = "cpu"
-    import torch
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
+    import one_device_model
 
-    from megatron_jreg.distributed.setup import (
-        initialize_distributed,
-        initialize_model_parallel,
-        seed_everything,
-    )
-    from megatron_jreg.model.builder import build_model, transformer_config
+    device = one_device_model.start(args.device)
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     from megatron_jreg.model.config import (
         JregConfig,
         ModelConfig,
@@ -59,7 +49,6 @@ def run(args) -> dict:
     from megatron_jreg.training.step import forward_backward
     from megatron_jreg.training.trainer import model_flops_per_token
 
-    initialize_distributed()
     overrides = {"vocab_size": args.vocab, "bf16": args.bf16,
                  "transformer_impl": resolve_transformer_impl(args.transformer_impl)[0]}
     if args.layers:
@@ -70,32 +59,16 @@ def run(args) -> dict:
     recompute = {}
     if args.recompute_modules:
         recompute = {"recompute_granularity": "selective", "recompute_modules": args.recompute_modules}
-    parallel = ParallelConfig(**recompute)
-    initialize_model_parallel(model_cfg, parallel)
-    seed_everything(1234)
-    config = transformer_config(model_cfg, parallel)
     tracker = JregTracker(JregConfig(lam=args.jreg_lambda, alpha=1.0), model_cfg.num_layers)
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    chunks = build_model(model_cfg, parallel, tracker, config)
-    for chunk in chunks:
-        chunk.to(device)
-    if args.bf16:
-        chunks = [Float16Module(config, chunk) for chunk in chunks]
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=True)
-    chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    config, chunks = one_device_model.build(model_cfg, ParallelConfig(**recompute), tracker, device,
+                                            float16_module=args.bf16, distributed_optimizer=True)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-4, bf16=args.bf16, params_dtype=config.params_dtype,
         use_distributed_optimizer=True, clip_grad=1.0), chunks)
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
 
-    s, b, v = model_cfg.seq_length, args.micro_batch, args.vocab
-    gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, v, (b, s + 1), generator=gen)
-    batch = {"tokens": seq[:, :-1].contiguous().to(device), "labels": seq[:, 1:].contiguous().to(device),
-             "loss_mask": torch.ones(b, s, device=device),
-             "position_ids": torch.arange(s, device=device).expand(b, s).contiguous()}
+    s, b = model_cfg.seq_length, args.micro_batch
+    batch = one_device_model.random_batch(args.vocab, b, s, device)
 
     def step():
         for chunk in chunks:

@@ -23,6 +23,7 @@ import sys
 
 # Run from a checkout, use that checkout's package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # one_device_model
 
 
 VARIANTS = ("off", "measure", "fused", "torch")
@@ -60,55 +61,26 @@ def _saved_for_backward_bytes(step) -> int:
 
 def run_variant(args) -> dict:
     """One process: build the model, warm up, measure one step. Returns MiB figures."""
-    if args.device == "cpu":
-        os.environ["MEGATRON_JREG_DEVICE"] = "cpu"
-    import torch
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    import one_device_model
 
-    from megatron_jreg.distributed.setup import (
-        initialize_distributed,
-        initialize_model_parallel,
-        seed_everything,
-    )
-    from megatron_jreg.model.builder import build_model, transformer_config
+    device = one_device_model.start(args.device)
+    import torch
+
     from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
     from megatron_jreg.model.jreg_layer import JregTracker
     from megatron_jreg.training.step import forward_backward
 
-    initialize_distributed()
     model_cfg = ModelConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
         seq_length=args.seq, vocab_size=args.vocab, bf16=args.bf16,
     )
-    parallel = ParallelConfig()
-    initialize_model_parallel(model_cfg, parallel)
-    seed_everything(1234)
-    config = transformer_config(model_cfg, parallel)
     tracker = None
     if args.variant == "measure":  # lambda = 0: metrics only, no gradient
         tracker = JregTracker(JregConfig(lam=0.0, alpha=1.0, impl="auto"), model_cfg.num_layers)
     elif args.variant != "off":
         tracker = JregTracker(JregConfig(lam=1.0, alpha=1.0, impl=args.variant), model_cfg.num_layers)
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    chunks = build_model(model_cfg, parallel, tracker, config)
-    for chunk in chunks:
-        chunk.to(device)
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
-    chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-    config.finalize_model_grads_func = finalize_model_grads
-
-    gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
-    batch = {
-        "tokens": seq[:, :-1].contiguous().to(device),
-        "labels": seq[:, 1:].contiguous().to(device),
-        "loss_mask": torch.ones(args.micro_batch, args.seq, device=device),
-        "position_ids": torch.arange(args.seq, device=device).expand(args.micro_batch, args.seq).contiguous(),
-    }
+    _, chunks = one_device_model.build(model_cfg, ParallelConfig(), tracker, device)
+    batch = one_device_model.random_batch(args.vocab, args.micro_batch, args.seq, device)
 
     def step():
         for chunk in chunks:

@@ -64,18 +64,14 @@ def displacement(
     """
     from megatron_jreg.ops import token_displacement
 
+    # masked-out tokens give psi 0 and zero gradient even when they hold NaN
+    psi = token_displacement(h_prev, h_next, impl=impl, mask=mask)
     if mask is None:
-        return token_displacement(h_prev, h_next, impl=impl).mean()
-    if mask.shape != h_prev.shape[:-1]:
-        raise ValueError(
-            f"mask shape {tuple(mask.shape)} must equal the token shape {tuple(h_prev.shape[:-1])} "
-            "(the hidden states' shape without the last dimension)"
-        )
+        return psi.mean()
     count = int(mask.sum())
     if count == 0:
         raise ValueError("displacement: the mask counts no tokens; at least one must be True")
-    # masked-out tokens give psi 0 and zero gradient even when they hold NaN
-    return token_displacement(h_prev, h_next, impl=impl, mask=mask).sum() / count
+    return psi.sum() / count
 
 
 def masked_sum(psi: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -143,10 +143,6 @@ def build_model(
     """
     mcore_fixes.apply()
     config = config or transformer_config(model, parallel)
-    if config.num_moe_experts:
-        raise ValueError("not supported with JREG yet: num_moe_experts (mixture-of-experts layers)")
-    if config.context_parallel_size != 1:
-        raise ValueError("not supported with JREG yet: context parallelism")
     vocab = model.padded_vocab_size()
     tp = parallel.tensor_model_parallel_size
     if vocab % tp:

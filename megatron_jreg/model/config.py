@@ -7,6 +7,7 @@ trainer's argument parser is generated from these dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +30,7 @@ PRESETS = {
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
+@functools.lru_cache(maxsize=None)
 def transformer_engine_available() -> bool:
     """True when Transformer Engine imports (its megatron-core extension included)."""
     try:

@@ -28,6 +28,10 @@ from megatron_jreg.model.config import JregConfig
 from megatron_jreg.ops import token_displacement
 
 
+CONTEXT_PARALLEL_UNSUPPORTED = ("not supported with JREG yet: context parallelism (each layer's "
+                                "displacement is a mean over the whole sequence)")
+
+
 class JregLossCarrier(torch.autograd.Function):
     """Identity on ``output``; backward hands ``penalty`` the gradient ``scale``.
 
@@ -59,8 +63,7 @@ class JregTracker:
     def __init__(self, config: JregConfig, num_layers: int, sequence_parallel: bool = False):
         if (parallel_state.model_parallel_is_initialized()
                 and parallel_state.get_context_parallel_world_size() != 1):
-            raise ValueError("not supported with JREG yet: context parallelism (each layer's "
-                             "displacement is a mean over the whole sequence)")
+            raise ValueError(CONTEXT_PARALLEL_UNSUPPORTED)
         self.config = config
         self.num_layers = num_layers
         self.sequence_parallel = sequence_parallel
@@ -193,8 +196,7 @@ class JregTransformerLayer(TransformerLayer):
     def __init__(self, *args, jreg_tracker: Optional[JregTracker] = None, **kwargs):
         super().__init__(*args, **kwargs)
         if self.config.context_parallel_size != 1:
-            raise ValueError("not supported with JREG yet: context parallelism (each layer's "
-                             "displacement is a mean over the whole sequence)")
+            raise ValueError(CONTEXT_PARALLEL_UNSUPPORTED)
         if self.config.num_moe_experts:
             raise ValueError("not supported with JREG yet: mixture-of-experts layers")
         self.jreg_tracker = jreg_tracker

@@ -151,8 +151,9 @@ def token_displacement(a: torch.Tensor, b: torch.Tensor, impl: str = "auto",
     """
     if mask is not None:
         if tuple(mask.shape) != tuple(a.shape[:-1]):
-            raise ValueError(f"token_displacement: mask {tuple(mask.shape)} must be the tokens' "
-                             f"shape {tuple(a.shape[:-1])}")
+            raise ValueError(
+                f"mask shape {tuple(mask.shape)} must equal the token shape {tuple(a.shape[:-1])} "
+                "(the hidden states' shape without the last dimension)")
         mask = mask.to(device=a.device, dtype=torch.bool)
     if resolve_impl(a, b, impl) == "fused":
         # the kernel's backward gives exactly 0 to a token whose upstream gradient is 0
