@@ -52,21 +52,23 @@ def complete_iterations(root: str) -> List[int]:
     return sorted(found)
 
 
-def resolve_iteration(root: str, iteration: Optional[int] = None) -> int:
-    """The iteration to load: ``iteration`` or the tracker's, checked to be whole."""
+def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str = "--ckpt-step",
+                      root_flag: str = "--load") -> int:
+    """The iteration to load: ``iteration`` or the tracker's, checked to be whole. Messages
+    name the caller's flags (``step_flag`` picks an iteration, ``root_flag`` the directory)."""
     if not os.path.isdir(root):
-        raise CheckpointError(f"checkpoint directory {root!r} does not exist; check --load")
+        raise CheckpointError(f"checkpoint directory {root!r} does not exist; check {root_flag}")
     whole = complete_iterations(root)
     if iteration is None:
         tracker = os.path.join(root, TRACKER)
         if not os.path.exists(tracker):
             if os.path.exists(os.path.join(root, COMPLETE)):  # an iter_ directory itself
                 raise CheckpointError(
-                    f"{root!r} is one iteration's directory; pass its parent to --load and "
-                    f"--ckpt-step {os.path.basename(root)[5:].lstrip('0') or 0}")
+                    f"{root!r} is one iteration's directory; pass its parent to {root_flag} and "
+                    f"{step_flag} {os.path.basename(root)[5:].lstrip('0') or 0}")
             raise CheckpointError(
                 f"{root!r} has no {TRACKER}: not a megatron-jreg checkpoint directory, or no "
-                f"save finished" + (f"; whole iterations here: {whole}, pick one with --ckpt-step"
+                f"save finished" + (f"; whole iterations here: {whole}, pick one with {step_flag}"
                                     if whole else ""))
         text = open(tracker).read().strip()
         if not text.isdigit():
@@ -78,8 +80,8 @@ def resolve_iteration(root: str, iteration: Optional[int] = None) -> int:
             f"iteration {iteration} is not under {root!r}; whole iterations: {whole or 'none'}")
     if not os.path.exists(os.path.join(path, COMPLETE)):
         earlier = [i for i in whole if i < iteration]
-        hint = (f"load an earlier one with --ckpt-step {earlier[-1]}" if earlier
-                else "no earlier whole checkpoint exists; start without --load")
+        hint = (f"load an earlier one with {step_flag} {earlier[-1]}" if earlier
+                else f"no earlier whole checkpoint exists; start without {root_flag}")
         raise CheckpointError(f"checkpoint {path} is incomplete (torn save: no {COMPLETE}); {hint}")
     return iteration
 
@@ -93,7 +95,7 @@ def read_run_config(path: str) -> Optional[str]:
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 
-def saved_embedding_rows(path: str) -> int:
+def saved_embedding_rows(path: str, step_flag: str = "--ckpt-step") -> int:
     """Rows of the embedding saved in iteration directory ``path``: the padded vocabulary
     the run was built with (from the dist-checkpoint metadata; no tensor is read)."""
     from megatron.core import dist_checkpointing
@@ -103,7 +105,7 @@ def saved_embedding_rows(path: str) -> int:
     except Exception as err:
         raise CheckpointError(
             f"cannot read the tensor metadata of {path} ({type(err).__name__}); the directory "
-            "may be damaged: load an earlier one with --ckpt-step") from None
+            f"may be damaged: load an earlier one with {step_flag}") from None
     if EMBEDDING_KEY not in metadata:
         raise CheckpointError(f"{path} holds no {EMBEDDING_KEY}; not a GPT checkpoint")
     return int(metadata[EMBEDDING_KEY].global_shape[0])
@@ -188,11 +190,11 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
 
 
 def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer=None,
-                    scheduler=None) -> Tuple[int, Dict]:
+                    scheduler=None, step_flag: str = "--ckpt-step") -> Tuple[int, Dict]:
     """Load weights (and optimizer, schedule, RNG when given); returns (iteration, train_state)."""
     from megatron.core import dist_checkpointing
 
-    iteration = resolve_iteration(root, iteration)
+    iteration = resolve_iteration(root, iteration, step_flag=step_flag)
     path = iteration_dir(root, iteration)
     state = model_sharded_state_dict(model_chunks)
     if optimizer is not None:
@@ -207,7 +209,7 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     except (Exception, CheckpointException) as err:
         raise CheckpointError(
             f"cannot read checkpoint {path} ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-            f"it may be corrupt: load an earlier one with --ckpt-step") from err
+            f"it may be corrupt: load an earlier one with {step_flag}") from err
     modules = [getattr(chunk, "module", chunk) for chunk in model_chunks]
     keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
     for module, key in zip(modules, keys):
