@@ -37,9 +37,12 @@ run_trainer() {
 }
 
 # --load the run's own checkpoints when some exist: re-running the same command after a
-# crash or preemption resumes it.
+# crash or preemption resumes it (also when a kill left no tracker file beside the
+# iter_XXXXXXX directories: the trainer then takes the newest whole one).
 load_args() {
-  if [ -f "$1/latest_checkpointed_iteration.txt" ]; then echo "--load $1"; fi
+  if [ -f "$1/latest_checkpointed_iteration.txt" ] || compgen -G "$1/iter_[0-9]*[0-9]" >/dev/null; then
+    echo "--load $1"
+  fi
 }
 
 # The paper's recipe on GPU nodes, shared by the 170m, 1b and 3b scripts: 100B tokens of

@@ -37,10 +37,10 @@ def _base_type(annotation) -> Tuple[type, bool]:
 
 
 class _OneLineErrors(argparse.ArgumentParser):
-    """Errors as one line naming the problem (the usage block is on --help)."""
+    """Errors as one line naming the problem and the fix (no usage block, no trailer)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser(sections: Sections, description: str = "") -> argparse.ArgumentParser:
@@ -65,7 +65,8 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
             if kind is bool and flag.startswith("--no-"):  # already a negation: a plain switch
                 group.add_argument(flag, dest=dest, action="store_const", const=True, help=help_text)
             elif kind is bool:  # --flag / --no-flag
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
+                group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
+                                   action=argparse.BooleanOptionalAction, help=help_text)
             elif is_list or field.metadata.get("nargs"):
                 group.add_argument(flag, dest=dest, nargs=field.metadata.get("nargs", "+"), type=kind,
                                    help=help_text, metavar=metavar)

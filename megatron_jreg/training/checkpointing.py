@@ -11,6 +11,12 @@ tracker file is replaced atomically after that. A directory without the completi
 marker is torn and is refused at load with a message naming the earlier whole ones.
 The distributed optimizer is saved ``fully_reshardable`` (0.16.1's default sharding
 type fails to save).
+
+Each run names its temporary directory and tracker file with its own run id, and
+``jreg_manifest.json`` (per-file CRC-32, see checkpoint_manifest.py) is written before the
+completion marker and checked at load. A missing tracker (or one left as ``.tmp`` by a
+kill between the rename and the tracker update) is recovered from the newest whole
+iteration. Non-finite parameters are never saved.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_jreg.training.checkpoint_manifest import verify_manifest, write_manifest
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
@@ -66,14 +74,14 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
                 raise CheckpointError(
                     f"{root!r} is one iteration's directory; pass its parent to {root_flag} and "
                     f"{step_flag} {os.path.basename(root)[5:].lstrip('0') or 0}")
-            raise CheckpointError(
-                f"{root!r} has no {TRACKER}: not a megatron-jreg checkpoint directory, or no "
-                f"save finished" + (f"; whole iterations here: {whole}, pick one with {step_flag}"
-                                    if whole else ""))
-        text = open(tracker).read().strip()
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number")
-        iteration = int(text)
+            if not whole:
+                raise CheckpointError(
+                    f"{root!r} has no {TRACKER} and no whole iter_XXXXXXX directory: not a "
+                    "megatron-jreg checkpoint directory, or no save finished")
+            # a kill between the rename of iter_N and the tracker update, or a copy by hand
+            _report_once(f"{root}: no {TRACKER}; using the newest whole iteration {whole[-1]}")
+            return whole[-1]
+        iteration = read_tracker(tracker, step_flag)
     path = iteration_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(
@@ -84,6 +92,26 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
                 else f"no earlier whole checkpoint exists; start without {root_flag}")
         raise CheckpointError(f"checkpoint {path} is incomplete (torn save: no {COMPLETE}); {hint}")
     return iteration
+
+
+_reported = set()
+
+
+def _report_once(message: str) -> None:
+    if message not in _reported and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(message, flush=True)
+    _reported.add(message)
+
+
+def read_tracker(tracker: str, step_flag: str = "--ckpt-step") -> int:
+    with open(tracker, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(
+            f"{tracker} holds {text[:20]!r}, not an iteration number; delete it to resume from "
+            f"the newest whole iteration, or pick one with {step_flag}")
+    return int(text)
 
 
 def read_run_config(path: str) -> Optional[str]:
@@ -144,14 +172,50 @@ def _barrier():
         dist.barrier()
 
 
+def nonfinite_parameters(model_chunks) -> List[str]:
+    """Names of this rank's parameters holding a NaN or inf (the first few)."""
+    bad = []
+    for i, chunk in enumerate(model_chunks):
+        for name, param in chunk.named_parameters():
+            while name.startswith("module."):  # DDP / Float16Module wrappers
+                name = name[len("module."):]
+            if not bool(torch.isfinite(param.detach()).all()):
+                bad.append(name if len(model_chunks) == 1 else f"chunk {i}: {name}")
+                if len(bad) == 3:
+                    return bad
+    return bad
+
+
+def _any_rank(flag: bool, device=None) -> bool:
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _device_of(model_chunks):
+    return next(model_chunks[0].parameters()).device
+
+
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
-                    run_config_yaml: str, train_state: Dict) -> str:
-    """Write iteration ``iteration`` under ``root``; collective over all ranks."""
+                    run_config_yaml: str, train_state: Dict, run_id: str = "0") -> str:
+    """Write iteration ``iteration`` under ``root``; collective over all ranks.
+
+    ``run_id`` (the same on every rank) names the temporary directory and tracker file,
+    so no two runs share one. Raises CheckpointError, having written nothing, when any
+    parameter is non-finite."""
     from megatron.core import dist_checkpointing
 
+    bad = nonfinite_parameters(model_chunks)
+    if _any_rank(bool(bad), _device_of(model_chunks)):
+        raise CheckpointError(
+            f"refusing to save iteration {iteration}: non-finite parameters"
+            + (f" ({', '.join(bad)})" if bad else " on another rank")
+            + f"; the last whole checkpoint in {root} is kept. Lower --lr or check the data")
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = iteration_dir(root, iteration)
-    partial = final + ".partial"
+    partial = f"{final}.partial-{run_id}"
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
@@ -160,7 +224,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     state = model_sharded_state_dict(model_chunks)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=SHARDING_METADATA)
-    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["scheduler"] = scheduler_state(scheduler) if scheduler is not None else None
     state["iteration"] = iteration
     state["train_state"] = train_state
     dist_checkpointing.save(state, partial, content_metadata=SHARDING_METADATA)
@@ -170,18 +234,21 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     if rank == 0:
         with open(os.path.join(partial, RUN_CONFIG), "w") as f:
             f.write(run_config_yaml)
+    _barrier()
+    write_manifest(partial)  # every rank hashes its share of the files
+    if rank == 0:
         with open(os.path.join(partial, COMPLETE), "w") as f:
             json.dump({"iteration": iteration,
                        "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
         # Saving an iteration again (a run resumed from an earlier one): move the old copy
         # aside first, so a crash here leaves one complete copy under some name.
-        stale = final + ".replaced"
+        stale = f"{final}.replaced-{run_id}"
         shutil.rmtree(stale, ignore_errors=True)
         if os.path.exists(final):
             os.replace(final, stale)
         os.replace(partial, final)
         shutil.rmtree(stale, ignore_errors=True)
-        tmp = os.path.join(root, TRACKER + ".tmp")
+        tmp = os.path.join(root, f"{TRACKER}.tmp-{run_id}")
         with open(tmp, "w") as f:
             f.write(str(iteration))
         os.replace(tmp, os.path.join(root, TRACKER))
@@ -189,13 +256,111 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     return final
 
 
+SCHEDULER_FLAGS = {  # scheduler state key -> (flag, unit: samples per flag unit or None)
+    "max_lr": ("--lr", None), "min_lr": ("--min-lr", None),
+    "lr_warmup_steps": ("--lr-warmup-iters", "iters"),
+    "lr_decay_steps": ("--lr-decay-iters", "iters"), "lr_decay_style": ("--lr-decay-style", None),
+    "wsd_decay_steps": ("--lr-wsd-decay-iters", "iters"),
+    "lr_wsd_decay_style": ("--lr-wsd-decay-style", None),
+    "start_wd": ("--weight-decay", None),
+}
+
+
+def scheduler_state(scheduler) -> Dict:
+    """megatron's scheduler state plus the WSD fields its state_dict leaves out."""
+    state = scheduler.state_dict()
+    state["wsd_decay_steps"] = scheduler.wsd_decay_steps
+    state["lr_wsd_decay_style"] = scheduler.lr_wsd_decay_style
+    return state
+
+
+def scheduler_differences(scheduler, saved: Dict, samples_per_iter: int) -> List[str]:
+    """'flag: flags give X, the checkpoint Y' for each schedule value that differs."""
+    out = []
+    for key, (flag, unit) in SCHEDULER_FLAGS.items():
+        if key not in saved:
+            continue
+        mine, theirs = getattr(scheduler, key), saved[key]
+        if mine == theirs:
+            continue
+        if unit and isinstance(mine, int) and isinstance(theirs, int):
+            mine, theirs = mine / samples_per_iter, theirs / samples_per_iter
+            mine, theirs = (int(v) if float(v).is_integer() else v for v in (mine, theirs))
+        out.append(f"{flag} {mine} (the checkpoint's {theirs})")
+    return out
+
+
+def load_scheduler(scheduler, saved: Dict, mode: str, samples_per_iter: int) -> None:
+    """Megatron-LM's rule: ``override`` takes the flags, ``checkpoint`` the checkpoint's
+    values, ``strict`` (neither flag) requires them to agree."""
+    if mode == "strict":
+        diffs = scheduler_differences(scheduler, saved, samples_per_iter)
+        if diffs:
+            raise CheckpointError(
+                "the learning-rate schedule differs from the checkpoint's: " + "; ".join(diffs)
+                + ". Pass --override-opt-param-scheduler to use the flags or "
+                "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+    scheduler.override_opt_param_scheduler = mode == "override"
+    scheduler.use_checkpoint_opt_param_scheduler = mode != "override"
+    scheduler.load_state_dict(saved)
+    if mode == "override":
+        # megatron reads the peak/final lr per parameter group first, and the optimizer's
+        # loaded state brought back the checkpoint's
+        for group in scheduler.optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if key in group:
+                    group[key] = getattr(scheduler, key)
+        scheduler.step(increment=0)
+    else:
+        for key in ("wsd_decay_steps", "lr_wsd_decay_style"):
+            if key in saved:
+                setattr(scheduler, key, saved[key])
+
+
+def _load_rng(path: str, rank: int) -> None:
+    rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        with open(os.path.join(path, COMPLETE)) as f:
+            saved_world = int(json.load(f).get("world_size", world))
+    except (OSError, ValueError, TypeError):
+        saved_world = world
+    if not os.path.exists(rng_file):
+        if saved_world == world:
+            raise CheckpointError(
+                f"{rng_file} is missing (saved by {saved_world} ranks, as many as now); the "
+                "directory is damaged: load an earlier one with --ckpt-step, or pass "
+                "--no-load-rng to resume without the saved random state")
+        _report_once(f"random state not restored: {path} was saved by {saved_world} ranks, "
+                     f"this run has {world}")
+        return
+    try:
+        state = torch.load(rng_file, weights_only=False)
+        _set_rng_state(state)
+    except Exception as err:
+        raise CheckpointError(
+            f"cannot read {rng_file} ({type(err).__name__}); the directory is damaged: load "
+            "an earlier one with --ckpt-step, or pass --no-load-rng") from None
+
+
 def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer=None,
-                    scheduler=None, step_flag: str = "--ckpt-step") -> Tuple[int, Dict]:
-    """Load weights (and optimizer, schedule, RNG when given); returns (iteration, train_state)."""
+                    scheduler=None, step_flag: str = "--ckpt-step", verify: bool = True,
+                    scheduler_mode: str = "strict", samples_per_iter: int = 1,
+                    load_rng: bool = True) -> Tuple[int, Dict]:
+    """Load weights (and optimizer, schedule, RNG when given); returns (iteration, train_state).
+
+    ``verify`` checks the manifest's checksums first; ``scheduler_mode`` is load_scheduler's."""
     from megatron.core import dist_checkpointing
 
     iteration = resolve_iteration(root, iteration, step_flag=step_flag)
     path = iteration_dir(root, iteration)
+    if verify:
+        problem = verify_manifest(path)
+        if problem:
+            raise CheckpointError(
+                f"checkpoint {path} fails its checksum: {problem}; load an earlier one with "
+                f"{step_flag}" + (" (or pass --no-verify-checkpoint to load it anyway)"
+                                  if step_flag == "--ckpt-step" else ""))
     state = model_sharded_state_dict(model_chunks)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
@@ -214,12 +379,16 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
     for module, key in zip(modules, keys):
         module.load_state_dict(loaded[key])
+    bad = nonfinite_parameters(model_chunks)
+    if _any_rank(bool(bad), _device_of(model_chunks)):
+        raise CheckpointError(
+            f"checkpoint {path} holds non-finite weights"
+            + (f" ({', '.join(bad)})" if bad else " on another rank")
+            + f"; it is damaged: load an earlier one with {step_flag}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
-        scheduler.load_state_dict(loaded["scheduler"])
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
-    if optimizer is not None and os.path.exists(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        load_scheduler(scheduler, loaded["scheduler"], scheduler_mode, samples_per_iter)
+    if optimizer is not None and load_rng:
+        _load_rng(path, dist.get_rank() if dist.is_initialized() else 0)
     return iteration, loaded.get("train_state") or {}

@@ -32,6 +32,14 @@ class OptimConfig:
         "--use-distributed-optimizer", "shard optimizer state over data-parallel ranks"))
     initial_loss_scale: float = field(default=2.0**16, metadata=_flag(
         "--initial-loss-scale", "fp16: initial dynamic loss scale"))
+    override_opt_param_scheduler: bool = field(default=False, metadata=_flag(
+        "--override-opt-param-scheduler",
+        "on --load, use the schedule flags (--lr, --min-lr, warmup, decay) over the checkpoint's",
+        aliases=["--override-opt_param-scheduler"]))
+    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=_flag(
+        "--use-checkpoint-opt-param-scheduler",
+        "on --load, keep the checkpoint's schedule whatever the flags say (neither flag: a "
+        "difference is an error)", aliases=["--use-checkpoint-opt_param-scheduler"]))
 
     def __post_init__(self):
         if self.lr_decay_style not in ("cosine", "linear", "constant", "WSD", "inverse-square-root"):
@@ -41,6 +49,15 @@ class OptimConfig:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
         if self.lr_warmup_iters < 0:
             raise ValueError("--lr-warmup-iters must be >= 0")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
+                             "contradict each other; pass one")
+
+    def scheduler_mode(self) -> str:
+        """How a resumed schedule is reconciled with the flags (checkpointing.load_scheduler)."""
+        if self.override_opt_param_scheduler:
+            return "override"
+        return "checkpoint" if self.use_checkpoint_opt_param_scheduler else "strict"
 
 
 @dataclass(kw_only=True)
@@ -58,7 +75,8 @@ class TrainingConfig:
     exit_signal_handler: bool = field(default=True, metadata=_flag(
         "--exit-signal-handler", "on SIGTERM/SIGINT save a checkpoint and exit cleanly"))
     exit_on_nan: bool = field(default=True, metadata=_flag(
-        "--exit-on-nan", "stop with an error at a NaN/inf loss (--no-exit-on-nan skips the step)"))
+        "--exit-on-nan", "stop with exit code 3, before any save, at a step whose loss, JREG "
+        "penalty or gradient norm is NaN/inf (--no-exit-on-nan skips such steps: no update)"))
     exit_interval: Optional[int] = field(default=None, metadata=_flag(
         "--exit-interval", "save and exit after this many steps (for tests and preemption drills)"))
 
@@ -107,6 +125,13 @@ class CheckpointConfig:
     no_load_optim: bool = field(default=False, metadata=_flag(
         "--no-load-optim", "load weights only (fresh optimizer and schedule)"))
     ckpt_format: str = field(default="torch_dist", metadata=_flag("--ckpt-format", "torch_dist"))
+    no_load_rng: bool = field(default=False, metadata=_flag(
+        "--no-load-rng", "on --load, do not restore the saved random state"))
+    no_verify_checkpoint: bool = field(default=False, metadata=_flag(
+        "--no-verify-checkpoint", "on --load, skip the per-file checksum check"))
+    overwrite_checkpoints: bool = field(default=False, metadata=_flag(
+        "--overwrite-checkpoints", "let a run without --load write into a --save that holds "
+        "checkpoints (it replaces the iterations it reaches)"))
 
     def __post_init__(self):
         if self.save_interval is not None and self.save_interval < 1:

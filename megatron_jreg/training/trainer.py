@@ -16,6 +16,19 @@ import torch.distributed as dist
 from megatron_jreg import cli
 from megatron_jreg.training.config import SECTIONS
 
+TRACKER_NAME = "latest_checkpointed_iteration.txt"  # checkpointing.TRACKER, without importing megatron
+
+
+def finite_or_null(value):
+    """JSON-ready copy: NaN/inf become null (strict JSON has no NaN), never a number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
 
 def log(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -79,6 +92,9 @@ class Trainer:
         self.log_cfg = configs["logging"]
         self.iteration = 0
         self.consumed_samples = 0
+        self.skipped_steps = 0
+        self.save_lock = None
+        self.run_id = "0"
         self.writer = None
         self.wandb = None
 
@@ -105,6 +121,7 @@ class Trainer:
                 f"{self.tokenizer.vocab_size}; drop --vocab-size to use the tokenizer's")
         initialize_distributed()
         self.device = torch.device("cpu") if use_cpu() else torch.device("cuda", torch.cuda.current_device())
+        self._take_save_lock()
         impl, why = resolve_transformer_impl(self.model_cfg.transformer_impl)
         log(f"transformer implementation: {impl} ({why})")
         self.model_cfg.transformer_impl = impl  # the saved run config records what ran
@@ -137,6 +154,46 @@ class Trainer:
         else:
             self.wandb = None
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler)
+
+    def _take_save_lock(self) -> None:
+        """One writer per --save (rank 0 holds the lock for the job); every rank learns the
+        outcome and the run id that names this run's temporary files."""
+        from megatron_jreg.training.save_lock import SaveLock
+
+        self.run_id, self.save_lock = "0", None
+        if not self.ckpt_cfg.save:
+            return
+        outcome = [None, None, None]  # error, warning, run id
+        if dist.get_rank() == 0:
+            lock = SaveLock(self.ckpt_cfg.save)
+            try:
+                outcome[1] = lock.acquire()
+                self.save_lock = lock
+                outcome[2] = lock.run_id
+                outcome[1] = "\n".join(filter(None, [outcome[1], self._clear_stale_saves()])) or None
+            except (ValueError, OSError) as err:
+                outcome[0] = (str(err) if isinstance(err, ValueError)
+                              else f"--save {self.ckpt_cfg.save}: cannot write there ({err.strerror})")
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0]:
+            raise ValueError(outcome[0])
+        if outcome[1]:
+            log(outcome[1])
+        self.run_id = outcome[2]
+
+    def _clear_stale_saves(self) -> Optional[str]:
+        """Holding the lock, no other run writes here: temporary save directories and
+        tracker files left by killed runs are removed (they were never complete)."""
+        import shutil
+
+        root = self.ckpt_cfg.save
+        stale = [n for n in os.listdir(root)
+                 if (n.startswith("iter_") and (".partial" in n or ".replaced" in n))
+                 or n.startswith(TRACKER_NAME + ".tmp")]
+        for name in stale:
+            path = os.path.join(root, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        return f"removed {len(stale)} unfinished save(s) of earlier runs: {', '.join(sorted(stale))}" if stale else None
 
     def _resolve_padded_vocab(self) -> None:
         """Embedding rows: a resumed checkpoint's own (so a checkpoint padded otherwise, e.g.
@@ -196,10 +253,27 @@ class Trainer:
                              f"decay length {decay} (--lr-decay-iters, default --train-iters)")
         if self.ckpt_cfg.load and not os.path.isdir(self.ckpt_cfg.load):
             raise ValueError(f"--load {self.ckpt_cfg.load!r} does not exist")
+        self._check_save_directory()
         for prefix in self._data_prefixes():
             if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
                 raise ValueError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "
                                  "tools/preprocess_data.py")
+
+    def _check_save_directory(self) -> None:
+        """A run that does not resume from --save must not replace the checkpoints there."""
+        save, load = self.ckpt_cfg.save, self.ckpt_cfg.load
+        if not save or not os.path.isdir(save) or self.ckpt_cfg.overwrite_checkpoints:
+            return
+        if load and os.path.realpath(load) == os.path.realpath(save):
+            return
+        held = sorted(n for n in os.listdir(save)
+                      if n == TRACKER_NAME or (n.startswith("iter_") and n[5:].isdigit()))
+        if held:
+            shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+            raise ValueError(
+                f"--save {save} already holds checkpoints ({shown}) and this run does not resume "
+                f"from them: pass --load {save} to continue that run, another --save for a new "
+                "one, or --overwrite-checkpoints to replace them")
 
     def _data_prefixes(self) -> List[str]:
         items = self.data_cfg.data_path
@@ -304,12 +378,24 @@ class Trainer:
         from megatron_jreg.training.checkpointing import load_checkpoint
 
         load_optim = not self.ckpt_cfg.no_load_optim
+        mode = self.optim_cfg.scheduler_mode()
+        g = self.train_cfg.global_batch_size
         iteration, state = load_checkpoint(
             self.ckpt_cfg.load, self.ckpt_cfg.ckpt_step, self.model,
-            self.optimizer if load_optim else None, self.scheduler if load_optim else None)
+            self.optimizer if load_optim else None, self.scheduler if load_optim else None,
+            verify=not self.ckpt_cfg.no_verify_checkpoint, scheduler_mode=mode,
+            samples_per_iter=g, load_rng=not self.ckpt_cfg.no_load_rng)
         if load_optim:
             self.iteration = iteration
             self.consumed_samples = int(state.get("consumed_samples", 0))
+            if mode == "checkpoint":  # the saved run config records the schedule that runs
+                o, sch = self.optim_cfg, self.scheduler
+                o.lr, o.min_lr, o.lr_decay_style = sch.max_lr, sch.min_lr, sch.lr_decay_style
+                o.lr_warmup_iters, o.lr_decay_iters = sch.lr_warmup_steps // g, sch.lr_decay_steps // g
+                o.weight_decay = sch.start_wd
+                if sch.wsd_decay_steps:
+                    o.lr_wsd_decay_iters = sch.wsd_decay_steps // g
+                    o.lr_wsd_decay_style = sch.lr_wsd_decay_style
         log(f"loaded checkpoint {self.ckpt_cfg.load} iteration {iteration}"
             + ("" if load_optim else " (weights only)"))
 
@@ -321,7 +407,7 @@ class Trainer:
         t0 = time.time()
         path = save_checkpoint(self.ckpt_cfg.save, self.iteration, self.model, self.optimizer,
                                self.scheduler, cli.to_yaml(self.configs),
-                               {"consumed_samples": self.consumed_samples})
+                               {"consumed_samples": self.consumed_samples}, run_id=self.run_id)
         log(f"saved checkpoint {path} in {time.time() - t0:.1f}s")
 
     # ---- loop ---------------------------------------------------------------------------
@@ -344,22 +430,47 @@ class Trainer:
         out = forward_backward(self.model, batches, self.model_cfg.seq_length,
                                self.train_cfg.micro_batch_size, self.tracker)
         loss = self._global_mean(out["lm_loss"])
-        if not math.isfinite(loss):
+        bad = [f"{name} is {value}" for name, value in (("LM loss", loss), ("JREG penalty", out["penalty"]))
+               if not math.isfinite(value)]
+        grad_norm = float("nan")
+        success = False
+        if not bad:
+            success, grad_norm, bad = self._optimizer_step()
+        if bad:
             if self.train_cfg.exit_on_nan:
                 raise FloatingPointError(
-                    f"iteration {self.iteration + 1}: LM loss is {loss}; lower --lr, check the data, "
-                    "or pass --no-exit-on-nan to skip such steps")
-            log(f"iteration {self.iteration + 1}: LM loss is {loss}; step skipped")
-            success, grad_norm = False, float("nan")
-        else:
-            success, grad_norm, _ = self.optimizer.step()
+                    f"iteration {self.iteration + 1}: {bad[0]}; no update was applied and nothing "
+                    "saved. Lower --lr or check the data (or the checkpoint resumed from); "
+                    "--no-exit-on-nan skips such steps instead")
+            log(f"iteration {self.iteration + 1}: {bad[0]}; step skipped (no update)")
         if success:
             self.scheduler.step(increment=self.train_cfg.global_batch_size)
         self.iteration += 1
         self.consumed_samples += self.train_cfg.global_batch_size
+        if not success:
+            self.skipped_steps += 1
         return {"lm_loss": loss, "penalty": out["penalty"], "R": out["R"], "psi": out["psi"],
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "skipped": not success}
+                "grad_norm": grad_norm, "skipped": not success}
+
+    def _optimizer_step(self):
+        """megatron's optimizer.step() in its parts, so that a non-finite gradient norm skips
+        the update under bf16/fp32 too (megatron checks only fp16's loss-scaler overflow).
+        Returns (updated, grad norm, [why a non-finite step was skipped])."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        if opt.prepare_grads():  # fp16: the loss scaler saw inf/NaN and lowered its scale
+            return False, float("nan"), []
+        grad_norm = float(opt.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, [f"gradient norm is {grad_norm}"]
+        for part in getattr(opt, "chained_optimizers", [opt]):
+            params = [] if getattr(part, "is_stub_optimizer", False) else part.get_parameters()
+            if params and part.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=part.config.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return opt.step_with_ready_grads(), grad_norm, []
 
     def evaluate(self) -> Optional[Dict[str, float]]:
         from megatron_jreg.training.step import forward_backward
@@ -426,7 +537,7 @@ class Trainer:
                   "tokens_per_s": tps, "memory_gib": mem}
         if self.log_cfg.metrics_file:
             with open(self.log_cfg.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
         scalars = {"lm loss": loss, "jreg/penalty": penalty, "jreg/R": record["R"],
                    "jreg/zeta_L": zeta["zeta_L"], "jreg/zeta_L-1": zeta["zeta_L-1"],
                    "jreg/zeta_L-2": zeta["zeta_L-2"], "learning-rate": lr, "grad-norm": grad_norm,
@@ -451,8 +562,9 @@ class Trainer:
                 self.writer.add_scalar("validation/zeta_L", zeta, self.iteration)
             if self.log_cfg.metrics_file:
                 with open(self.log_cfg.metrics_file, "a") as f:
-                    f.write(json.dumps({"iteration": self.iteration, "validation_lm_loss": result["lm_loss"],
-                                        "validation_psi": result["psi"], "validation_zeta_L": zeta}) + "\n")
+                    f.write(json.dumps(finite_or_null(
+                        {"iteration": self.iteration, "validation_lm_loss": result["lm_loss"],
+                         "validation_psi": result["psi"], "validation_zeta_L": zeta}), allow_nan=False) + "\n")
 
     def train(self) -> int:
         t = self.train_cfg
@@ -491,12 +603,16 @@ class Trainer:
         if last_saved != self.iteration:
             self.save()
         summary = f"done: {self.iteration - first} steps in {time.time() - t_start:.1f}s"
+        if self.skipped_steps:
+            summary += f" ({self.skipped_steps} skipped: non-finite loss, penalty or gradients)"
         if last is not None:
             summary += f", last lm loss {last['lm_loss']:.6f}, last jreg penalty {last['penalty']:.6f}"
         log(summary)
         return 0
 
     def close(self) -> None:
+        if self.save_lock is not None:
+            self.save_lock.release()
         if self.writer:
             self.writer.close()
         if self.wandb:
