@@ -145,10 +145,8 @@ class Trainer:
 
             self.writer = SummaryWriter(self.log_cfg.tensorboard_dir)
         if self.log_cfg.wandb_project and dist.get_rank() == 0:
-            try:
-                import wandb
-            except ImportError:
-                raise ValueError("--wandb-project needs wandb installed: pip install wandb") from None
+            import wandb  # checked before any work
+
             self.wandb = wandb.init(project=self.log_cfg.wandb_project, name=self.log_cfg.wandb_exp_name,
                                     config=json.loads(json.dumps(self._config_dict(), default=str)))
         else:
@@ -254,6 +252,12 @@ class Trainer:
         if self.ckpt_cfg.load and not os.path.isdir(self.ckpt_cfg.load):
             raise ValueError(f"--load {self.ckpt_cfg.load!r} does not exist")
         self._check_save_directory()
+        if self.log_cfg.wandb_project:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ValueError("--wandb-project needs wandb installed: pip install wandb "
+                                 "(or drop --wandb-project)")
         for prefix in self._data_prefixes():
             if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
                 raise ValueError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "

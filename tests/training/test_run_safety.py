@@ -319,3 +319,30 @@ def test_binary_tracker_is_named(demo_data, saved_run, tmp_path):
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()[-1]
     assert str(ckpt / TRACKER) in err and "not an iteration number" in err and "Traceback" not in proc.stderr
+
+
+def test_checksum_bench_runs_and_reports(tmp_path):
+    """bench/checkpoint_checksum.py (small size): one table, a summary, and the manifest it
+    times verifies the bytes it wrote."""
+    proc = subprocess.run([sys.executable, "bench/checkpoint_checksum.py", "--gb", "0.05",
+                           "--shards", "2", "--dir", str(tmp_path)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split("  ")[0]: line.split() for line in proc.stdout.splitlines()
+            if line.startswith(("write", "manifest", "verify"))}
+    assert {"write (fsync)", "manifest (hash all)", "verify, page cache"} <= set(rows), proc.stdout
+    assert all(float(r[-1]) > 0 for r in rows.values())
+    assert re.search(r"^summary: the manifest adds [\d.]+s to a 0.1 GB save", proc.stdout, re.M)
+    assert os.listdir(tmp_path) == []  # cleaned up
+
+
+def test_wandb_without_wandb_is_refused_before_work(demo_data):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    proc = train(base_args(demo_data, wandb_project="x"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --wandb-project needs wandb installed: pip install wandb (or drop --wandb-project)")
+    assert "transformer implementation" not in proc.stdout  # nothing was set up

@@ -63,9 +63,9 @@ def test_resume_keeps_the_checkpoints_padded_vocabulary(demo_data, tmp_path):
     import yaml
 
     save = tmp_path / "ckpt"
-    train(base_args(demo_data, train_iters=2, save=save, save_interval=2,
+    train(base_args(demo_data, train_iters=2, lr_decay_iters=4, save=save, save_interval=2,
                     make_vocab_size_divisible_by=512))
-    proc = train(base_args(demo_data, train_iters=4, save=save, save_interval=2, load=save,
+    proc = train(base_args(demo_data, train_iters=4, lr_decay_iters=4, save=save, save_interval=2, load=save,
                            tensor_model_parallel_size=2), nproc=2)
     assert "keeping the checkpoint's 512 embedding rows" in proc.stdout
     assert "iteration        4/4" in proc.stdout
