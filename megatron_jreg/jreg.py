@@ -6,6 +6,7 @@ Pretraining"):
     psi_l(token) = (1 - cos(h_{l-1}, h_l)) / 2                      in [0, 1]
     Psi_l        = mean of psi_l over counted (unmasked) tokens
     zeta_l       = 100 * sum_{k=l..L} max(0, Psi_k - Psi_{k-1}),     2 <= l <= L
+                   (NaN when any Psi_k, k >= l-1, is not finite; never 0)
     R            = sum_l w_l(alpha) * Psi_l,   L_total = L_CE + lambda * R
 
 This module imports neither megatron nor torch.distributed: anyone can read and test it.
@@ -92,13 +93,21 @@ def masked_sum(psi: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def jump_rates(psi: Union[Sequence[float], torch.Tensor]) -> Dict[int, float]:
-    """{l: zeta_l for l in 2..L} from the per-layer displacements Psi_1..Psi_L (1-based keys)."""
+    """{l: zeta_l for l in 2..L} from the per-layer displacements Psi_1..Psi_L (1-based keys).
+
+    zeta_l is NaN when any of Psi_{l-1}..Psi_L is not finite (``max(0, nan)`` would say
+    0): a NaN displacement never reads as "no jump". Finite input: exactly the sum above.
+    """
     values = [float(p) for p in (psi.tolist() if isinstance(psi, torch.Tensor) else psi)]
     num_layers = len(values)
     rates: Dict[int, float] = {}
     total = 0.0
     for layer in range(num_layers, 1, -1):  # accumulate from the top: zeta_l = rise_l + zeta_{l+1}
-        total += max(0.0, values[layer - 1] - values[layer - 2])
+        upper, lower = values[layer - 1], values[layer - 2]
+        if math.isfinite(upper) and math.isfinite(lower):
+            total += max(0.0, upper - lower)
+        else:
+            total = math.nan  # and NaN for every zeta below this layer
         rates[layer] = 100.0 * total
     return dict(sorted(rates.items()))
 

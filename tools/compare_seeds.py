@@ -6,17 +6,18 @@
 The CSV is long (columns seed, task, baseline, jreg) or wide (seed, <task>_baseline,
 <task>_jreg, ...); see docs/evaluation.md. Prints, per task and for the per-seed average
 over tasks: mean difference (jreg - baseline), t, df, one-sided p-value and the lower
-bound of the one-sided interval.
+bound of the one-sided interval. A value that does not exist (the p-value when every
+difference is 0) prints as nan and is null in the JSON, as is an infinite t.
 """
 
 import argparse
-import json
 import os
 import sys
 
 # Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_jreg import strict_json  # noqa: E402
 from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic  # noqa: E402
 from megatron_jreg.analysis.errors import InputError  # noqa: E402
 from megatron_jreg.analysis.seed_stats import (  # noqa: E402
@@ -24,12 +25,13 @@ from megatron_jreg.analysis.seed_stats import (  # noqa: E402
     compare_seed_scores,
     format_seed_table,
     read_seed_scores,
+    resolve_backend,
 )
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,14 +55,22 @@ def main(argv=None) -> int:
     try:
         if args.json:
             check_output_path(args.json, "--json")
-        results = compare_seed_scores(read_seed_scores(args.csv), args.confidence, args.backend)
+        if not 0.0 < args.confidence < 1.0:
+            raise InputError(f"--confidence {args.confidence}: must be in (0, 1), e.g. 0.95")
+        resolve_backend(args.backend)  # scipy asked for but missing: say so now
+        scores = read_seed_scores(args.csv)
+        try:
+            results = compare_seed_scores(scores, args.confidence, args.backend)
+        except InputError as e:  # too few seeds, an overflow: a problem of this file
+            raise InputError(f"{args.csv}: {e}") from None
     except InputError as e:
         print(f"compare_seeds: error: {e}", file=sys.stderr)
         return 2
     print(format_seed_table(results))
     if args.json:
+        # a p-value that does not exist (all differences 0) or an infinite t: null
         write_text_atomic(
-            args.json, json.dumps({task: r.to_dict() for task, r in results}, indent=2) + "\n"
+            args.json, strict_json.dumps({task: r.to_dict() for task, r in results})
         )
     return 0
 

@@ -21,6 +21,11 @@ import torch
 
 from megatron_jreg.analysis.errors import InputError
 
+# The flag of eval_jump and convert_to_hf that picks an iteration: the checkpoint module's
+# messages name it (the trainer's own flag is --ckpt-step).
+ITERATION_FLAG = "--iteration"
+
+
 def _checkpointing():
     from megatron_jreg.training import checkpointing
 
@@ -62,11 +67,14 @@ def checkpoint_iterations(
         chosen = list(iterations)
     elif iteration is not None:
         chosen = [iteration]
+    elif not os.path.exists(os.path.join(root, ckpt.TRACKER)):
+        chosen = [whole[-1]]  # no tracker file (e.g. copied by hand): the newest whole one
     else:
+        # the tracker names the latest save: a torn one is an error, not silently skipped
         try:
-            chosen = [ckpt.resolve_iteration(root)]
-        except ckpt.CheckpointError:
-            chosen = [whole[-1]]  # no tracker file (e.g. copied by hand): the newest whole one
+            chosen = [ckpt.resolve_iteration(root, step_flag=ITERATION_FLAG, root_flag=flag)]
+        except ckpt.CheckpointError as err:
+            raise InputError(f"{flag} {root}: {err}") from None
     for it in chosen:
         if it not in whole:
             raise InputError(
@@ -104,9 +112,12 @@ def saved_vocab_rows(path: str, model_cfg) -> int:
     """Rows of the saved embedding: the padded vocabulary the run was built with."""
     ckpt = _checkpointing()
     try:
-        rows = ckpt.saved_embedding_rows(path)
+        rows = ckpt.saved_embedding_rows(path, step_flag=ITERATION_FLAG)
     except ckpt.CheckpointError as err:
-        raise InputError(f"{err}; pick another --iteration") from None
+        message = str(err)
+        if ITERATION_FLAG not in message:
+            message += f"; pick another {ITERATION_FLAG}"
+        raise InputError(message) from None
     if model_cfg.vocab_size is not None and rows < model_cfg.vocab_size:
         raise InputError(
             f"{path}: the embedding has {rows} rows but the run config's vocabulary is "
@@ -203,7 +214,7 @@ def load_checkpoint_model(
     for chunk in chunks:
         chunk.to(device)
     try:
-        ckpt.load_checkpoint(root, iteration, chunks, optimizer=None)
+        ckpt.load_checkpoint(root, iteration, chunks, optimizer=None, step_flag=ITERATION_FLAG)
     except ckpt.CheckpointError as err:
         raise InputError(str(err)) from None
     model = chunks[0].eval()

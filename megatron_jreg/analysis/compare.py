@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
@@ -60,7 +61,7 @@ class ReportComparison:
 
     @property
     def layers_b_moves_more(self) -> List[int]:
-        """The layers (1-based) where B's displacement exceeds A's."""
+        """The layers (1-based) where B's displacement exceeds A's (a NaN Delta is not)."""
         return [layer for layer, d in enumerate(self.deltas, start=1) if d > 0]
 
     def to_dict(self) -> Dict[str, Any]:
@@ -89,7 +90,10 @@ class ReportComparison:
         ]
         for layer, (pa, pb) in enumerate(zip(self.a.displacement, self.b.displacement), start=1):
             mark = "  B moves more" if pb > pa else ""
-            lines.append(f"{layer:>5}  {pa:10.6f}  {pb:10.6f}  {pb - pa:+10.6f}{mark}")
+            delta = pb - pa
+            # a NaN Delta prints as "nan" (format's "+" would write "+nan")
+            delta_text = f"{delta:10.6f}" if math.isnan(delta) else f"{delta:+10.6f}"
+            lines.append(f"{layer:>5}  {pa:10.6f}  {pb:10.6f}  {delta_text}{mark}")
         more = self.layers_b_moves_more
         lines.append(
             f"layers where B moves more than A: {', '.join(map(str, more)) if more else 'none'}"

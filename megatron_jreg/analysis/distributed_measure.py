@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from megatron_jreg.analysis.checkpoint_loader import (
+    ITERATION_FLAG,
     build_run_tokenizer,
     eval_model_config,
     read_run_configs,
@@ -162,7 +163,7 @@ def load_sharded_checkpoint(
     for chunk in chunks:
         chunk.to(torch_device)
     try:
-        ckpt.load_checkpoint(root, iteration, chunks, optimizer=None)
+        ckpt.load_checkpoint(root, iteration, chunks, optimizer=None, step_flag=ITERATION_FLAG)
     except ckpt.CheckpointError as err:
         raise InputError(str(err)) from None
     for chunk in chunks:

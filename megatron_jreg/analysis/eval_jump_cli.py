@@ -2,17 +2,26 @@
 
 Every problem with the user's input surfaces as an :class:`InputError`, printed on one
 line of stderr with exit status 2; tables go to stdout, the progress bar to stderr.
+The evaluation text is read through once before any model loads, so a bad line (not
+UTF-8, malformed JSON) fails first.
+
+A measured model whose hidden states are not finite (NaN/inf weights, an overflow) still
+gets its tables and output files, with ``nan`` in tables and CSV and ``null`` in the
+JSON for every value it affects; then one line on stderr names the model and the layers,
+and the exit status is 3 (the trainer's status for a NaN loss).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
+import math
 import os
 import sys
 from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_jreg import strict_json
 from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic
 from megatron_jreg.analysis.compare import compare_reports, load_report
 from megatron_jreg.analysis.errors import InputError
@@ -33,11 +42,19 @@ from megatron_jreg.analysis.trajectory import (
 )
 
 PROG = "eval_jump"
+EXIT_NONFINITE = 3  # as the trainer exits on a NaN loss
+
+EPILOG = (
+    "exit status: 0 on success; 2 for bad input (one line on stderr naming it); "
+    f"{EXIT_NONFINITE} when a measured model's hidden states are not finite: the tables, "
+    "--json, --csv and --plot are still written (nan in tables and CSV, null in JSON, gaps in "
+    "plots), then one line on stderr names the model and its layers"
+)
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's usage errors: one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
@@ -45,6 +62,7 @@ def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
         prog=PROG,
         description="Measure the per-layer displacement Psi_l and the jump rates zeta of a model "
         "(Shibata et al., EACL 2026). See docs/evaluation.md.",
+        epilog=EPILOG,
     )
     add_source_arguments(parser, list(kinds))
     model = parser.add_argument_group("how to run the model")
@@ -161,7 +179,14 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
         # Reading is lazy, but the paths are checked now, before any model loads, and so
         # is that there is a document at all (loading a model takes much longer).
         documents = read_documents(args.text_file, args.jsonl, args.json_key, args.data_path)
-        if next(documents, None) is None:
+        if args.data_path is None:
+            # Text is decoded and parsed through once now, so that a bad line (a binary
+            # file, broken JSON) fails here. --max-tokens N uses at most N documents (each
+            # gives a token, unless it tokenizes to nothing): the rest is not read.
+            empty = sum(1 for _ in itertools.islice(documents, args.max_tokens)) == 0
+        else:  # already tokenized ids, checked against the vocabulary as they are read
+            empty = next(documents, None) is None
+        if empty:
             raise InputError(
                 "no tokens to evaluate: the input is empty after skipping blank documents; "
                 "check --text-file/--jsonl/--data-path"
@@ -208,6 +233,41 @@ def _measure(entry: SourceEntry, args: argparse.Namespace) -> JumpReport:
     )
 
 
+def _layer_list(layers: Sequence[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    runs: List[List[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def nonfinite_message(measured: Sequence[Tuple[SourceEntry, JumpReport]]) -> str:
+    """One line naming each measured model with a non-finite Psi_l and its layers; "" if none.
+
+    Psi_l is not finite exactly when the layer's input h_{l-1} or output h_l holds a NaN
+    or inf on a counted token.
+    """
+    found = []
+    for entry, report in measured:
+        layers = [l for l, p in enumerate(report.displacement, start=1) if not math.isfinite(p)]
+        if layers:
+            where = f" ({entry.describe})" if entry.describe else ""
+            found.append(
+                f"{report.model}{where} at layer{'s' if len(layers) > 1 else ''} "
+                f"{_layer_list(layers)} of {report.num_layers}"
+            )
+    if not found:
+        return ""
+    return (
+        f"non-finite hidden states (NaN/inf) in {'; '.join(found)}: Psi_l and the zeta they "
+        "enter are NaN, shown as nan (null in --json); the weights hold NaN/inf or the "
+        "activations overflow, so check the model (an earlier checkpoint, or --dtype float32)"
+    )
+
+
 def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     entries = build_sources(args, list(kinds))
     output = _is_output_rank()
@@ -240,11 +300,15 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     if len(trajectory) > 1:
         show(format_trajectory_table(trajectory))
 
+    # every rank holds the same reports, so the status is the same everywhere; the outputs
+    # are written first (with NaN as nan/null), then the problem is reported
+    problem = nonfinite_message(measured)
+    status = EXIT_NONFINITE if problem else 0
     if not output:
-        return 0
+        return status
     if args.json:
         payload = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
-        write_text_atomic(args.json, json.dumps(payload, indent=2) + "\n")
+        write_text_atomic(args.json, strict_json.dumps(payload))  # NaN as null
     if args.csv:
         write_text_atomic(
             args.csv,
@@ -257,7 +321,9 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
             plots.plot_trajectory(trajectory, args.plot, title=args.title)
         else:
             plots.plot_displacement(reports, args.plot, title=args.title)
-    return 0
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+    return status
 
 
 def main(argv: Optional[Sequence[str]] = None, kinds: Optional[Sequence[SourceKind]] = None) -> int:

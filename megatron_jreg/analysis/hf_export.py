@@ -281,7 +281,7 @@ def convert(
 def build_parser() -> argparse.ArgumentParser:
     class _Parser(argparse.ArgumentParser):
         def error(self, message: str) -> None:  # usage errors: one line, exit 2
-            self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+            self.exit(2, f"{self.prog}: error: {message}\n")
 
     parser = _Parser(
         prog=PROG,

@@ -175,7 +175,7 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="DIR",
         default=None,
         help="Hugging Face causal LM directories (Llama, Qwen, Gemma, Mistral, ...); "
-        "several go on one plot. Needs `pip install megatron-jreg[hf]`.",
+        "several go on one plot. Needs the hf extra: `pip install --no-build-isolation -e '.[hf]'` from the repository root.",
     )
 
 

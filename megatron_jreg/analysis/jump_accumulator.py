@@ -8,12 +8,13 @@ however the tokens were batched (never a mean of per-batch means).
 from __future__ import annotations
 
 import io
-import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_jreg import strict_json
 from megatron_jreg.jreg import jump_rates, masked_sum
 from megatron_jreg.ops import token_displacement
 
@@ -192,11 +193,15 @@ class JumpReport:
         return out
 
     def to_json(self, indent: int = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent) + "\n"
+        """Strict JSON: a NaN displacement or jump rate is written as null."""
+        return strict_json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "JumpReport":
-        """Read a report written by :meth:`to_dict`; ``ValueError`` names a missing key."""
+        """Read a report written by :meth:`to_dict`; ``ValueError`` names a missing key.
+
+        A null displacement (how the JSON writes a NaN) reads back as NaN.
+        """
         if not isinstance(data, dict):
             raise ValueError(f"a jump report must be a JSON object, got {type(data).__name__}")
         missing = [k for k in REPORT_KEYS if k not in data]
@@ -207,7 +212,7 @@ class JumpReport:
             model=str(data["model"]),
             num_layers=int(data["num_layers"]),
             tokens=int(data["tokens"]),
-            displacement=[float(p) for p in data["displacement"]],
+            displacement=[math.nan if p is None else float(p) for p in data["displacement"]],
             include_final_norm=bool(data["include_final_norm"]),
             extra=extra,
         )

@@ -1,11 +1,13 @@
 """Figures: displacement per layer (Figure 2 style) and its trajectory over a run.
 
 matplotlib is an optional extra, imported here only when a plot is asked for, with the
-Agg backend so plotting works without a display.
+Agg backend so plotting works without a display. A NaN Psi_l or zeta_L (non-finite
+hidden states) is left out of its line (a gap), never drawn as 0.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 from megatron_jreg.analysis.atomic_write import write_atomic
@@ -68,7 +70,7 @@ def plot_trajectory(
     fig, (ax_zeta, ax_psi) = plt.subplots(1, 2, figsize=(11, 4))
     try:
         iterations = [it for it, _ in trajectory]
-        zetas = [r.jump_rate.get("L", 0.0) for _, r in trajectory]
+        zetas = [r.jump_rate.get("L", math.nan) for _, r in trajectory]  # NaN: a gap
         ax_zeta.plot(iterations, zetas, marker="o")
         ax_zeta.set_xlabel("iteration")
         ax_zeta.set_ylabel("jump rate zeta_L")

@@ -161,6 +161,11 @@ class OneSidedTTest:
         return asdict(self)
 
 
+_OVERFLOW = (
+    "the scores are too large to average in floating point (overflow); check the CSV's values"
+)
+
+
 def one_sided_t_test(
     differences: Sequence[float], confidence: float = 0.95, backend: str = "auto"
 ) -> OneSidedTTest:
@@ -171,8 +176,13 @@ def one_sided_t_test(
     if not 0.0 < confidence < 1.0:
         raise InputError(f"confidence must be in (0, 1), got {confidence}")
     used = resolve_backend(backend)
-    mean = math.fsum(differences) / n
-    sd = math.sqrt(math.fsum((d - mean) ** 2 for d in differences) / (n - 1))
+    try:
+        mean = math.fsum(differences) / n
+        sd = math.sqrt(math.fsum((d - mean) ** 2 for d in differences) / (n - 1))
+    except (OverflowError, ValueError):  # fsum raises ValueError for inf - inf
+        mean = sd = math.inf
+    if not (math.isfinite(mean) and math.isfinite(sd)):
+        raise InputError(_OVERFLOW)
     se = sd / math.sqrt(n)
     df = n - 1
     if se == 0.0:  # identical differences: the sign of the mean decides
@@ -323,8 +333,11 @@ def compare_seed_scores(
     if len(scores) > 1:
         common = sorted(set.intersection(*(set(p) for p in scores.values())))
         if len(common) >= 2:
-            base = [math.fsum(scores[t][s][0] for t in scores) / len(scores) for s in common]
-            jreg = [math.fsum(scores[t][s][1] for t in scores) / len(scores) for s in common]
+            try:
+                base = [math.fsum(scores[t][s][0] for t in scores) / len(scores) for s in common]
+                jreg = [math.fsum(scores[t][s][1] for t in scores) / len(scores) for s in common]
+            except OverflowError:
+                raise InputError(_OVERFLOW) from None
             results.append(("average", paired_one_sided_t_test(base, jreg, confidence, backend)))
     return results
 

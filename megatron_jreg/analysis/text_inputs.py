@@ -24,16 +24,39 @@ def _check_file(path: str, flag: str) -> None:
         raise InputError(f"{flag} {path}: not a regular file; give the path of a file")
 
 
+def _first_undecodable_line(path: str) -> Optional[int]:
+    """The 1-based number of the first line of ``path`` that is not UTF-8, or None."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return None
+
+
+def _utf8_lines(path: str, flag: str, what: str) -> Iterator[str]:
+    """The lines of ``path``; one that is not UTF-8 (a binary file) is an InputError naming it."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            yield from f
+        except UnicodeDecodeError:
+            line = _first_undecodable_line(path)
+            where = f"{path}:{line}" if line is not None else path
+            raise InputError(
+                f"{flag} {where}: not UTF-8 text (a binary file?); give {what}, UTF-8 encoded"
+            ) from None
+
+
 def read_text_file(path: str) -> Iterator[str]:
     """One document per line; blank lines are skipped."""
     _check_file(path, "--text-file")
 
     def lines() -> Iterator[str]:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                text = line.rstrip("\r\n")
-                if text.strip():
-                    yield text
+        for line in _utf8_lines(path, "--text-file", "a text file, one document per line"):
+            text = line.rstrip("\r\n")
+            if text.strip():
+                yield text
 
     return lines()
 
@@ -43,31 +66,31 @@ def read_jsonl(path: str, key: str) -> Iterator[str]:
     _check_file(path, "--jsonl")
 
     def documents() -> Iterator[str]:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(
-                        f"{where}: malformed JSON ({e.msg}); each line must be one JSON object"
-                    )
-                if not isinstance(obj, dict):
-                    raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-                if key not in obj:
-                    raise InputError(
-                        f"{where}: no key {key!r} (keys: {sorted(obj)[:8]}); "
-                        "choose the text key with --json-key"
-                    )
-                text = obj[key]
-                if not isinstance(text, str):
-                    raise InputError(
-                        f"{where}: {key!r} holds {type(text).__name__}, expected a string"
-                    )
-                if text.strip():
-                    yield text
+        lines = _utf8_lines(path, "--jsonl", "a JSON-lines file")
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(
+                    f"{where}: malformed JSON ({e.msg}); each line must be one JSON object"
+                )
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if key not in obj:
+                raise InputError(
+                    f"{where}: no key {key!r} (keys: {sorted(obj)[:8]}); "
+                    "choose the text key with --json-key"
+                )
+            text = obj[key]
+            if not isinstance(text, str):
+                raise InputError(
+                    f"{where}: {key!r} holds {type(text).__name__}, expected a string"
+                )
+            if text.strip():
+                yield text
 
     return documents()
 

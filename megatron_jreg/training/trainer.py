@@ -14,20 +14,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_jreg import cli
+from megatron_jreg.strict_json import finite_or_null
 from megatron_jreg.training.config import SECTIONS
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"  # checkpointing.TRACKER, without importing megatron
-
-
-def finite_or_null(value):
-    """JSON-ready copy: NaN/inf become null (strict JSON has no NaN), never a number."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    return value
 
 
 def log(message: str) -> None:

@@ -154,3 +154,54 @@ def test_empty_text(capsys, tmp_path):
     empty.write_text("\n   \n\n")
     err = run_error(capsys, ["--load", fake_run(tmp_path, run_config=True), "--text-file", empty])
     assert "no tokens to evaluate" in err
+
+
+# ---- damaged checkpoints: the messages name eval_jump's flags (--iteration), not the trainer's
+
+
+def _damaged_copy(tmp_path, trained_checkpoints, damage):
+    """A copy of the tp1 run (iterations 1..ITERS) with ``damage(newest iteration dir)``."""
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(trained_checkpoints["tp1"], root)
+    damage(root / f"iter_{ITERS:07d}")
+    return root
+
+
+def _tool_error(argv):
+    import sys
+
+    from checkpoint_runs import run
+
+    proc = run([sys.executable, *map(str, argv)], check=False)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, proc.stdout + err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_torn_latest_checkpoint_names_iteration(trained_checkpoints, checkpoint_text, tmp_path):
+    # a save torn after the tracker moved on: the tracker names ITERS, which has no marker
+    root = _damaged_copy(
+        tmp_path, trained_checkpoints, lambda d: (d / "jreg_complete.json").unlink()
+    )
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    err = _tool_error(
+        ["tools/eval_jump.py", "--load", root, "--text-file", checkpoint_text[0], "--no-progress"]
+    )
+    assert "incomplete" in err and f"--iteration {ITERS - 1}" in err, err
+    assert "--ckpt-step" not in err
+    err = _tool_error(["tools/convert_to_hf.py", "--load", root, "--output", tmp_path / "hf"])
+    assert f"--iteration {ITERS - 1}" in err and "--ckpt-step" not in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_damaged_metadata_names_iteration(trained_checkpoints, checkpoint_text, tmp_path):
+    root = _damaged_copy(
+        tmp_path, trained_checkpoints, lambda d: (d / ".metadata").write_bytes(b"garbage")
+    )
+    err = _tool_error(
+        ["tools/eval_jump.py", "--load", root, "--text-file", checkpoint_text[0], "--no-progress"]
+    )
+    assert "metadata" in err and "--iteration" in err and "--ckpt-step" not in err, err

@@ -79,6 +79,40 @@ def test_jsonl_missing_key(capsys, tmp_path, tiny_hf_model):
     assert f"{bad}:1" in err and "--json-key" in err
 
 
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if eval_jump loads a model: input errors must come first."""
+    from megatron_jreg.analysis import hf_source
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(hf_source, "load_hf_source", load)
+
+
+BINARY = b"\x00\x01PK\x03\x04" + bytes(range(0x80, 0x100)) * 16  # not UTF-8, no newline
+
+
+@pytest.mark.parametrize("flag", ["--text-file", "--jsonl"])
+@pytest.mark.parametrize("late", [False, True], ids=["binary", "binary_after_20k_of_text"])
+def test_binary_text_input(capsys, tmp_path, tiny_hf_model, no_model_load, flag, late):
+    line = b"w1 w2 w3\n" if flag == "--text-file" else b'{"text": "w1 w2 w3"}\n'
+    good = line * (20_000 // len(line)) if late else b""
+    path = tmp_path / "input.bin"
+    path.write_bytes(good + BINARY)
+    err = run_error(capsys, ["--hf-model", tiny_hf_model, flag, path])
+    lineno = good.count(b"\n") + 1
+    assert f"{flag} {path}:{lineno}: not UTF-8 text" in err, err
+    assert "UTF-8 encoded" in err
+
+
+def test_bad_jsonl_line_fails_before_the_model_loads(capsys, tmp_path, tiny_hf_model, no_model_load):
+    bad = tmp_path / "late.jsonl"
+    bad.write_text('{"text": "w1 w2"}\n' * 3000 + '{"text": oops}\n')
+    err = run_error(capsys, ["--hf-model", tiny_hf_model, "--jsonl", bad])
+    assert f"{bad}:3001" in err and "malformed JSON" in err
+
+
 def test_missing_indexed_dataset(capsys, tmp_path, tiny_hf_model):
     err = run_error(
         capsys, ["--hf-model", tiny_hf_model, "--data-path", tmp_path / "corpus_text_document"]

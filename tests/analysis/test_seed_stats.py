@@ -186,3 +186,46 @@ def test_compare_seeds_tool(tmp_path):
         and proc.stderr.startswith("compare_seeds: error:")
         and proc.stderr.count("\n") == 1
     )
+
+
+def _strict(text):
+    def reject(name):
+        raise ValueError(f"bare {name} is not JSON")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def test_compare_seeds_json_is_strict_with_null_for_nan(tmp_path):
+    """All differences 0: no p-value (NaN) and t = NaN: printed nan, JSON null, never 0."""
+    path = tmp_path / "same.csv"
+    path.write_text("seed,baseline,jreg\n1,60,60\n2,61,61\n3,59,59\n")
+    out = tmp_path / "r.json"
+    tool = os.path.join(REPO, "tools", "compare_seeds.py")
+    proc = subprocess.run(
+        [sys.executable, tool, str(path), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1].split()[3:6] == ["nan", "2", "nan"]
+    result = _strict(out.read_text())["score"]
+    assert result["p_value"] is None and result["t"] is None
+    assert result["mean_difference"] == 0.0 and result["n"] == 3
+
+
+def test_compare_seeds_overflow_and_confidence_are_one_line(tmp_path):
+    tool = os.path.join(REPO, "tools", "compare_seeds.py")
+    huge = tmp_path / "huge.csv"
+    huge.write_text("seed,baseline,jreg\n1,-1e308,1e308\n2,1e308,-1e308\n3,1,2\n")
+    ok = tmp_path / "ok.csv"
+    ok.write_text(LONG)
+    for argv, expected in (
+        ([str(huge)], f"{huge}: the scores are too large"),
+        ([str(ok), "--confidence", "2"], "--confidence 2.0: must be in (0, 1)"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, tool, *argv], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("compare_seeds: error:") and expected in proc.stderr

@@ -46,6 +46,37 @@ def test_jump_rate_sums_only_rises():
     assert jump_rates(torch.tensor(psi, dtype=torch.float64)) == pytest.approx(rates)
 
 
+def test_nan_displacement_gives_nan_jump_rate_never_zero():
+    nan = float("nan")
+    rates = jump_rates([nan, nan, nan])  # e.g. a model whose weights are all NaN
+    assert set(rates) == {2, 3} and all(math.isnan(z) for z in rates.values())
+    # zeta_l = 100 * sum_{k >= l} max(0, Psi_k - Psi_{k-1}): NaN exactly where a term has NaN
+    rates = jump_rates([0.1, nan, 0.2, 0.3, 0.25])
+    assert rates[5] == 0.0 and rates[4] == pytest.approx(10.0)
+    assert math.isnan(rates[3]) and math.isnan(rates[2])
+    rates = jump_rates([0.1, 0.2, 0.3, nan])  # only the top layer: every zeta is NaN
+    assert all(math.isnan(z) for z in rates.values())
+    # a falling NaN is no "fall" either (max(0, nan - x) would be 0)
+    assert math.isnan(jump_rates([0.5, nan])[2]) and math.isnan(jump_rates([nan, 0.5])[2])
+    assert all(math.isnan(z) for z in jump_rates(torch.tensor([0.1, nan, 0.3])).values())
+    # infinities are not finite displacements either
+    assert math.isnan(jump_rates([float("inf"), 0.1])[2])
+    assert math.isnan(jump_rates([0.1, float("inf")])[2])
+
+
+def test_finite_jump_rates_unchanged():
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        psi = torch.rand(7, generator=gen, dtype=torch.float64).tolist()
+        expected = {
+            l: 100.0 * sum(max(0.0, psi[k - 1] - psi[k - 2]) for k in range(l, 8))
+            for l in range(2, 8)
+        }
+        rates = jump_rates(psi)
+        assert rates == pytest.approx(expected, abs=1e-12)
+        assert all(math.isfinite(z) and z >= 0 for z in rates.values())
+
+
 def test_zero_vectors_give_half_and_no_nan():
     a = torch.zeros(3, 8, requires_grad=True)
     b = torch.randn(3, 8, requires_grad=True)
