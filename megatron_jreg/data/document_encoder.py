@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from itertools import chain
 
 import numpy
 
+from megatron_jreg.data.parent_death import die_with_parent
 from megatron_jreg.data.text_sources import Chunk
 from megatron_jreg.data.tokenizers import build_tokenizer
 
@@ -26,6 +28,13 @@ MISSING_KEY = "missing key"
 NON_STRING = "non-string value"
 INVALID_UTF8 = "invalid UTF-8"
 EMPTY_DOCUMENT = "empty document"
+LONE_SURROGATE = "lone surrogate (not valid Unicode)"
+UNENCODABLE = "text the tokenizer cannot encode"
+
+# JSON can escape half a UTF-16 pair ("\udcff"); such a string has no UTF-8 form, so no
+# tokenizer can take it. Searched for while parsing (after a much faster isascii), so it is
+# reported like any bad line.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def token_dtype(vocab_size: int) -> type[numpy.number]:
@@ -81,6 +90,14 @@ class _BadLine(Exception):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+
+
+class _Unencodable(Exception):
+    """Documents the tokenizer raised on: (index into the chunk's good ones, detail), in order."""
+
+    def __init__(self, failures: list[tuple[int, str]]) -> None:
+        super().__init__(failures[0][1])
+        self.failures = failures
 
 
 class _SentenceSplitter:
@@ -167,6 +184,12 @@ class DocumentEncoder:
                 )
             if not value.strip():
                 raise _BadLine(EMPTY_DOCUMENT, f"empty document in {key!r}")
+            surrogate = None if value.isascii() else _SURROGATE.search(value)
+            if surrogate is not None:
+                raise _BadLine(LONE_SURROGATE, (
+                    f"lone surrogate \\u{ord(surrogate.group()):04x} at character "
+                    f"{surrogate.start() + 1} of {key!r} (a JSON escape that is not valid "
+                    f"Unicode)"))
             texts.append(value)
         return texts
 
@@ -200,7 +223,24 @@ class DocumentEncoder:
         return out
 
     # -- encoding --------------------------------------------------------------------------
-    def _encode_documents(self, texts: list[str]) -> EncodedKey:
+    def _encode_documents(self, texts: list[str], key: str) -> EncodedKey:
+        """``_encode_batch``, or _Unencodable naming every document the tokenizer rejects."""
+        try:
+            return self._encode_batch(texts)
+        except Exception:
+            # Rare: find the documents, one at a time, so the error names their lines.
+            failures = []
+            for i, text in enumerate(texts):
+                try:
+                    self._encode_batch([text])
+                except Exception as e:
+                    failures.append(
+                        (i, f"the tokenizer cannot encode {key!r} ({type(e).__name__}: {e})"))
+            if failures:
+                raise _Unencodable(failures) from None
+            raise  # no single document fails: a tokenizer problem, not a data one
+
+    def _encode_batch(self, texts: list[str]) -> EncodedKey:
         tok = self.tokenizer
         eod = [tok.eod] if self.spec.append_eod else []
         if self._splitter is None:
@@ -232,37 +272,65 @@ class DocumentEncoder:
         result = EncodedChunk()
         good: list[list[str]] = []
         good_lines: list[int] = []
+        first_bad: tuple[int, str] | None = None
         for line, item in self._parse(chunk, kind):
             if isinstance(item, _BadLine):
                 if not self.spec.skip_invalid:
-                    result.error = (line, item.detail)
-                    return result
-                result.skipped[item.reason] += 1
-                result.first_skipped.setdefault(item.reason, line)
+                    # Documents before it are still encoded: one the tokenizer rejects comes
+                    # earlier, and the earliest bad line is the one to report.
+                    first_bad = (line, item.detail)
+                    break
+                self._skip(result, line, item)
             else:
                 good.append(item)
                 good_lines.append(line)
-        for k in range(len(self.spec.json_keys)):
-            encoded = self._encode_documents([texts[k] for texts in good])
+        while True:
+            try:
+                keys = [self._encode_documents([texts[k] for texts in good], key)
+                        for k, key in enumerate(self.spec.json_keys)]
+                break
+            except _Unencodable as bad:  # drop the documents from every key, then retry
+                if not self.spec.skip_invalid:
+                    doc, detail = bad.failures[0]
+                    result.error = (good_lines[doc], detail)  # before first_bad, by construction
+                    return result
+                for doc, detail in bad.failures:
+                    self._skip(result, good_lines[doc], _BadLine(UNENCODABLE, detail))
+                for doc, _ in reversed(bad.failures):  # from the end: indices stay valid
+                    del good[doc], good_lines[doc]
+        errors = [] if first_bad is None else [first_bad]
+        for encoded in keys:
             if self._splitter is None and (encoded.sequence_lengths == 0).any():
                 # Only reachable without --append-eod: a zero-length document would
                 # break GPTDataset's document walk.
                 doc = int(numpy.argmax(encoded.sequence_lengths == 0))
-                result.error = (good_lines[doc], "document encodes to no tokens")
-                return result
+                errors.append((good_lines[doc], "document encodes to no tokens"))
+        if errors:
+            result.error = min(errors)
+            return result
+        for encoded in keys:
             result.keys.append(encoded)
             result.tokens += len(encoded.tokens) // numpy.dtype(self.dtype).itemsize
         result.documents = len(good)
         return result
+
+    @staticmethod
+    def _skip(result: EncodedChunk, line: int, bad: _BadLine) -> None:
+        result.skipped[bad.reason] += 1
+        result.first_skipped.setdefault(bad.reason, line)
 
 
 # -- multiprocessing entry points ------------------------------------------------------------
 _ENCODER: DocumentEncoder | None = None
 
 
-def init_worker(spec: EncoderSpec) -> None:
-    """Pool initializer: build the tokenizer once per worker process."""
+def init_worker(spec: EncoderSpec, parent_pid: int) -> None:
+    """Pool initializer: build the tokenizer once per worker process.
+
+    ``parent_pid`` is the process that owns the pool: the worker dies with it.
+    """
     global _ENCODER
+    die_with_parent(parent_pid)
     # The parent owns Ctrl-C and SIGTERM: it stops the pool and removes partial files.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

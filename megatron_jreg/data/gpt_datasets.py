@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 from dataclasses import dataclass
 
 _SPLIT_HELP = "comma-separated train,valid,test weights, e.g. 969,30,1"
+# megatron-core's .idx header: magic (9 bytes), version (Q), dtype code (B), sequence count
+# (Q), document-boundary count (Q); then int32 lengths, int64 pointers, int64 boundaries.
+_IDX_HEADER_BYTES = 34
+_REBUILD = "rebuild the pair with tools/preprocess_data.py"
 
 
 @dataclass(kw_only=True)
@@ -61,6 +66,62 @@ class GPTDataConfig:
         return prefixes, weights
 
 
+def check_indexed_dataset(prefix: str) -> None:
+    """Refuse a ``prefix.bin``/``.idx`` pair that megatron-core would misread.
+
+    megatron-core trusts the ``.idx``: a ``.bin`` from another run trains on the wrong tokens
+    (a bigger one), fails deep inside sampling naming no file (a shorter one), or trains fine
+    (slightly short). Checked here: the ``.idx`` header and size, that the ``.bin`` holds
+    exactly the tokens the ``.idx`` describes, and that there is at least one token. Reads a
+    few numbers, not the dataset. Raises ValueError: one line naming the files and the fix.
+    """
+    import numpy
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise ValueError(f"--data-path {prefix!r}: {path} does not exist; {_REBUILD}")
+    with open(idx_path, "rb") as f:
+        head = f.read(_IDX_HEADER_BYTES)
+    if len(head) < _IDX_HEADER_BYTES or head[:len(_INDEX_HEADER)] != _INDEX_HEADER:
+        raise ValueError(f"{idx_path} is not a megatron-core index file; {_REBUILD}")
+    version, code, sequences, documents = struct.unpack("<QBQQ", head[len(_INDEX_HEADER):])
+    try:
+        itemsize = DType.size(code)
+    except ValueError:
+        raise ValueError(f"{idx_path}: unknown token dtype code {code}; {_REBUILD}") from None
+    idx_size = os.path.getsize(idx_path)
+    expected_idx = _IDX_HEADER_BYTES + sequences * (4 + 8) + documents * 8
+    # version 1 is the only one; multimodal indices append one mode byte per sequence
+    if version != 1 or idx_size not in (expected_idx, expected_idx + sequences):
+        raise ValueError(
+            f"{idx_path} is {idx_size} bytes, not the {expected_idx} its header describes "
+            f"(version {version}, {sequences} sequences): it is truncated or damaged; {_REBUILD}"
+        )
+    tokens = 0
+    if sequences:
+        # Pointers are cumulative byte offsets, so the last sequence's end is the token count:
+        # two numbers instead of a pass over every length.
+        offset = _IDX_HEADER_BYTES + (sequences - 1) * 4
+        last_length = int(numpy.fromfile(idx_path, numpy.int32, 1, offset=offset)[0])
+        offset = _IDX_HEADER_BYTES + sequences * 4 + (sequences - 1) * 8
+        last_pointer = int(numpy.fromfile(idx_path, numpy.int64, 1, offset=offset)[0])
+        tokens = last_pointer // itemsize + last_length
+    if tokens == 0:
+        raise ValueError(
+            f"--data-path {prefix!r}: the dataset holds no tokens ({idx_path} lists "
+            f"{sequences} sequences); preprocess a corpus with documents in it"
+        )
+    bin_size = os.path.getsize(bin_path)
+    if bin_size != tokens * itemsize:
+        raise ValueError(
+            f"{bin_path} is {bin_size} bytes but {idx_path} describes {tokens} tokens of "
+            f"{itemsize} bytes ({tokens * itemsize} bytes): the two files come from different "
+            f"runs or one is damaged; {_REBUILD}"
+        )
+
+
 def build_gpt_datasets(
     config: GPTDataConfig,
     tokenizer,
@@ -87,6 +148,7 @@ def build_gpt_datasets(
                 f"--data-path {prefix!r}: no {prefix}.bin/.idx pair; make it with "
                 f"tools/preprocess_data.py --output-prefix (the prefix ends in _text_document)"
             )
+        check_indexed_dataset(prefix)  # before megatron-core opens (and trusts) the pair
     cache_dir = config.cache_dir or os.path.join(
         os.path.dirname(os.path.abspath(prefixes[0])), "index-cache"
     )

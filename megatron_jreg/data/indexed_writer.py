@@ -8,10 +8,15 @@ byte-identical to the stock builder's (tests pin this).
 
 ``IndexedDatasetOutput`` writes under temp names and renames only a complete pair, so an
 interrupted run never leaves a ``.bin``/``.idx`` pair that looks valid.
+
+Every OSError raised while writing names the file (Python's buffered writes do not), so a
+full disk can be reported as "no space left writing <file>". Cleanup only closes and
+deletes: flushing buffered bytes on a full disk would fail again before anything is deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
@@ -31,6 +36,28 @@ from megatron.core.datasets.indexed_dataset import (
 _BLOCK_ITEMS = 1 << 20  # items per read-back block at finalize: 8 MB of int64
 
 
+@contextlib.contextmanager
+def _writing(path: str):
+    """Give an OSError from writing ``path`` the file name it lacks (buffered writes have none)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from None
+
+
+def _close_without_writing(f) -> None:
+    """Close ``f`` and drop the bytes it still buffers, writing nothing."""
+    raw = getattr(f, "raw", None)
+    if raw is not None:
+        raw.close()  # a buffered file whose raw file is closed closes without flushing
+        f.close()
+        return
+    with contextlib.suppress(OSError):  # not a buffered file: it may flush; it is deleted next
+        f.close()
+
+
 class _SpillArray:
     """An append-only array of one dtype kept in a temp file instead of memory."""
 
@@ -44,13 +71,15 @@ class _SpillArray:
     def extend(self, values: numpy.ndarray) -> None:
         values = numpy.asarray(values, dtype=self.dtype)
         if values.size:
-            self._file.write(values.tobytes())
+            with _writing(self.path):
+                self._file.write(values.tobytes())
             self.count += values.size
             self.last = int(values[-1])
 
     def blocks(self):
         """The stored values, in order, a block at a time."""
-        self._file.flush()
+        with _writing(self.path):
+            self._file.flush()
         self._file.seek(0)
         itemsize = self.dtype.itemsize
         while True:
@@ -59,15 +88,22 @@ class _SpillArray:
                 return
             yield numpy.frombuffer(raw, dtype=self.dtype)
 
-    def close(self, remove: bool = True) -> None:
+    def discard(self) -> None:
+        """Close and delete; a spill file is only ever scratch space."""
         if not self._file.closed:
-            self._file.close()
-        if remove and os.path.exists(self.path):
+            _close_without_writing(self._file)
+        if os.path.exists(self.path):
             os.unlink(self.path)
 
 
 class _StreamingIndexWriter(_IndexWriter):
     """megatron-core's index writer (header and dtype code), fed from spill files."""
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        if exc_type is None:
+            return super().__exit__(exc_type, exc_val, exc_tb)
+        _close_without_writing(self.idx_writer)  # failed: the file is deleted, do not flush it
+        return None
 
     def write_spilled(self, lengths: _SpillArray, document_indices: _SpillArray) -> None:
         # Same layout as _IndexWriter.write: counts, lengths, pointers, document indices.
@@ -97,6 +133,7 @@ class StreamingIndexedDatasetBuilder(IndexedDatasetBuilder):
 
     def __init__(self, bin_path: str, dtype: Type[numpy.number], spill_prefix: str) -> None:
         super().__init__(bin_path, dtype=dtype, multimodal=False)
+        self.bin_path = bin_path
         self.sequence_lengths = _SpillArray(spill_prefix + ".lengths", numpy.int32)
         self.document_indices = _SpillArray(spill_prefix + ".documents", numpy.int64)
         self.document_indices.extend(numpy.zeros(1, numpy.int64))
@@ -104,12 +141,14 @@ class StreamingIndexedDatasetBuilder(IndexedDatasetBuilder):
 
     def add_item(self, tensor: torch.Tensor, mode: int = 0) -> None:
         array = numpy.asarray(tensor.numpy(), dtype=self.dtype)
-        self.data_file.write(array.tobytes(order="C"))
+        with _writing(self.bin_path):
+            self.data_file.write(array.tobytes(order="C"))
         self.sequence_lengths.extend(numpy.array([array.size], numpy.int32))
 
     def add_document(self, tensor, lengths, modes=None) -> None:
         array = numpy.asarray(tensor, dtype=self.dtype)
-        self.data_file.write(array.tobytes(order="C"))
+        with _writing(self.bin_path):
+            self.data_file.write(array.tobytes(order="C"))
         self.sequence_lengths.extend(numpy.asarray(lengths, numpy.int32))
         self.end_document()
 
@@ -128,7 +167,8 @@ class StreamingIndexedDatasetBuilder(IndexedDatasetBuilder):
         """
         if len(tokens) != int(sequence_lengths.sum()) * self._itemsize:
             raise ValueError("add_encoded: token bytes do not match the sequence lengths")
-        self.data_file.write(tokens)
+        with _writing(self.bin_path):
+            self.data_file.write(tokens)
         start = self.sequence_lengths.count
         self.sequence_lengths.extend(sequence_lengths)
         if sequences_per_document is None:
@@ -148,21 +188,23 @@ class StreamingIndexedDatasetBuilder(IndexedDatasetBuilder):
         self.sequence_lengths.extend(index.sequence_lengths)
         self.document_indices.extend(offset + index.document_indices[1:])
         del index
-        with open(get_bin_path(path_prefix), "rb") as f:
+        with open(get_bin_path(path_prefix), "rb") as f, _writing(self.bin_path):
             shutil.copyfileobj(f, self.data_file, 1 << 22)
 
     def finalize(self, idx_path: str) -> None:
-        self.data_file.close()
-        with _StreamingIndexWriter(idx_path, self.dtype) as writer:
+        with _writing(self.bin_path):
+            self.data_file.close()
+        with _writing(idx_path), _StreamingIndexWriter(idx_path, self.dtype) as writer:
             writer.write_spilled(self.sequence_lengths, self.document_indices)
         self.discard_spill()
 
     def discard_spill(self) -> None:
-        """Close and delete the spill files (finalize does this; call it on failure too)."""
+        """Delete the spill files and close the ``.bin`` (finalize does this; call it on
+        failure too). Writes nothing: on a full disk that would fail again."""
         if not self.data_file.closed:
-            self.data_file.close()
-        self.sequence_lengths.close()
-        self.document_indices.close()
+            _close_without_writing(self.data_file)
+        self.sequence_lengths.discard()
+        self.document_indices.discard()
 
 
 class IndexedDatasetOutput:
@@ -187,7 +229,7 @@ class IndexedDatasetOutput:
         self._done = True
 
     def abort(self) -> None:
-        """Remove every temp file; safe to call twice or after commit."""
+        """Remove every temp file, writing nothing; safe to call twice or after commit."""
         if self._done:
             return
         self.builder.discard_spill()

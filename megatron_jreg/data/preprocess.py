@@ -14,6 +14,7 @@ parts are then merged in order with ``add_index``, which gives the same bytes as
 from __future__ import annotations
 
 import argparse
+import errno
 import multiprocessing
 import os
 import shutil
@@ -31,6 +32,7 @@ from megatron_jreg.data.document_encoder import (
     encode_chunk_in_worker,
     init_worker,
 )
+from megatron_jreg.data.parent_death import die_with_parent
 from megatron_jreg.data.progress import Progress, RunStats
 from megatron_jreg.data.text_sources import (
     INPUT_FORMATS,
@@ -45,6 +47,9 @@ from megatron_jreg.data.tokenizers import TOKENIZER_TYPES
 EXIT_USAGE = 2  # bad flags, inputs or data: the user must fix something (argparse uses 2 too)
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+
+# Write errors the user fixes by making room; any other OSError is a bug or a system fault.
+_NO_ROOM = {errno.ENOSPC: "no space left", getattr(errno, "EDQUOT", -1): "disk quota exceeded"}
 
 
 class PreprocessError(Exception):
@@ -87,6 +92,9 @@ class PreprocessConfig:
     """Skip and count bad lines instead of stopping at the first one."""
     overwrite: bool = False
     """Replace existing outputs instead of refusing."""
+    allow_empty: bool = False
+    """Write an empty dataset when the input holds no documents, instead of refusing (an
+    empty dataset cannot be trained on)."""
     log_interval: int = 10000
     """Documents between progress log lines (when not on a terminal)."""
     chunk_bytes: int = 1 << 18
@@ -152,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     g.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    g.add_argument("--allow-empty", action="store_true",
+                   help="write an empty dataset when the input holds no documents (else exit 2)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenising processes")
     g.add_argument("--partitions", type=int, default=1, help="input parts processed concurrently, then merged")
@@ -191,6 +201,29 @@ def _check_outputs(config: PreprocessConfig) -> None:
                 )
 
 
+def _no_room_error(e: OSError, config: PreprocessConfig) -> PreprocessError | None:
+    """A full disk or quota as the one-line error to show; None for other OSErrors."""
+    what = _NO_ROOM.get(e.errno)
+    if what is None:
+        return None
+    where = e.filename or os.path.dirname(os.path.abspath(config.output_prefix))
+    return PreprocessError(f"{what} writing {where}; free space or pick another --output-prefix")
+
+
+def _refuse_empty(config: PreprocessConfig, segments: list[Segment], stats: RunStats) -> None:
+    """No documents at all: an empty dataset only fails later, in training, naming nothing."""
+    if stats.documents or config.allow_empty:
+        return
+    paths = list(dict.fromkeys(segment.path for segment in segments))
+    names = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    skipped = sum(stats.skipped.values())
+    why = f"skipped {skipped} invalid lines, found no good one" if skipped else "empty or blank"
+    raise PreprocessError(
+        f"no documents in {names} ({why}); check --input, or pass --allow-empty to write an "
+        f"empty dataset"
+    )
+
+
 def _import_writer():
     """The writer pulls in megatron-core (seconds); imported only once work is under way."""
     with warnings.catch_warnings():
@@ -206,8 +239,13 @@ def _encode_stream(
     dtype,
     workers: int,
     progress: Progress,
+    refuse_empty: bool = True,
 ) -> RunStats:
-    """Tokenise ``segments`` in order into committed datasets at ``prefixes``."""
+    """Tokenise ``segments`` in order into committed datasets at ``prefixes``.
+
+    ``refuse_empty`` False leaves the no-documents check to the caller (a partition may be
+    empty when the whole input is not).
+    """
     stats = RunStats()
     outputs = []
     spec = config.encoder_spec()
@@ -240,7 +278,7 @@ def _encode_stream(
     # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies (OOM killer) breaks
     # the executor with an error instead of leaving the parent waiting forever.
     executor = ProcessPoolExecutor(
-        workers, mp_context=_mp_context(), initializer=init_worker, initargs=(spec,)
+        workers, mp_context=_mp_context(), initializer=init_worker, initargs=(spec, os.getpid())
     )
     try:
         try:
@@ -255,7 +293,9 @@ def _encode_stream(
         finally:
             # On failure only the few chunks already running finish; queued ones are dropped.
             executor.shutdown(wait=True, cancel_futures=True)
-        if not outputs:  # empty input: still write valid, empty datasets
+        if refuse_empty:
+            _refuse_empty(config, segments, stats)
+        if not outputs:  # empty input (--allow-empty): still write valid, empty datasets
             writer = _import_writer()
             outputs.extend(writer.IndexedDatasetOutput(p, dtype) for p in prefixes)
         for output in outputs:
@@ -267,16 +307,21 @@ def _encode_stream(
     return stats
 
 
-def _run_partition(index, segments, config, prefixes, dtype, workers, conn) -> None:
+def _run_partition(index, segments, config, prefixes, dtype, workers, parent_pid, conn) -> None:
     """Child process body: one partition into committed partial datasets; reports back."""
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         progress = Progress(config.log_interval, stream=_NotATty(sys.stderr),
                             label=f"[partition {index}] ")
-        stats = _encode_stream(segments, config, prefixes, dtype, workers, progress)
+        stats = _encode_stream(segments, config, prefixes, dtype, workers, progress,
+                               refuse_empty=False)
         conn.send(("ok", stats))
     except (PreprocessError, InputError) as e:
         conn.send(("error", str(e)))
+    except OSError as e:
+        no_room = _no_room_error(e, config)
+        conn.send(("error", str(no_room)) if no_room else ("crash", f"{type(e).__name__}: {e}"))
     except KeyboardInterrupt:
         conn.send(("interrupted", "ctrl-c"))
     except Terminated:
@@ -319,7 +364,7 @@ def _encode_partitioned(config, segments, dtype, progress) -> RunStats:
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_run_partition,
-                args=(i, group, config, part_prefixes, dtype, workers, send),
+                args=(i, group, config, part_prefixes, dtype, workers, os.getpid(), send),
             )
             proc.start()
             send.close()
@@ -343,6 +388,7 @@ def _encode_partitioned(config, segments, dtype, progress) -> RunStats:
                 raise PreprocessError(failure[1])
             raise RuntimeError(failure[1])
         progress.update(stats, stats.documents)
+        _refuse_empty(config, segments, stats)
         for k, prefix in enumerate(config.output_prefixes()):
             output = writer.IndexedDatasetOutput(prefix, dtype)
             try:
@@ -385,6 +431,11 @@ def run_preprocess(config: PreprocessConfig) -> RunStats:
             )
     except InputError as e:
         raise PreprocessError(str(e)) from None
+    except OSError as e:
+        no_room = _no_room_error(e, config)
+        if no_room is None:
+            raise
+        raise no_room from None
     finally:
         progress.close()
     stats.seconds = time.perf_counter() - start

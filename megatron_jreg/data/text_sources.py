@@ -10,6 +10,7 @@ import glob
 import gzip
 import io
 import os
+import zlib
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
@@ -22,6 +23,101 @@ _BLOCK = 1 << 20
 
 class InputError(Exception):
     """An input the user must fix; the message names it and the fix."""
+
+
+class DamagedInputError(InputError):
+    """Compressed data that ends early or does not decompress; ``iter_chunks`` adds the line."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(f"{path}: {detail}; the file is damaged: re-create or re-download it")
+        self.path = path
+        self.detail = detail
+
+
+class _TruncatedError(Exception):
+    """Compressed data that stops inside a frame or member."""
+
+
+class _ZstdReader(io.RawIOBase):
+    """zstd frames, one after another, failing at the end if the last one is incomplete.
+
+    zstandard's ``stream_reader`` ends quietly where a truncated file ends, which would
+    silently drop the rest of the corpus.
+    """
+
+    _READ = 1 << 16  # compressed bytes per step: bounds the output of one decompress call
+
+    def __init__(self, path: str) -> None:
+        import zstandard
+
+        self._zstd = zstandard
+        self._file = open(path, "rb")
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._in_frame = False  # bytes of the current frame were read, its end was not
+        self._out = b""
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos == len(self._out):
+            data = self._file.read(self._READ)
+            if not data:
+                if self._in_frame:
+                    raise _TruncatedError("the file ends inside a zstd frame")
+                return 0
+            parts = []
+            while data:
+                parts.append(self._frame.decompress(data))
+                self._in_frame, data = True, b""
+                if self._frame.eof:  # the frame ended: what follows starts the next one
+                    data = self._frame.unused_data
+                    self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                    self._in_frame = False
+            self._out, self._pos = b"".join(parts), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = memoryview(self._out)[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+
+class _CheckedReader(io.RawIOBase):
+    """A decompressing stream whose errors name the file (gzip's EOFError names nothing)."""
+
+    def __init__(self, path: str, compression: str) -> None:
+        self._path = path
+        self._name = {"gz": "gzip", "zst": "zstd"}[compression]
+        # One step per call (gzip's readinto1): the data before a damaged spot comes out
+        # first, so the error can name the line where the damage is.
+        if compression == "gz":
+            self._inner = gzip.open(path, "rb")
+            self._read = self._inner.readinto1
+            self._errors = (EOFError, gzip.BadGzipFile, zlib.error)
+        else:
+            self._inner = _ZstdReader(path)
+            self._read = self._inner.readinto
+            self._errors = (_TruncatedError, self._inner._zstd.ZstdError)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            return self._read(buffer)
+        except self._errors as e:
+            how = "truncated" if isinstance(e, (EOFError, _TruncatedError)) else "corrupt"
+            raise DamagedInputError(self._path, f"{self._name} data is {how} ({e})") from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self._inner.close()
+        super().close()
 
 
 @dataclass(frozen=True)
@@ -48,13 +144,12 @@ class Segment:
         return end - self.start
 
     def open_binary(self) -> BinaryIO:
-        """The decompressed byte stream, positioned at ``start``."""
-        if self.compression == "gz":
-            return gzip.open(self.path, "rb")
-        if self.compression == "zst":
-            import zstandard
+        """The decompressed byte stream, positioned at ``start``.
 
-            return zstandard.ZstdDecompressor().stream_reader(open(self.path, "rb"), closefd=True)
+        Damaged compressed data raises DamagedInputError (an InputError) while reading.
+        """
+        if self.compression is not None:
+            return io.BufferedReader(_CheckedReader(self.path, self.compression), _BLOCK)
         f = open(self.path, "rb")
         f.seek(self.start)
         return f
@@ -128,6 +223,7 @@ def resolve_inputs(inputs: list[str], input_format: str = "jsonl") -> list[Segme
         else:
             raise InputError(f"--input {item!r}: no such file or directory")
         paths.extend(matched)
+    _refuse_duplicates(paths)
     segments = []
     for path in paths:
         if not os.access(path, os.R_OK):
@@ -135,6 +231,20 @@ def resolve_inputs(inputs: list[str], input_format: str = "jsonl") -> list[Segme
         kind, compression = _file_kind(path, input_format)
         segments.append(Segment(path=path, kind=kind, compression=compression))
     return segments
+
+
+def _refuse_duplicates(paths: list[str]) -> None:
+    """The same file twice (two spellings, or a file and its directory) would be counted twice."""
+    seen: dict[str, str] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            same = "" if seen[real] == path else f" (as {seen[real]!r})"
+            raise InputError(
+                f"--input {path!r}: the same file is given twice{same}, so its documents would "
+                f"be counted twice; list each file once"
+            )
+        seen[real] = path
 
 
 @dataclass
@@ -163,7 +273,14 @@ def iter_chunks(segment: Segment, chunk_bytes: int, json_keys: list[str]) -> Ite
     with segment.open_binary() as f:
         while True:
             want = chunk_bytes if remaining is None else min(chunk_bytes, remaining)
-            block = f.read(want) if want > 0 else b""
+            try:
+                block = f.read(want) if want > 0 else b""
+            except DamagedInputError as e:
+                # Lines before ``line`` were complete; the data stops in or before it.
+                raise InputError(
+                    f"{e.path}:{line}: {e.detail}; lines from here on are lost, so re-create "
+                    f"or re-download the file"
+                ) from None
             if remaining is not None:
                 remaining -= len(block)
             if not block:

@@ -248,10 +248,13 @@ class Trainer:
             if importlib.util.find_spec("wandb") is None:
                 raise ValueError("--wandb-project needs wandb installed: pip install wandb "
                                  "(or drop --wandb-project)")
+        from megatron_jreg.data.gpt_datasets import check_indexed_dataset
+
         for prefix in self._data_prefixes():
             if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
                 raise ValueError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "
                                  "tools/preprocess_data.py")
+            check_indexed_dataset(prefix)  # .bin size as the .idx describes it, not empty
 
     def _check_save_directory(self) -> None:
         """A run that does not resume from --save must not replace the checkpoints there."""
