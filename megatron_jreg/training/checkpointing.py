@@ -194,8 +194,13 @@ def _any_rank(flag: bool, device=None) -> bool:
     return bool(t.item())
 
 
-def _device_of(model_chunks):
-    return next(model_chunks[0].parameters()).device
+def nonfinite_anywhere(model_chunks) -> Optional[str]:
+    """None when every rank's parameters are finite, else what to name: '(names)' of this
+    rank's or 'on another rank' (collective when distributed)."""
+    bad = nonfinite_parameters(model_chunks)
+    if not _any_rank(bool(bad), next(model_chunks[0].parameters()).device):
+        return None
+    return f"({', '.join(bad)})" if bad else "on another rank"
 
 
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
@@ -207,12 +212,11 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     parameter is non-finite."""
     from megatron.core import dist_checkpointing
 
-    bad = nonfinite_parameters(model_chunks)
-    if _any_rank(bool(bad), _device_of(model_chunks)):
+    bad = nonfinite_anywhere(model_chunks)
+    if bad:
         raise CheckpointError(
-            f"refusing to save iteration {iteration}: non-finite parameters"
-            + (f" ({', '.join(bad)})" if bad else " on another rank")
-            + f"; the last whole checkpoint in {root} is kept. Lower --lr or check the data")
+            f"refusing to save iteration {iteration}: non-finite parameters {bad}; the last "
+            f"whole checkpoint in {root} is kept. Lower --lr or check the data")
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = iteration_dir(root, iteration)
     partial = f"{final}.partial-{run_id}"
@@ -379,12 +383,10 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
     for module, key in zip(modules, keys):
         module.load_state_dict(loaded[key])
-    bad = nonfinite_parameters(model_chunks)
-    if _any_rank(bool(bad), _device_of(model_chunks)):
-        raise CheckpointError(
-            f"checkpoint {path} holds non-finite weights"
-            + (f" ({', '.join(bad)})" if bad else " on another rank")
-            + f"; it is damaged: load an earlier one with {step_flag}")
+    bad = nonfinite_anywhere(model_chunks)
+    if bad:
+        raise CheckpointError(f"checkpoint {path} holds non-finite weights {bad}; it is damaged: "
+                              f"load an earlier one with {step_flag}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:

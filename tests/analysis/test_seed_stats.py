@@ -160,27 +160,22 @@ def test_csv_errors(tmp_path):
         read_seed_scores(str(tmp_path / "missing.csv"))
 
 
+def run_compare_seeds(*args):
+    tool = os.path.join(REPO, "tools", "compare_seeds.py")
+    return subprocess.run([sys.executable, tool, *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_compare_seeds_tool(tmp_path):
     path = tmp_path / "scores.csv"
     path.write_text(LONG)
     out = tmp_path / "r.json"
-    tool = os.path.join(REPO, "tools", "compare_seeds.py")
-    proc = subprocess.run(
-        [sys.executable, tool, str(path), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_compare_seeds(path, "--json", out)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].split()[:3] == ["task", "n", "mean"]
     assert "average" in proc.stdout
     assert set(json.loads(out.read_text())) == {"boolq", "piqa", "average"}
-    proc = subprocess.run(
-        [sys.executable, tool, str(tmp_path / "none.csv")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_compare_seeds(tmp_path / "none.csv")
     assert (
         proc.returncode == 2
         and proc.stderr.startswith("compare_seeds: error:")
@@ -200,13 +195,7 @@ def test_compare_seeds_json_is_strict_with_null_for_nan(tmp_path):
     path = tmp_path / "same.csv"
     path.write_text("seed,baseline,jreg\n1,60,60\n2,61,61\n3,59,59\n")
     out = tmp_path / "r.json"
-    tool = os.path.join(REPO, "tools", "compare_seeds.py")
-    proc = subprocess.run(
-        [sys.executable, tool, str(path), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_compare_seeds(path, "--json", out)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[1].split()[3:6] == ["nan", "2", "nan"]
     result = _strict(out.read_text())["score"]
@@ -215,7 +204,6 @@ def test_compare_seeds_json_is_strict_with_null_for_nan(tmp_path):
 
 
 def test_compare_seeds_overflow_and_confidence_are_one_line(tmp_path):
-    tool = os.path.join(REPO, "tools", "compare_seeds.py")
     huge = tmp_path / "huge.csv"
     huge.write_text("seed,baseline,jreg\n1,-1e308,1e308\n2,1e308,-1e308\n3,1,2\n")
     ok = tmp_path / "ok.csv"
@@ -224,8 +212,6 @@ def test_compare_seeds_overflow_and_confidence_are_one_line(tmp_path):
         ([str(huge)], f"{huge}: the scores are too large"),
         ([str(ok), "--confidence", "2"], "--confidence 2.0: must be in (0, 1)"),
     ):
-        proc = subprocess.run(
-            [sys.executable, tool, *argv], capture_output=True, text=True, timeout=120
-        )
+        proc = run_compare_seeds(*argv)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith("compare_seeds: error:") and expected in proc.stderr
