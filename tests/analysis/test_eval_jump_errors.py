@@ -185,7 +185,7 @@ def test_compare_arguments(capsys, tmp_path):
 def test_transformers_not_installed(capsys, monkeypatch, text, tiny_hf_model):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     err = run_error(capsys, ["--hf-model", tiny_hf_model, "--text-file", text])
-    assert "transformers is not installed" in err and "pip install megatron-jreg[hf]" in err
+    assert "transformers is not installed" in err and "pip install --no-build-isolation -e \".[hf]\"" in err
 
 
 def test_subprocess_error_is_one_line(tmp_path, text):

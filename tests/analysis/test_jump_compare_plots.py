@@ -88,4 +88,4 @@ def test_matplotlib_missing_is_a_clear_error(tmp_path, monkeypatch, capsys):
     pa.write_text(A.to_json())
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["--reports", str(pa), "--plot", str(tmp_path / "p.png")]) == 2
-    assert "pip install megatron-jreg[plot]" in capsys.readouterr().err
+    assert "pip install --no-build-isolation -e \".[plot]\"" in capsys.readouterr().err
