@@ -41,6 +41,7 @@ from megatron_jreg.analysis.errors import InputError
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator, JumpReport
 from megatron_jreg.analysis.layer_capture import _layer_output
 from megatron_jreg.analysis.measure import pad_batch
+from megatron_jreg.ops.token_mask import local_token_mask
 
 
 def launched_world_size() -> int:
@@ -206,12 +207,10 @@ class ShardedLayerCapture:
 
     def set_mask(self, mask: torch.Tensor) -> None:
         """``mask``: [b, s] bool, True on real tokens; stored as this rank's [s(/tp), b]."""
-        local = mask.t()  # [s, b], the hidden states' token layout
-        if self.sequence_parallel:
-            local = local.chunk(self.tp_size, dim=0)[self.tp_rank]  # [s/tp, b]
-        elif self.tp_rank != 0:
+        local = local_token_mask(mask, self.sequence_parallel, self.tp_rank, self.tp_size)
+        if not self.sequence_parallel and self.tp_rank != 0:
             local = torch.zeros_like(local)  # the same states as TP rank 0: count them once
-        self._mask = local.contiguous()
+        self._mask = local
 
     def _make_hook(self, layer_number: int, final_norm: Optional[torch.nn.Module]):
         def hook(module, args, kwargs, output):

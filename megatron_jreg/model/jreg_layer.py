@@ -26,6 +26,7 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_jreg.jreg import layer_weights
 from megatron_jreg.model.config import JregConfig
 from megatron_jreg.ops import token_displacement
+from megatron_jreg.ops.token_mask import local_token_mask
 
 
 CONTEXT_PARALLEL_UNSUPPORTED = ("not supported with JREG yet: context parallelism (each layer's "
@@ -106,11 +107,9 @@ class JregTracker:
             return None, float(tokens)
         # the full-sequence mask is known on every TP rank: no communication needed
         count = self.token_mask.sum().to(device=hidden.device, dtype=torch.float32).clamp(min=1.0)
-        mask = self.token_mask.t()  # [s, b]
-        if self.sequence_parallel:
-            tp = parallel_state.get_tensor_model_parallel_world_size()
-            rank = parallel_state.get_tensor_model_parallel_rank()
-            mask = mask.chunk(tp, dim=0)[rank]
+        mask = local_token_mask(self.token_mask, self.sequence_parallel,
+                                parallel_state.get_tensor_model_parallel_rank(),
+                                parallel_state.get_tensor_model_parallel_world_size())
         if tuple(mask.shape) != tokens_shape:
             raise ValueError(
                 f"JREG token mask {tuple(mask.shape)} does not match the layer's tokens "
