@@ -36,15 +36,20 @@ def _base_type(annotation) -> Tuple[type, bool]:
     return annotation, False
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    """Errors as one line naming the problem and the fix (no usage block, no trailer)."""
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every entry point: errors are one line naming the problem and the fix
+    (no usage block, no trailer), exit status 2; no abbreviated flags (as Megatron-LM)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser(sections: Sections, description: str = "") -> argparse.ArgumentParser:
-    parser = _OneLineErrors(description=description, argument_default=argparse.SUPPRESS)
+    parser = ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", dest="_config_file", metavar="FILE.yaml",
                         help="YAML file of settings (sections or flat keys); flags override it")
     seen: Dict[str, str] = {}

@@ -27,7 +27,7 @@ ITERATION_FLAG = "--iteration"
 
 
 def _checkpointing():
-    from megatron_jreg.training import checkpointing
+    from megatron_jreg.checkpoint import dist_checkpoint as checkpointing
 
     return checkpointing
 

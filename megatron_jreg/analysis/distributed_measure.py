@@ -145,7 +145,7 @@ def load_sharded_checkpoint(
     """Build the run's model at ``parallel``'s TP/PP over the torchrun world and load it."""
     from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
     from megatron_jreg.model.builder import build_model
-    from megatron_jreg.training import checkpointing as ckpt
+    from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 
     path = ckpt.iteration_dir(root, iteration)
     configs = read_run_configs(path)

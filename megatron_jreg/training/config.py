@@ -54,7 +54,7 @@ class OptimConfig:
                              "contradict each other; pass one")
 
     def scheduler_mode(self) -> str:
-        """How a resumed schedule is reconciled with the flags (checkpointing.load_scheduler)."""
+        """How a resumed schedule is reconciled with the flags (checkpoint.dist_checkpoint.load_scheduler)."""
         if self.override_opt_param_scheduler:
             return "override"
         return "checkpoint" if self.use_checkpoint_opt_param_scheduler else "strict"

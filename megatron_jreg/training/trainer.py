@@ -17,7 +17,7 @@ from megatron_jreg import cli
 from megatron_jreg.strict_json import finite_or_null
 from megatron_jreg.training.config import SECTIONS
 
-TRACKER_NAME = "latest_checkpointed_iteration.txt"  # checkpointing.TRACKER, without importing megatron
+TRACKER_NAME = "latest_checkpointed_iteration.txt"  # dist_checkpoint.TRACKER, without importing megatron
 
 
 def log(message: str) -> None:
@@ -146,7 +146,7 @@ class Trainer:
     def _take_save_lock(self) -> None:
         """One writer per --save (rank 0 holds the lock for the job); every rank learns the
         outcome and the run id that names this run's temporary files."""
-        from megatron_jreg.training.save_lock import SaveLock
+        from megatron_jreg.checkpoint.save_lock import SaveLock
 
         self.run_id, self.save_lock = "0", None
         if not self.ckpt_cfg.save:
@@ -187,7 +187,7 @@ class Trainer:
         """Embedding rows: a resumed checkpoint's own (so a checkpoint padded otherwise, e.g.
         by an earlier version that multiplied by TP, still loads), else the vocabulary
         padded to --make-vocab-size-divisible-by. Recorded in the saved run config."""
-        from megatron_jreg.training.checkpointing import (
+        from megatron_jreg.checkpoint.dist_checkpoint import (
             iteration_dir,
             resolve_iteration,
             saved_embedding_rows,
@@ -372,7 +372,7 @@ class Trainer:
         return {k: dataclasses.asdict(v) for k, v in self.configs.items()}
 
     def _load(self) -> None:
-        from megatron_jreg.training.checkpointing import load_checkpoint
+        from megatron_jreg.checkpoint.dist_checkpoint import load_checkpoint
 
         load_optim = not self.ckpt_cfg.no_load_optim
         mode = self.optim_cfg.scheduler_mode()
@@ -397,7 +397,7 @@ class Trainer:
             + ("" if load_optim else " (weights only)"))
 
     def save(self) -> None:
-        from megatron_jreg.training.checkpointing import save_checkpoint
+        from megatron_jreg.checkpoint.dist_checkpoint import save_checkpoint
 
         if not self.ckpt_cfg.save:
             return
@@ -617,7 +617,7 @@ class Trainer:
 
 
 def main(argv=None) -> int:
-    from megatron_jreg.training.checkpointing import CheckpointError
+    from megatron_jreg.checkpoint.dist_checkpoint import CheckpointError
     from megatron_jreg.training.config import BUILDERS
 
     configs = cli.parse(SECTIONS, argv, description="Pretrain a Llama model with JREG on megatron-core",

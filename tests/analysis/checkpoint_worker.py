@@ -22,7 +22,7 @@ from megatron_jreg.distributed.setup import (
 from megatron_jreg.model.builder import build_model, causal_attention_mask
 from megatron_jreg.model.config import JregConfig, ParallelConfig
 from megatron_jreg.model.jreg_layer import JregTracker
-from megatron_jreg.training.checkpointing import (
+from megatron_jreg.checkpoint.dist_checkpoint import (
     iteration_dir,
     load_checkpoint,
     read_run_config,

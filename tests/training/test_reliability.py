@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, base_args, read_metrics, run_env, train
 
-from megatron_jreg.training.checkpointing import COMPLETE, TRACKER, iteration_dir
+from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 
 
 @pytest.mark.parametrize("nproc,extra", [

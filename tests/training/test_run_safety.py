@@ -16,7 +16,7 @@ import torch
 
 from conftest import REPO, base_args, read_metrics, run_env, train
 
-from megatron_jreg.training.checkpointing import COMPLETE, TRACKER, iteration_dir
+from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 
 
 def strict_json_lines(path):
@@ -88,7 +88,7 @@ def test_skipped_steps_leave_weights_finite_and_log_null(demo_data, tmp_path):
 
 
 def test_save_refuses_nonfinite_parameters(tmp_path):
-    from megatron_jreg.training.checkpointing import CheckpointError, save_checkpoint
+    from megatron_jreg.checkpoint.dist_checkpoint import CheckpointError, save_checkpoint
 
     model = torch.nn.Linear(3, 3)
     with torch.no_grad():

@@ -13,7 +13,7 @@ The distributed optimizer is saved ``fully_reshardable`` (0.16.1's default shard
 type fails to save).
 
 Each run names its temporary directory and tracker file with its own run id, and
-``jreg_manifest.json`` (per-file CRC-32, see checkpoint_manifest.py) is written before the
+``jreg_manifest.json`` (per-file CRC-32, see manifest.py) is written before the
 completion marker and checked at load. A missing tracker (or one left as ``.tmp`` by a
 kill between the rename and the tracker update) is recovered from the newest whole
 iteration. Non-finite parameters are never saved.
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_jreg.training.checkpoint_manifest import verify_manifest, write_manifest
+from megatron_jreg.checkpoint.manifest import verify_manifest, write_manifest
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
