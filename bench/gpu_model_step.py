@@ -47,7 +47,7 @@ def run(args) -> dict:
     )
     from megatron_jreg.model.jreg_layer import JregTracker
     from megatron_jreg.training.step import forward_backward
-    from megatron_jreg.training.trainer import model_flops_per_token
+    from megatron_jreg.training.metrics import model_flops_per_token
 
     overrides = {"vocab_size": args.vocab, "bf16": args.bf16,
                  "transformer_impl": resolve_transformer_impl(args.transformer_impl)[0]}

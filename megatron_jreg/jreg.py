@@ -9,70 +9,24 @@ Pretraining"):
                    (NaN when any Psi_k, k >= l-1, is not finite; never 0)
     R            = sum_l w_l(alpha) * Psi_l,   L_total = L_CE + lambda * R
 
-This module imports neither megatron nor torch.distributed: anyone can read and test it.
+with cos(a, b) = dot(a, b) / max(|a||b|, EPS). The per-token psi is an op with a fused
+kernel and a pure-PyTorch reference (``megatron_jreg.ops.displacement``); everything after
+it, the masked mean Psi_l, the weights w_l, R and zeta_l, is here, and the training layer
+(``megatron_jreg.model.jreg_layer``) calls these functions.
+
+This module imports neither megatron, torch.distributed nor ``megatron_jreg.ops``: anyone
+can read and test it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 # Floor on |a| * |b| in the cosine; a zero vector gives cos = 0 (psi = 0.5), never NaN.
 EPS = 1e-8
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half/bf16/fp32 inputs; float64 stays float64 (gradcheck)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def token_displacement_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-token psi = (1 - cos(a, b)) / 2 over the last dimension, in plain PyTorch.
-
-    a, b: [..., h] of any float dtype. Returns [...] in fp32 (float64 for float64 input).
-    This is the reference that the fused kernel in ``megatron_jreg.ops`` is tested against.
-    """
-    if a.shape != b.shape:
-        raise ValueError(f"token_displacement: shapes differ, {tuple(a.shape)} vs {tuple(b.shape)}")
-    dtype = _compute_dtype(torch.promote_types(a.dtype, b.dtype))
-    a = a.to(dtype)
-    b = b.to(dtype)
-    dot = (a * b).sum(-1)
-    aa = (a * a).sum(-1)
-    bb = (b * b).sum(-1)
-    # Where |a||b| < EPS the cosine is dot / EPS (0 for a zero vector) and is held constant:
-    # such a token has no direction to move, so its gradient is 0 (never NaN or 1/EPS).
-    product = aa * bb
-    degenerate = product < EPS * EPS
-    norm_product = torch.sqrt(torch.where(degenerate, torch.ones_like(product), product))
-    cos = torch.where(degenerate, (dot / EPS).detach(), dot / norm_product)
-    return (1.0 - cos) * 0.5
-
-
-def displacement(
-    h_prev: torch.Tensor,
-    h_next: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    impl: str = "auto",
-) -> torch.Tensor:
-    """Mean psi over the counted tokens, a 0-dim fp32 tensor (differentiable).
-
-    h_prev, h_next: [..., h]; mask: [...] bool, True = counted (None counts every token).
-    impl: "auto" | "fused" | "torch", passed to ``megatron_jreg.ops.token_displacement``.
-    Masked-out tokens never affect the value or the gradients, whatever they hold.
-    """
-    from megatron_jreg.ops import token_displacement
-
-    # masked-out tokens give psi 0 and zero gradient even when they hold NaN
-    psi = token_displacement(h_prev, h_next, impl=impl, mask=mask)
-    if mask is None:
-        return psi.mean()
-    count = int(mask.sum())
-    if count == 0:
-        raise ValueError("displacement: the mask counts no tokens; at least one must be True")
-    return psi.sum() / count
 
 
 def masked_sum(psi: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -90,6 +44,23 @@ def masked_sum(psi: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         )
     mask = mask.to(device=psi.device, dtype=torch.bool)
     return torch.where(mask, psi, torch.zeros((), dtype=psi.dtype, device=psi.device)).sum()
+
+
+def masked_mean(psi: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                count: Union[None, float, torch.Tensor] = None) -> torch.Tensor:
+    """Psi: the sum of per-token ``psi`` over the counted tokens, divided by ``count``.
+
+    ``count`` defaults to the number of tokens ``mask`` counts (every token when None); it
+    is given where this process holds a slice of the tokens (sequence parallelism) and the
+    mean is over all of them: the result is then this slice's share of Psi.
+    """
+    if count is None:
+        if mask is None:
+            return psi.mean()
+        count = int(mask.sum())
+        if count == 0:
+            raise ValueError("displacement: the mask counts no tokens; at least one must be True")
+    return masked_sum(psi, mask) / count
 
 
 def jump_rates(psi: Union[Sequence[float], torch.Tensor]) -> Dict[int, float]:
@@ -149,10 +120,20 @@ def layer_weights(num_layers: int, alpha: float, kind: str = "softmax") -> torch
     return WEIGHTINGS[kind](num_layers, float(alpha)).to(torch.float32)
 
 
-def regularizer(psi: Union[Sequence[float], torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """R = sum_l w_l * Psi_l (differentiable in psi when it is a tensor)."""
-    if not isinstance(psi, torch.Tensor):
-        psi = torch.tensor([float(p) for p in psi], dtype=torch.float32)
-    if psi.shape != weights.shape:
-        raise ValueError(f"regularizer: {psi.numel()} displacements for {weights.numel()} weights")
-    return (psi * weights.to(psi)).sum()
+def regularizer(psi: Union[Sequence[float], torch.Tensor],
+                weights: Union[Sequence[float], torch.Tensor]) -> Union[torch.Tensor, float]:
+    """R = sum_l w_l * Psi_l.
+
+    A tensor ``psi`` gives a tensor, differentiable in psi. A sequence of floats (measured
+    values, as logged) gives a float, summed layer by layer in double precision.
+    """
+    if isinstance(psi, torch.Tensor):
+        weights = torch.as_tensor(weights)
+        if psi.shape != weights.shape:
+            raise ValueError(f"regularizer: {psi.numel()} displacements for {weights.numel()} weights")
+        return (psi * weights.to(psi)).sum()
+    values = [float(p) for p in psi]
+    w: List[float] = weights.tolist() if isinstance(weights, torch.Tensor) else [float(x) for x in weights]
+    if len(values) != len(w):
+        raise ValueError(f"regularizer: {len(values)} displacements for {len(w)} weights")
+    return float(sum(w_l * p for w_l, p in zip(w, values)))

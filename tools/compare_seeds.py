@@ -10,7 +10,6 @@ bound of the one-sided interval. A value that does not exist (the p-value when e
 difference is 0) prints as nan and is null in the JSON, as is an infinite t.
 """
 
-import argparse
 import os
 import sys
 
@@ -19,8 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jreg import strict_json  # noqa: E402
 from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic  # noqa: E402
-from megatron_jreg.analysis.errors import InputError  # noqa: E402
-from megatron_jreg.analysis.seed_stats import (  # noqa: E402
+from megatron_jreg.cli import ArgumentParser  # noqa: E402
+from megatron_jreg.errors import InputError  # noqa: E402
+from megatron_jreg.stats.seed_stats import (  # noqa: E402
     BACKENDS,
     compare_seed_scores,
     format_seed_table,
@@ -29,13 +29,8 @@ from megatron_jreg.analysis.seed_stats import (  # noqa: E402
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="compare_seeds", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="compare_seeds", description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", help="per-seed scores of the baseline and JREG runs")
     parser.add_argument(
         "--confidence", type=float, default=0.95, help="one-sided interval level (default: 0.95)"

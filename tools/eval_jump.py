@@ -7,7 +7,8 @@
         --text-file eval.txt --json out.json        # TP2 x DP2
 
 Options and the report format: ``--help`` and docs/evaluation.md. The logic lives in
-``megatron_jreg.analysis``; model kinds plug in through ``megatron_jreg.analysis.sources``.
+``megatron_jreg.analysis``; model kinds plug in through
+``megatron_jreg.analysis.source_kinds``.
 """
 
 import os

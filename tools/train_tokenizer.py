@@ -3,19 +3,18 @@
     python tools/train_tokenizer.py --input demo.jsonl --model-prefix tok --vocab-size 3000
 """
 
-import argparse
 import os
 import sys
 
 # Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_jreg.data.text_sources import InputError  # noqa: E402
+from megatron_jreg.cli import ArgumentParser  # noqa: E402
 from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_sentencepiece  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="JSONL/text files, globs or directories")
     p.add_argument("--model-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
     p.add_argument("--vocab-size", type=int, default=3000)
@@ -28,7 +27,7 @@ def main(argv=None) -> int:
     try:
         config = TrainTokenizerConfig(**vars(args))
         path = train_sentencepiece(config)
-    except (ValueError, FileNotFoundError, InputError) as e:
+    except (ValueError, FileNotFoundError) as e:  # megatron_jreg.errors.InputError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path} (vocab {config.vocab_size})")

@@ -9,7 +9,7 @@ import os
 import tempfile
 from typing import Callable
 
-from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.errors import InputError
 
 
 def check_output_path(path: str, flag: str) -> None:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
-from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.errors import InputError
 from megatron_jreg.analysis.jump_accumulator import JumpReport
 
 

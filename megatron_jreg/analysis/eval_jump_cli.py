@@ -18,21 +18,20 @@ import itertools
 import math
 import os
 import sys
-from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg import strict_json
 from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic
+from megatron_jreg.analysis.checkpoint_source import layout_flags_given
 from megatron_jreg.analysis.compare import compare_reports, load_report
-from megatron_jreg.analysis.errors import InputError
 from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
 from megatron_jreg.analysis.measure import measure_jump
+from megatron_jreg.analysis.source_kinds import builtin_source_kinds
 from megatron_jreg.analysis.sources import (
     SourceEntry,
     SourceKind,
     add_source_arguments,
     build_sources,
-    builtin_source_kinds,
 )
 from megatron_jreg.analysis.text_inputs import read_documents, token_sequences
 from megatron_jreg.analysis.trajectory import (
@@ -40,6 +39,8 @@ from megatron_jreg.analysis.trajectory import (
     sort_trajectory,
     trajectory_to_csv,
 )
+from megatron_jreg.cli import ArgumentParser
+from megatron_jreg.errors import InputError
 
 PROG = "eval_jump"
 EXIT_NONFINITE = 3  # as the trainer exits on a NaN loss
@@ -52,13 +53,8 @@ EPILOG = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's usage errors: one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog=PROG,
         description="Measure the per-layer displacement Psi_l and the jump rates zeta of a model "
         "(Shibata et al., EACL 2026). See docs/evaluation.md.",
@@ -156,15 +152,7 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
     ):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
-    layout_flags = [
-        flag
-        for flag, given in (
-            ("--tensor-model-parallel-size", getattr(args, "tensor_model_parallel_size", 1) != 1),
-            ("--pipeline-model-parallel-size", getattr(args, "pipeline_model_parallel_size", 1) != 1),
-            ("--sequence-parallel", getattr(args, "sequence_parallel", False)),
-        )
-        if given
-    ]
+    layout_flags = layout_flags_given(args)
     if layout_flags and not getattr(args, "load", None):
         raise InputError(f"{' and '.join(layout_flags)} only apply to --load CKPT")
     report_files = list(args.reports)
@@ -221,15 +209,15 @@ def _measure(entry: SourceEntry, args: argparse.Namespace) -> JumpReport:
     if entry.iteration is not None:
         extra["iteration"] = entry.iteration
     extra.update(entry.extra)
-    # a source spread over ranks (eval_jump --load under torchrun) measures itself
-    measure = getattr(source, "measure", None) or partial(measure_jump, source)
-    return measure(
+    return measure_jump(
+        source,
         sequences,
         batch_size=args.batch_size,
         label=entry.label,
         max_tokens=args.max_tokens,
         progress=not args.no_progress and _is_output_rank(),
         extra=extra,
+        world=entry.world(),  # asked after open(): a torchrun world is set up by then
     )
 
 

@@ -16,10 +16,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_jreg.analysis.errors import InputError, missing_extra
+from megatron_jreg.analysis.devices import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
+from megatron_jreg.errors import InputError, missing_extra
 
 # (decoder layers, final norm) attribute paths, tried in order.
 _LAYOUTS: Tuple[Tuple[str, str], ...] = (
@@ -83,16 +84,6 @@ def check_hf_model_dir(path: str) -> None:
         )
 
 
-def resolve_device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise InputError(f"--device {device}: not a device name; use cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {device}: CUDA is not available here; use --device cpu")
-    return dev
-
-
 class HFCausalLMSource:
     """A loaded HF causal LM whose decoder layers feed a JumpAccumulator through hooks."""
 
@@ -111,8 +102,8 @@ class HFCausalLMSource:
         )
         self.pad_id = int(pad) if pad is not None else 0
         self.device = next(model.parameters()).device
-        self._capture = LayerCapture(name, self.layers, range(1, self.num_layers + 1),
-                                     self.final_norm, include_final_norm)
+        self._capture = LayerCapture(name, list(enumerate(self.layers, start=1)),
+                                     self.num_layers, self.final_norm, include_final_norm)
 
     def tokenize(self, text: str) -> List[int]:
         return list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])

@@ -1,13 +1,15 @@
 """Forward hooks that hand each decoder layer's input and output to a JumpAccumulator.
 
-Shared by the Hugging Face and the megatron checkpoint sources: layer ``l``'s input is
-``h_{l-1}`` and its output ``h_l``; ``h_L`` gets the final norm only on request, and the
-forward stops after layer L (the output layer is not needed).
+The one capture of every source: Hugging Face models, and our checkpoints on one process
+or spread over a torchrun world. Layer ``l``'s input is ``h_{l-1}`` and its output
+``h_l``; ``h_L`` gets the final norm only on request. A source hooks the layers it holds
+(all of them on one process, its pipeline stage's under torchrun) by their global 1-based
+numbers, and passes the token mask in the layout of the hidden states it sees.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,19 +26,32 @@ def _layer_output(output: object) -> torch.Tensor:
 
 
 class LayerCapture:
-    """Hooks on ``layers`` (numbered 1..L by ``numbers``) feeding one accumulator per run."""
+    """Hooks on ``layers`` ((global number, module) pairs) feeding one accumulator per run.
 
-    def __init__(self, name: str, layers: Sequence[torch.nn.Module], numbers: Sequence[int],
-                 final_norm: Optional[torch.nn.Module], include_final_norm: bool):
+    ``stop_after_last`` ends the forward after layer L (the output layer is not needed);
+    a forward driven by megatron's pipeline schedule must run to its end instead.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layers: Sequence[Tuple[int, torch.nn.Module]],
+        num_layers: int,
+        final_norm: Optional[torch.nn.Module],
+        include_final_norm: bool,
+        stop_after_last: bool = True,
+    ):
         self.name = name
-        self.num_layers = len(layers)
+        self.num_layers = num_layers
+        self.num_local = len(layers)
         self.final_norm = final_norm
         self.include_final_norm = include_final_norm
+        self.stop_after_last = stop_after_last
         self._acc: Optional[JumpAccumulator] = None
         self._mask: Optional[torch.Tensor] = None
         self._layers_seen = 0
-        for layer, number in zip(layers, numbers):
-            layer.register_forward_hook(self._make_hook(number), with_kwargs=True)
+        for number, layer in layers:
+            layer.register_forward_hook(self._make_hook(int(number)), with_kwargs=True)
 
     def _make_hook(self, layer_number: int):
         def hook(module, args, kwargs, output):
@@ -46,9 +61,15 @@ class LayerCapture:
             h_next = _layer_output(output)
             if layer_number == self.num_layers and self.include_final_norm:
                 h_next = self.final_norm(h_next)
-            self._acc.add(layer_number, h_prev, h_next, self._mask)
+            mask = self._mask.to(h_prev.device)
+            if mask.shape != h_prev.shape[:-1]:
+                raise RuntimeError(
+                    f"layer {layer_number}: hidden states {tuple(h_prev.shape)} do not match "
+                    f"the token mask {tuple(mask.shape)}"
+                )
+            self._acc.add(layer_number, h_prev, h_next, mask)
             self._layers_seen += 1
-            if layer_number == self.num_layers:
+            if self.stop_after_last and layer_number == self.num_layers:
                 raise _StopForward
             return None
 
@@ -56,7 +77,11 @@ class LayerCapture:
 
     @torch.no_grad()
     def run(self, acc: JumpAccumulator, mask: torch.Tensor, forward: Callable[[], object]) -> None:
-        """Call ``forward()`` with the hooks armed; ``mask`` has the hidden states' token shape."""
+        """Call ``forward()`` (one batch) with the hooks armed.
+
+        ``mask``: bool, the token shape of the hidden states the hooked layers see
+        (``[b, s]`` for HF, this rank's ``[s(/tp), b]`` for megatron).
+        """
         self._acc, self._mask, self._layers_seen = acc, mask, 0
         try:
             forward()
@@ -64,8 +89,8 @@ class LayerCapture:
             pass
         finally:
             self._acc = self._mask = None
-        if self._layers_seen != self.num_layers:
+        if self._layers_seen != self.num_local:
             raise RuntimeError(
-                f"{self.name}: {self._layers_seen} of {self.num_layers} decoder layers ran; "
+                f"{self.name}: {self._layers_seen} of {self.num_local} decoder layers ran; "
                 "the model skips or repeats layers, so h_0..h_L are not a chain"
             )

@@ -1,60 +1,33 @@
-"""Run a hidden-state source over token sequences: batching, padding, progress."""
+"""Run a hidden-state source over token sequences: batching, progress, the report.
+
+The one measurement path of every source (HF models, our checkpoints on one process or
+under torchrun): the source adds each batch's per-layer sums to a JumpAccumulator, the
+world adds them up over its ranks (nothing to do on one process).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional
 
-import torch
-
-from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.analysis.batching import (
+    NO_TOKENS,
+    ONE_PROCESS,
+    MeasureWorld,
+    batches,
+    pad_batch,
+)
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator, JumpReport
 from megatron_jreg.analysis.sources import HiddenStateSource
+from megatron_jreg.errors import InputError
+
+__all__ = ["measure_jump", "pad_batch", "batches"]  # pad_batch, batches: from batching
 
 
-def pad_batch(
-    sequences: List[List[int]],
-    pad_id: int,
-    width: Optional[int] = None,
-    rows: Optional[int] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest sequence: input_ids [b, s] int64, mask [b, s] bool.
-
-    Right padding keeps every real token at the same position as when it runs alone, so
-    with a causal mask a token's states do not depend on its batch-mates. ``width`` and
-    ``rows`` fix the shape instead (fully masked rows fill a short batch), as pipeline
-    p2p needs.
-    """
-    width = width if width is not None else max(len(seq) for seq in sequences)
-    rows = rows if rows is not None else len(sequences)
-    if len(sequences) > rows or any(len(seq) > width for seq in sequences):
-        raise ValueError(f"pad_batch: {len(sequences)} sequences do not fit [{rows}, {width}]")
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.bool)
-    for row, seq in enumerate(sequences):
-        input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        mask[row, : len(seq)] = True
-    return input_ids, mask
-
-
-def batches(sequences: Iterable[List[int]], batch_size: int) -> Iterator[List[List[int]]]:
-    if batch_size < 1:
-        raise InputError(f"--batch-size must be >= 1, got {batch_size}")
-    batch: List[List[int]] = []
-    for seq in sequences:
-        batch.append(seq)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _progress(total: Optional[int], enabled: bool, label: str):
+def _progress(total: Optional[int], unit: str, enabled: bool, label: str):
     from tqdm import tqdm
 
-    return tqdm(
-        total=total, unit="tok", unit_scale=True, desc=label, disable=not enabled, leave=False
-    )
+    return tqdm(total=total, unit=unit, unit_scale=unit == "tok", desc=label,
+                disable=not enabled, leave=False)
 
 
 def measure_jump(
@@ -66,26 +39,31 @@ def measure_jump(
     max_tokens: Optional[int] = None,
     progress: bool = False,
     extra: Optional[Dict[str, Any]] = None,
+    world: MeasureWorld = ONE_PROCESS,
 ) -> JumpReport:
     """Psi_1..Psi_L of ``source`` over all real tokens of ``sequences`` (token id lists).
 
     ``max_tokens`` only sizes the progress bar; cut the sequences with
-    ``text_inputs.token_sequences``.
+    ``text_inputs.token_sequences``. Under torchrun (``world``) every rank passes every
+    sequence and gets the same report.
     """
     label = label or source.name
+    plan = world.plan(sequences, batch_size, source.pad_id, max_tokens)
     acc = JumpAccumulator(source.num_layers)
-    documents = 0
-    with _progress(max_tokens, progress, label) as bar:
-        for batch in batches(sequences, batch_size):
-            input_ids, mask = pad_batch(batch, source.pad_id)
+    with _progress(plan.total, plan.unit, progress, label) as bar:
+        for input_ids, mask, step in plan:
             source.accumulate(input_ids, mask, acc)
-            documents += len(batch)
-            bar.update(int(mask.sum()))
-    if acc.tokens == 0:
-        raise InputError(
-            "no tokens to evaluate: the input is empty after skipping blank documents; "
-            "check --text-file/--jsonl/--data-path"
+            bar.update(step)
+    if plan.tokens == 0:
+        raise InputError(NO_TOKENS)
+    total = world.reduce(acc)
+    if total.counts != [plan.tokens] * total.num_layers:
+        raise RuntimeError(
+            f"{label}: the layers counted {total.counts} tokens, expected {plan.tokens} each; "
+            "a decoder layer was skipped or measured twice"
         )
-    info = {"documents": documents}
+    info: Dict[str, Any] = {"documents": plan.documents}
     info.update(extra or {})
-    return acc.report(label, include_final_norm=source.include_final_norm, extra=info)
+    if world.layout is not None:
+        info["parallel"] = dict(world.layout)
+    return total.report(label, include_final_norm=source.include_final_norm, extra=info)

@@ -1,19 +1,19 @@
-"""Where hidden states come from: the source interface and the registry of source kinds.
+"""Where hidden states come from: the source interface and the source kinds' shape.
 
 A *source* is one loaded model that can tokenize text and push the per-layer pairs
 (h_{l-1}, h_l) of a padded batch into a :class:`JumpAccumulator`. A *source kind* is a
 family of sources with its own command-line flags (``--hf-model`` for Hugging Face
 directories, ``--load`` for our trainer's checkpoints); ``tools/eval_jump.py`` knows only
-this registry.
+the registry of kinds (:mod:`source_kinds`). This module imports no kind.
 
 Adding a kind:
 
 1. Write a class satisfying :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource``
-   and ``megatron_source.MegatronCheckpointSource``).
+   and ``checkpoint_source.CheckpointSource``).
 2. Write a :class:`SourceKind` whose ``build`` checks the flags and returns one
    :class:`SourceEntry` per model to evaluate (one per iteration for a trajectory; set
    ``iteration`` so eval_jump prints the trajectory table and plot).
-3. Append it to :func:`builtin_source_kinds`.
+3. Append it to :func:`source_kinds.builtin_source_kinds`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checka
 
 import torch
 
-from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.analysis.batching import MeasureWorld, one_process
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
+from megatron_jreg.errors import InputError
 
 
 @runtime_checkable
@@ -51,7 +52,8 @@ class HiddenStateSource(Protocol):
 
         input_ids: [b, s] int64, right-padded; mask: [b, s] bool, True on real tokens.
         The source passes the mask in its own layout (Megatron's [s, b, h] states take
-        ``mask.t()``), or reduces the sums itself and calls ``acc.add_sums``.
+        ``mask.t()``), or reduces the sums itself and calls ``acc.add_sums``. A source
+        spread over ranks adds this rank's share; :class:`MeasureWorld` sums the ranks.
         """
 
 
@@ -69,6 +71,9 @@ class SourceEntry:
     """Where the model came from (a path), written to the report's ``source`` key."""
     extra: Dict[str, Any] = field(default_factory=dict)
     """Further keys for the report (e.g. the iteration of one of several runs' checkpoints)."""
+    world: Callable[[], MeasureWorld] = one_process
+    """Where the opened source runs (asked after ``open``): one process unless the kind
+    spreads the model over a torchrun world."""
 
 
 @dataclass(kw_only=True)
@@ -85,14 +90,6 @@ class SourceKind:
     """True when the parsed flags ask for this kind."""
     build: Callable[[argparse.Namespace], List[SourceEntry]]
     """Validates the flags (raising InputError) and lists the models to evaluate."""
-
-
-def builtin_source_kinds() -> List[SourceKind]:
-    """Every source kind eval_jump offers. Add a kind here."""
-    from megatron_jreg.analysis.hf_source import HF_SOURCE_KIND
-    from megatron_jreg.analysis.megatron_source import CHECKPOINT_SOURCE_KIND
-
-    return [HF_SOURCE_KIND, CHECKPOINT_SOURCE_KIND]
 
 
 def add_source_arguments(parser: argparse.ArgumentParser, kinds: List[SourceKind]) -> None:

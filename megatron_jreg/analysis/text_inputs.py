@@ -8,11 +8,11 @@ A document is a ``str`` (tokenized by the model's tokenizer) or a list of token 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
 
-from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.data.text_sources import BadLineError, jsonl_records, utf8_lines
+from megatron_jreg.errors import InputError
 
 Document = Union[str, Sequence[int]]
 
@@ -24,28 +24,11 @@ def _check_file(path: str, flag: str) -> None:
         raise InputError(f"{flag} {path}: not a regular file; give the path of a file")
 
 
-def _first_undecodable_line(path: str) -> Optional[int]:
-    """The 1-based number of the first line of ``path`` that is not UTF-8, or None."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return lineno
-    return None
-
-
-def _utf8_lines(path: str, flag: str, what: str) -> Iterator[str]:
-    """The lines of ``path``; one that is not UTF-8 (a binary file) is an InputError naming it."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            yield from f
-        except UnicodeDecodeError:
-            line = _first_undecodable_line(path)
-            where = f"{path}:{line}" if line is not None else path
-            raise InputError(
-                f"{flag} {where}: not UTF-8 text (a binary file?); give {what}, UTF-8 encoded"
-            ) from None
+def _not_utf8(error: BadLineError, flag: str, what: str) -> InputError:
+    return InputError(
+        f"{flag} {error.path}:{error.line}: not UTF-8 text (a binary file?); give {what}, "
+        "UTF-8 encoded"
+    )
 
 
 def read_text_file(path: str) -> Iterator[str]:
@@ -53,12 +36,30 @@ def read_text_file(path: str) -> Iterator[str]:
     _check_file(path, "--text-file")
 
     def lines() -> Iterator[str]:
-        for line in _utf8_lines(path, "--text-file", "a text file, one document per line"):
-            text = line.rstrip("\r\n")
-            if text.strip():
-                yield text
+        try:
+            for _, line in utf8_lines(path):
+                text = line.rstrip("\r\n")
+                if text.strip():
+                    yield text
+        except BadLineError as e:
+            raise _not_utf8(e, "--text-file", "a text file, one document per line") from None
 
     return lines()
+
+
+def _jsonl_text(obj: object, key: str, where: str) -> str:
+    """The document of one JSONL record: ``obj[key]``, a string."""
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if key not in obj:
+        raise InputError(
+            f"{where}: no key {key!r} (keys: {sorted(obj)[:8]}); "
+            "choose the text key with --json-key"
+        )
+    text = obj[key]
+    if not isinstance(text, str):
+        raise InputError(f"{where}: {key!r} holds {type(text).__name__}, expected a string")
+    return text
 
 
 def read_jsonl(path: str, key: str) -> Iterator[str]:
@@ -66,31 +67,18 @@ def read_jsonl(path: str, key: str) -> Iterator[str]:
     _check_file(path, "--jsonl")
 
     def documents() -> Iterator[str]:
-        lines = _utf8_lines(path, "--jsonl", "a JSON-lines file")
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(
-                    f"{where}: malformed JSON ({e.msg}); each line must be one JSON object"
-                )
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if key not in obj:
-                raise InputError(
-                    f"{where}: no key {key!r} (keys: {sorted(obj)[:8]}); "
-                    "choose the text key with --json-key"
-                )
-            text = obj[key]
-            if not isinstance(text, str):
-                raise InputError(
-                    f"{where}: {key!r} holds {type(text).__name__}, expected a string"
-                )
-            if text.strip():
-                yield text
+        try:
+            for lineno, obj in jsonl_records(path):
+                text = _jsonl_text(obj, key, f"{path}:{lineno}")
+                if text.strip():
+                    yield text
+        except BadLineError as e:
+            if e.json_error is None:
+                raise _not_utf8(e, "--jsonl", "a JSON-lines file") from None
+            raise InputError(
+                f"{path}:{e.line}: malformed JSON ({e.json_error}); each line must be one JSON "
+                "object"
+            ) from None
 
     return documents()
 

@@ -2,6 +2,7 @@
 
 A chunk is raw bytes ending at a line boundary (or a list of Parquet rows), tagged with the
 number of its first line so workers' errors can be reported as ``file:line``.
+:func:`jsonl_records` reads a JSONL file line by line (``eval_jump --jsonl``).
 """
 
 from __future__ import annotations
@@ -9,20 +10,22 @@ from __future__ import annotations
 import glob
 import gzip
 import io
+import json
 import os
+import re
 import zlib
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
+
+from megatron_jreg.errors import InputError
 
 INPUT_FORMATS = ("jsonl", "text")
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _TEXT_SUFFIXES = (".txt", ".text")
 _COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
 _BLOCK = 1 << 20
-
-
-class InputError(Exception):
-    """An input the user must fix; the message names it and the fix."""
+# Bytes that are not UTF-8, as errors="surrogateescape" reads them.
+_UNDECODED = re.compile("[\udc80-\udcff]")
 
 
 class DamagedInputError(InputError):
@@ -30,15 +33,37 @@ class DamagedInputError(InputError):
 
     def __init__(self, path: str, detail: str) -> None:
         super().__init__(f"{path}: {detail}; the file is damaged: re-create or re-download it")
-        self.path = path
-        self.detail = detail
+        self.path, self.detail = path, detail
+
+
+class BadLineError(InputError):
+    """A line that is not UTF-8 (``json_error`` None) or not JSON; ``line`` is 1-based."""
+
+    def __init__(self, path: str, line: int, json_error: str | None = None) -> None:
+        problem = "not UTF-8 text" if json_error is None else f"malformed JSON ({json_error})"
+        super().__init__(f"{path}:{line}: {problem}")
+        self.path, self.line, self.json_error = path, line, json_error
 
 
 class _TruncatedError(Exception):
     """Compressed data that stops inside a frame or member."""
 
 
-class _ZstdReader(io.RawIOBase):
+class _InnerReader(io.RawIOBase):
+    """A readable raw stream over ``self._inner``, which it closes."""
+
+    _inner: BinaryIO
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self._inner.close()
+        super().close()
+
+
+class _ZstdReader(_InnerReader):
     """zstd frames, one after another, failing at the end if the last one is incomplete.
 
     zstandard's ``stream_reader`` ends quietly where a truncated file ends, which would
@@ -51,18 +76,15 @@ class _ZstdReader(io.RawIOBase):
         import zstandard
 
         self._zstd = zstandard
-        self._file = open(path, "rb")
+        self._inner = open(path, "rb")
         self._frame = zstandard.ZstdDecompressor().decompressobj()
         self._in_frame = False  # bytes of the current frame were read, its end was not
         self._out = b""
         self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
     def readinto(self, buffer) -> int:
         while self._pos == len(self._out):
-            data = self._file.read(self._READ)
+            data = self._inner.read(self._READ)
             if not data:
                 if self._in_frame:
                     raise _TruncatedError("the file ends inside a zstd frame")
@@ -81,13 +103,8 @@ class _ZstdReader(io.RawIOBase):
         self._pos += n
         return n
 
-    def close(self) -> None:
-        if not self.closed:
-            self._file.close()
-        super().close()
 
-
-class _CheckedReader(io.RawIOBase):
+class _CheckedReader(_InnerReader):
     """A decompressing stream whose errors name the file (gzip's EOFError names nothing)."""
 
     def __init__(self, path: str, compression: str) -> None:
@@ -104,9 +121,6 @@ class _CheckedReader(io.RawIOBase):
             self._read = self._inner.readinto
             self._errors = (_TruncatedError, self._inner._zstd.ZstdError)
 
-    def readable(self) -> bool:
-        return True
-
     def readinto(self, buffer) -> int:
         try:
             return self._read(buffer)
@@ -114,10 +128,25 @@ class _CheckedReader(io.RawIOBase):
             how = "truncated" if isinstance(e, (EOFError, _TruncatedError)) else "corrupt"
             raise DamagedInputError(self._path, f"{self._name} data is {how} ({e})") from None
 
-    def close(self) -> None:
-        if not self.closed:
-            self._inner.close()
-        super().close()
+
+def utf8_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file, lazily; BadLineError names one that is not."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # bad bytes: U+DCxx
+        for lineno, line in enumerate(f, start=1):
+            if not line.isascii() and _UNDECODED.search(line):
+                raise BadLineError(path, lineno)
+            yield lineno, line
+
+
+def jsonl_records(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, JSON value) of each non-blank line of a JSON-lines file, lazily."""
+    for lineno, line in utf8_lines(path):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadLineError(path, lineno, e.msg) from None
+            yield lineno, record
 
 
 @dataclass(frozen=True)
@@ -144,10 +173,7 @@ class Segment:
         return end - self.start
 
     def open_binary(self) -> BinaryIO:
-        """The decompressed byte stream, positioned at ``start``.
-
-        Damaged compressed data raises DamagedInputError (an InputError) while reading.
-        """
+        """The decompressed byte stream at ``start``; damaged data raises DamagedInputError."""
         if self.compression is not None:
             return io.BufferedReader(_CheckedReader(self.path, self.compression), _BLOCK)
         f = open(self.path, "rb")
@@ -168,17 +194,13 @@ def _file_kind(path: str, input_format: str) -> tuple[str, str | None]:
         try:
             import pyarrow.parquet  # noqa: F401
         except ImportError:
-            raise InputError(
-                f"{path}: reading Parquet needs pyarrow; pip install pyarrow"
-            ) from None
+            raise InputError(f"{path}: reading Parquet needs pyarrow; pip install pyarrow") from None
         return "parquet", None
     if compression == "zst":
         try:
             import zstandard  # noqa: F401
         except ImportError:
-            raise InputError(
-                f"{path}: reading .zst needs zstandard; pip install zstandard"
-            ) from None
+            raise InputError(f"{path}: reading .zst needs zstandard; pip install zstandard") from None
     return input_format, compression
 
 

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_jreg.model.config import ModelConfig, ParallelConfig
+from megatron_jreg.platform import cpu as cpu_platform
+from megatron_jreg.platform import mcore_fixes
+
+
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 (or in a process without a process group)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def use_cpu() -> bool:
@@ -22,13 +33,9 @@ def initialize_distributed(timeout_minutes: int = 30) -> None:
 
     On CPU this activates :mod:`megatron_jreg.platform.cpu` and uses gloo; on GPU NCCL.
     """
-    from megatron_jreg.platform import mcore_fixes
-
     mcore_fixes.apply()
     cpu = use_cpu()
     if cpu:
-        from megatron_jreg.platform import cpu as cpu_platform
-
         cpu_platform.activate()
     if dist.is_initialized():
         return
@@ -43,8 +50,6 @@ def initialize_distributed(timeout_minutes: int = 30) -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -70,10 +75,6 @@ def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
 
 def seed_everything(seed: int) -> None:
     """Init RNG (same on every rank) plus megatron's model-parallel RNG streams."""
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -13,13 +13,17 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_jreg.model.config import ModelConfig, ParallelConfig, resolve_transformer_impl
@@ -89,8 +93,6 @@ def jreg_layer_spec(base: ModuleSpec, tracker: Optional[JregTracker]) -> ModuleS
     Refuses what JREG does not measure: a layer that is not megatron's TransformerLayer, or
     a mixture-of-experts MLP.
     """
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     if not (isinstance(base.module, type) and issubclass(base.module, TransformerLayer)):
         raise ValueError(f"JREG wraps megatron's TransformerLayer; the spec builds {base.module!r}")
     mlp = getattr(base.submodules, "mlp", None)
@@ -105,10 +107,6 @@ def jreg_layer_spec(base: ModuleSpec, tracker: Optional[JregTracker]) -> ModuleS
 def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec:
     """The Llama layer spec with megatron's TransformerLayer swapped for the JREG one."""
     if _impl(model) == "transformer_engine":
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
         return jreg_layer_spec(get_gpt_layer_with_transformer_engine_spec(), tracker)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     # megatron's local norm (WrappedTorchNorm) refuses sequence parallelism: ours does not

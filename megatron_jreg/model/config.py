@@ -11,6 +11,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_jreg.jreg import WEIGHTINGS
+
 # Llama-style presets. Heads, FFN size, query groups and sequence length are ours (the paper
 # gives layers and hidden size): head dim 64 at 170m, 128 at 1b/3b; FFN = 8/3 * hidden
 # rounded up to a multiple of 256; sequence 2048. Parameter counts at a 32000-token vocab:
@@ -245,8 +247,6 @@ class JregConfig:
         "--jreg-impl", "displacement kernel: auto, fused or torch"))
 
     def __post_init__(self):
-        from megatron_jreg.jreg import WEIGHTINGS
-
         if self.lam < 0:
             raise ValueError(f"--jreg-lambda must be >= 0, got {self.lam}")
         if self.weighting not in WEIGHTINGS:

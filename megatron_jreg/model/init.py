@@ -14,6 +14,8 @@ import hashlib
 import math
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 
 def _generator_seed(seed: int, key: str, layer_offset) -> int:
@@ -30,9 +32,6 @@ def _std_for(key: str, std: float, num_layers: int) -> float:
 @torch.no_grad()
 def layout_invariant_init(model_chunks, seed: int, std: float, num_layers: int) -> int:
     """Re-draw every weight matrix of the chunks; returns the number of tensors set."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
     count = 0
     for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)

@@ -2,9 +2,10 @@
 
 Each layer computes Psi_l = mean over tokens of (1 - cos(h_{l-1}, h_l)) / 2 on the rank and
 pipeline stage where it runs. The penalty lambda * w_l * Psi_l is attached to the layer's
-output with :class:`JregLossCarrier` (identity forward; backward injects the penalty's
-gradient), the way megatron-core carries MoE auxiliary losses: the last stage's loss never
-needs another stage's tensors.
+output with ``megatron_jreg.ops.attach_penalty`` (identity forward; backward injects the
+penalty's gradient), the way megatron-core carries MoE auxiliary losses: the last stage's
+loss never needs another stage's tensors. The mean over tokens, the layer weights and R are
+``megatron_jreg.jreg``'s functions.
 
 Hidden states are [s, b, h]. Under sequence parallelism each TP rank holds s/tp tokens: the
 token mean divides by the global count, and the logged value is summed over the TP group.
@@ -23,34 +24,14 @@ from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_jreg.jreg import layer_weights
+from megatron_jreg.jreg import layer_weights, masked_mean, regularizer
 from megatron_jreg.model.config import JregConfig
-from megatron_jreg.ops import token_displacement
+from megatron_jreg.ops import attach_penalty, token_displacement
 from megatron_jreg.ops.token_mask import local_token_mask
 
 
 CONTEXT_PARALLEL_UNSUPPORTED = ("not supported with JREG yet: context parallelism (each layer's "
                                 "displacement is a mean over the whole sequence)")
-
-
-class JregLossCarrier(torch.autograd.Function):
-    """Identity on ``output``; backward hands ``penalty`` the gradient ``scale``.
-
-    ``scale`` must equal the main loss's backward scale: the optimizer's loss scale divided
-    by the number of micro-batches (the schedule divides the LM loss by it). Set it each
-    step with :meth:`JregTracker.set_loss_scale`.
-    """
-
-    @staticmethod
-    def forward(ctx, output, penalty, tracker):
-        ctx.save_for_backward(penalty)
-        ctx.tracker = tracker
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (penalty,) = ctx.saved_tensors
-        return grad_output, torch.full_like(penalty, ctx.tracker.loss_scale), None
 
 
 class JregTracker:
@@ -138,14 +119,14 @@ class JregTracker:
                     self._recompute_masks[layer_number].append((mask, count))
             # [s_local, b] fp32; masked-out tokens give 0 and zero gradient (NaN included)
             psi = token_displacement(h_prev, h_next, impl=self.config.impl, mask=mask)
-            partial = psi.sum() / count
+            partial = masked_mean(psi, mask, count)  # this rank's share of Psi_l
         if record:
             self._record(layer_number, partial.detach())
         if attach:
             penalty = partial * (self.config.lam * self._weights_list[layer_number - 1])
             # A custom Function returning its input gives a view; a stage's output must be
             # viewless for the schedule's deallocate_output_tensor (deallocate_pipeline_outputs).
-            h_next = make_viewless_tensor(JregLossCarrier.apply(h_next, penalty, self),
+            h_next = make_viewless_tensor(attach_penalty(h_next, penalty, self.loss_scale),
                                           requires_grad=True, keep_graph=True)
         return h_next
 
@@ -176,7 +157,7 @@ class JregTracker:
             dist.all_reduce(psi, group=dp_group)
             psi = psi / dist.get_world_size(group=dp_group)
         values: List[float] = psi.tolist()
-        r = float(sum(w * p for w, p in zip(self._weights_list, values)))
+        r = regularizer(values, self._weights_list)
         return {"psi": values, "R": r, "penalty": self.config.lam * r,
                 "microbatches": list(self._counts)}
 

@@ -1,6 +1,6 @@
-"""Per-token displacement psi = (1 - cos(a, b)) / 2: fused kernel or PyTorch reference.
+"""Per-token displacement psi = (1 - cos(a, b)) / 2: fused kernel and PyTorch reference.
 
-Three layers, as in flash-attention/apex:
+As in flash-attention/apex, the kernel, its autograd op and the reference sit together:
 
 - ``megatron_jreg._C`` (csrc/): the raw kernels, CPU (C++/OpenMP) and CUDA.
 - ``torch.ops.megatron_jreg.token_displacement_{fwd,bwd}``: the kernels as
@@ -9,8 +9,11 @@ Three layers, as in flash-attention/apex:
   the model keeps alive anyway) and three fp32 scalars per token, nothing of size
   ``[tokens, h]``; the reference path keeps fp32 copies of both inputs for backward.
 
-The reference (``megatron_jreg.jreg.token_displacement_reference``) is what the kernel is
-tested against; ``impl="torch"`` selects it.
+- ``token_displacement_reference``: the same psi in plain PyTorch, what the kernel is
+  tested against; ``impl="torch"`` selects it.
+
+``token_displacement`` dispatches between the two; ``displacement`` is a layer's mean Psi
+over its counted tokens (the mean itself is ``megatron_jreg.jreg.masked_mean``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from megatron_jreg.jreg import token_displacement_reference
+from megatron_jreg.jreg import EPS, masked_mean
 
 try:
     from megatron_jreg import _C
@@ -38,8 +41,32 @@ NUM_STATS = 3  # per token, saved for backward: 1/(|a||b|), c/|a|^2, c/|b|^2
 _CUDA_BUILT = _C is not None and bool(_C.cuda_built())
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs; float64 stays float64 (gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def token_displacement_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token psi = (1 - cos(a, b)) / 2 over the last dimension, in plain PyTorch.
+
+    a, b: [..., h] of any float dtype. Returns [...] in fp32 (float64 for float64 input).
+    This is the reference that the fused kernel is tested against.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"token_displacement: shapes differ, {tuple(a.shape)} vs {tuple(b.shape)}")
+    dtype = _compute_dtype(torch.promote_types(a.dtype, b.dtype))
+    a = a.to(dtype)
+    b = b.to(dtype)
+    dot = (a * b).sum(-1)
+    aa = (a * a).sum(-1)
+    bb = (b * b).sum(-1)
+    # Where |a||b| < EPS the cosine is dot / EPS (0 for a zero vector) and is held constant:
+    # such a token has no direction to move, so its gradient is 0 (never NaN or 1/EPS).
+    product = aa * bb
+    degenerate = product < EPS * EPS
+    norm_product = torch.sqrt(torch.where(degenerate, torch.ones_like(product), product))
+    cos = torch.where(degenerate, (dot / EPS).detach(), dot / norm_product)
+    return (1.0 - cos) * 0.5
 
 
 @torch.library.custom_op("megatron_jreg::token_displacement_fwd", mutates_args=())
@@ -56,7 +83,7 @@ def _fused_forward_fake(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor,
             f"token_displacement: a and b must share shape and dtype, got {tuple(a.shape)} "
             f"{a.dtype} and {tuple(b.shape)} {b.dtype}"
         )
-    acc = _acc_dtype(a.dtype)
+    acc = _compute_dtype(a.dtype)
     tokens = math.prod(a.shape[:-1])
     return a.new_empty(a.shape[:-1], dtype=acc), a.new_empty((tokens, NUM_STATS), dtype=acc)
 
@@ -167,3 +194,16 @@ def token_displacement(a: torch.Tensor, b: torch.Tensor, impl: str = "auto",
     if mask is None:
         return psi
     return torch.where(mask, psi, torch.zeros((), dtype=psi.dtype, device=psi.device))
+
+
+def displacement(h_prev: torch.Tensor, h_next: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                 impl: str = "auto") -> torch.Tensor:
+    """A layer's Psi: mean psi over the counted tokens, a 0-dim fp32 tensor (differentiable).
+
+    h_prev, h_next: [..., h]; mask: [...] bool, True = counted (None counts every token).
+    impl: "auto" | "fused" | "torch" (see ``resolve_impl``). Masked-out tokens never affect
+    the value or the gradients, whatever they hold.
+    """
+    # masked-out tokens give psi 0 and zero gradient even when they hold NaN
+    psi = token_displacement(h_prev, h_next, impl=impl, mask=mask)
+    return masked_mean(psi, mask)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint_runs import REPO, SEQ, run
-from megatron_jreg.analysis.hf_export import (
+from megatron_jreg.checkpoint.hf_export import (
     byte_tokenizer_fast,
     main,
     megatron_to_hf_state_dict,

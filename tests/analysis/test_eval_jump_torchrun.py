@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from checkpoint_runs import REPO, run_env
-from megatron_jreg.analysis.distributed_measure import check_layout, check_model_split
-from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.checkpoint.model_loader import check_layout, check_model_split
+from megatron_jreg.errors import InputError
 from megatron_jreg.analysis.eval_jump_cli import main
 from megatron_jreg.model.config import ParallelConfig
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from megatron_jreg.analysis import InputError
-from megatron_jreg.analysis import seed_stats
-from megatron_jreg.analysis.seed_stats import (
+from megatron_jreg.errors import InputError
+from megatron_jreg.stats import seed_stats
+from megatron_jreg.stats.seed_stats import (
     compare_seed_scores,
     one_sided_t_test,
     paired_one_sided_t_test,

@@ -5,13 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_jreg.jreg import (
-    displacement,
-    jump_rates,
-    layer_weights,
-    regularizer,
-    token_displacement_reference,
-)
+from megatron_jreg.jreg import jump_rates, layer_weights, masked_mean, regularizer
+from megatron_jreg.ops import displacement, token_displacement_reference
 
 # Worked example: three layers, one token.
 H = [torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]]), torch.tensor([[0.0, 1.0]]),
@@ -195,3 +190,41 @@ def test_module_has_no_megatron_or_distributed_imports():
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
     assert not [n for n in names if n.startswith("megatron.") or "distributed" in n], names
+
+
+def test_jreg_does_not_import_the_ops():
+    """ops imports jreg (EPS, the masked mean), never the other way round."""
+    import ast
+    import inspect
+
+    import megatron_jreg.jreg as module
+
+    tree = ast.parse(inspect.getsource(module))
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    assert not [n for n in names if n.startswith("megatron_jreg.ops")], names
+
+
+def test_masked_mean_counts_and_shares():
+    gen = torch.Generator().manual_seed(6)
+    psi = torch.rand(4, 3, generator=gen)
+    mask = torch.rand(4, 3, generator=gen) > 0.5
+    mask[0, 0] = True
+    assert float(masked_mean(psi)) == pytest.approx(float(psi.mean()), rel=1e-7)
+    assert float(masked_mean(psi, mask)) == pytest.approx(float(psi[mask].mean()), rel=1e-6)
+    # a slice of the tokens over the global count: its share of the mean
+    halves = [masked_mean(psi[:2], mask[:2], int(mask.sum())), masked_mean(psi[2:], mask[2:], int(mask.sum()))]
+    assert float(sum(halves)) == pytest.approx(float(psi[mask].mean()), rel=1e-6)
+    with pytest.raises(ValueError, match="counts no tokens"):
+        masked_mean(psi, torch.zeros(4, 3, dtype=torch.bool))
+
+
+def test_regularizer_of_logged_values_is_a_double_sum():
+    w = layer_weights(3, 1.0)
+    psi = [0.1, 0.2, 0.3]
+    r = regularizer(psi, w)
+    assert isinstance(r, float)
+    assert r == sum(wl * p for wl, p in zip(w.tolist(), psi))
+    assert r == pytest.approx(float(regularizer(torch.tensor(psi), w)), rel=1e-6)
+    with pytest.raises(ValueError, match="2 displacements for 3 weights"):
+        regularizer([0.1, 0.2], w)

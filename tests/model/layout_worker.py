@@ -130,7 +130,8 @@ def run_task(task, ckpt_dir, out_dir):
 def run_manual(model, model_cfg, tracker, out_dir, task):
     """Single rank, no schedule, no carrier: capture each layer's input and output with
     hooks and backpropagate mean_mb(CE + lambda * sum_l w_l Psi_l) with plain autograd."""
-    from megatron_jreg.jreg import displacement, layer_weights
+    from megatron_jreg.jreg import layer_weights
+    from megatron_jreg.ops import displacement
     from megatron_jreg.model.builder import causal_attention_mask
 
     for layer in model.decoder.layers:

@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from megatron_jreg.jreg import EPS, displacement, token_displacement_reference
-from megatron_jreg.ops import fused_available, resolve_impl, token_displacement
+from megatron_jreg.jreg import EPS
+from megatron_jreg.ops import (
+    displacement,
+    fused_available,
+    resolve_impl,
+    token_displacement,
+    token_displacement_reference,
+)
 
 FP32_RTOL = 1e-6
 # psi is exact 0 or 1 for h = 1; both paths round at 1 - c to about an ulp of 1.

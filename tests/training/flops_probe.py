@@ -9,7 +9,7 @@ from megatron_jreg.distributed.setup import initialize_distributed, initialize_m
 from megatron_jreg.model.builder import build_model, transformer_config, causal_attention_mask
 from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.model.jreg_layer import JregTracker
-from megatron_jreg.training.trainer import model_flops_per_token
+from megatron_jreg.training.metrics import model_flops_per_token
 
 B, S, V = 2, 48, 256  # batch, sequence, vocabulary
 initialize_distributed()

@@ -75,14 +75,14 @@ def test_yaml_unknown_key(tmp_path, capsys):
 def test_tp_must_divide_the_vocabulary_multiple(monkeypatch):
     """The vocabulary is padded to --make-vocab-size-divisible-by whatever the TP size, so
     a TP that does not divide it is refused before any work, with the multiple that fits."""
-    from megatron_jreg.training.trainer import Trainer
+    from megatron_jreg.training.experiment import ExperimentConfig
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     c = parse(["--data-path", "x", "--tensor-model-parallel-size", "2",
                "--make-vocab-size-divisible-by", "3"])
     with pytest.raises(ValueError, match=r"does not divide --make-vocab-size-divisible-by 3.*"
                                          r"pass --make-vocab-size-divisible-by 6"):
-        Trainer(c)._validate_before_work()
+        ExperimentConfig.from_sections(c).validate()
 
 
 def test_padded_vocabulary_does_not_depend_on_tp():

@@ -11,7 +11,7 @@ from conftest import REPO
 from megatron_jreg import cli
 from megatron_jreg.model.config import PRESETS
 from megatron_jreg.training.config import BUILDERS, SECTIONS
-from megatron_jreg.training.trainer import Trainer
+from megatron_jreg.training.experiment import ExperimentConfig
 
 RECORDER = """#!/bin/sh
 # stand-in for {name}: one line per call, arguments separated by the unit separator
@@ -49,7 +49,7 @@ def validated(argv, monkeypatch, world_size=8):
     """The parsed configs, after the trainer's checks that run before any work."""
     configs = cli.parse(SECTIONS, argv, build=BUILDERS)
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    Trainer(configs)._validate_before_work()
+    ExperimentConfig.from_sections(configs).validate()
     return configs
 
 

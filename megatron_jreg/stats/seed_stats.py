@@ -18,7 +18,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from megatron_jreg.analysis.errors import InputError, missing_extra
+from megatron_jreg.errors import InputError, missing_extra
 
 BACKENDS = ("auto", "scipy", "exact")
 

@@ -2,8 +2,8 @@
 
     python tools/convert_to_hf.py --load CKPT [--iteration N] --output DIR
 
-The weights come from the TP1 PP1 model that :mod:`checkpoint_loader` rebuilds (any saved
-layout). Names follow megatron-core's local layer spec:
+The weights come from the TP1 PP1 model that :func:`model_loader.load_model` rebuilds (any
+saved layout), on one process. Names follow megatron-core's local layer spec:
 
     embedding.word_embeddings.weight                 -> model.embed_tokens.weight
     decoder.layers.i.input_layernorm.weight          -> model.layers.i.input_layernorm.weight
@@ -36,7 +36,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_jreg.analysis.errors import InputError, missing_extra
+from megatron_jreg.checkpoint.model_loader import (
+    build_run_tokenizer,
+    checkpoint_iterations,
+    launched_world_size,
+    load_model,
+)
+from megatron_jreg.cli import ArgumentParser
+from megatron_jreg.errors import InputError, missing_extra
 
 PROG = "convert_to_hf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -168,8 +175,6 @@ def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = Non
 
     The exported tokenizer is checked to give the trainer's ids on a sample text.
     """
-    from megatron_jreg.analysis.checkpoint_loader import build_run_tokenizer
-
     data = configs["data"]
     run_tokenizer = build_run_tokenizer(configs, tokenizer_model)
     if data.tokenizer_type == "ByteTokenizer":
@@ -217,23 +222,23 @@ def convert(
     skip_tokenizer: bool = False,
 ) -> List[str]:
     """Write the HF directory ``output`` (atomically: a temp dir renamed); returns warnings."""
-    from megatron_jreg.analysis.checkpoint_loader import (
-        checkpoint_iterations,
-        load_checkpoint_model,
-    )
-
     _check_output(output)
     if dtype not in _DTYPES:
         raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
     if tokenizer_model is not None and not os.path.exists(tokenizer_model):
         raise InputError(f"--tokenizer-model {tokenizer_model}: no such file or directory")
+    if launched_world_size() > 1:
+        raise InputError(
+            "reading a checkpoint runs on one process (the weights are resharded to TP1 PP1); "
+            "run the tool with python, not torchrun"
+        )
     (iteration,) = checkpoint_iterations(root, iteration=iteration)
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         raise missing_extra("transformers", "hf", "tools/convert_to_hf.py") from None
 
-    loaded = load_checkpoint_model(root, iteration, device="cpu", dtype="float32")
+    loaded = load_model(root, iteration, device="cpu", dtype="float32")
     cfg = loaded.model_config
     hf_state = megatron_to_hf_state_dict(
         loaded.model.state_dict(),
@@ -279,11 +284,7 @@ def convert(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> None:  # usage errors: one line, exit 2
-            self.exit(2, f"{self.prog}: error: {message}\n")
-
-    parser = _Parser(
+    parser = ArgumentParser(
         prog=PROG,
         description="Export a megatron-jreg checkpoint (any TP/PP layout) to a Hugging Face "
         "LlamaForCausalLM directory (safetensors, config.json, tokenizer). See "

@@ -1,17 +1,20 @@
-"""Open one iteration of a megatron-jreg checkpoint as a TP1 PP1 model on one process.
+"""Open one iteration of a megatron-jreg checkpoint as a model, at any TP/PP layout.
 
-Shared by ``eval_jump --load`` and ``tools/convert_to_hf.py``. The run's resolved config
-(``run_config.yaml`` in the iteration directory) rebuilds the model; dist-checkpointing
-reshards the weights from whatever TP/PP/VPP layout wrote them. The model is built with
-the embedding's row count as saved (read from the checkpoint's metadata), not re-padded:
-checkpoints of earlier versions padded the vocabulary per TP size.
+Shared by ``eval_jump --load`` (one process, or under torchrun) and
+``tools/convert_to_hf.py``. The run's resolved config (``run_config.yaml`` in the iteration
+directory) rebuilds the model at the requested TP/PP; dist-checkpointing reshards the
+weights from whatever TP/PP/VPP layout wrote them. One process is the TP1 PP1 DP1 case of
+a torchrun world. The model is built with the embedding's row count as saved (read from
+the checkpoint's metadata), not re-padded: checkpoints of earlier versions padded the
+vocabulary per TP size.
 
-Everything a user can get wrong (paths, torn saves, a moved tokenizer) raises
-:class:`InputError` before any weights are read where it can.
+Everything a user can get wrong (paths, torn saves, a layout that does not fit, a moved
+tokenizer) raises :class:`InputError` before any weights are read where it can.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -19,17 +22,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_jreg.analysis.errors import InputError
+from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+from megatron_jreg.errors import InputError
 
 # The flag of eval_jump and convert_to_hf that picks an iteration: the checkpoint module's
 # messages name it (the trainer's own flag is --ckpt-step).
 ITERATION_FLAG = "--iteration"
-
-
-def _checkpointing():
-    from megatron_jreg.checkpoint import dist_checkpoint as checkpointing
-
-    return checkpointing
 
 
 def checkpoint_iterations(
@@ -44,7 +42,6 @@ def checkpoint_iterations(
     Checks the directory and that each chosen iteration is whole (its save finished) and
     carries ``run_config.yaml``; raises InputError naming the fix otherwise.
     """
-    ckpt = _checkpointing()
     if not os.path.exists(root):
         raise InputError(f"{flag} {root}: no such directory; check the path")
     if not os.path.isdir(root):
@@ -95,7 +92,6 @@ def read_run_configs(path: str) -> Dict[str, object]:
     from megatron_jreg.cli import from_yaml_text
     from megatron_jreg.training.config import SECTIONS
 
-    ckpt = _checkpointing()
     text = ckpt.read_run_config(path)
     if text is None:
         raise InputError(f"{path}: no {ckpt.RUN_CONFIG}; cannot rebuild the model")
@@ -110,7 +106,6 @@ def read_run_configs(path: str) -> Dict[str, object]:
 
 def saved_vocab_rows(path: str, model_cfg) -> int:
     """Rows of the saved embedding: the padded vocabulary the run was built with."""
-    ckpt = _checkpointing()
     try:
         rows = ckpt.saved_embedding_rows(path, step_flag=ITERATION_FLAG)
     except ckpt.CheckpointError as err:
@@ -136,32 +131,93 @@ def eval_model_config(model_cfg, vocab_rows: int, dtype: str = "float32"):
         fp16=dtype == "float16",
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        transformer_impl="local",  # the same weights, whichever implementation trained them
     )
 
 
-def init_single_process(device: torch.device) -> None:
-    """A world of one (gloo on CPU, NCCL on one GPU) with TP1 PP1 groups."""
+def launched_world_size() -> int:
+    """The number of processes torchrun started (1 for a plain ``python`` run)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(parallel, world_size: int) -> None:
+    """The world must be a whole number of TP x PP model replicas."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise InputError(
+            f"{world_size} processes do not split into --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}; launch torchrun --nproc_per_node with a "
+            f"multiple of {tp * pp}"
+        )
+
+
+def check_model_split(path: str, model_cfg, vocab_rows: int, parallel) -> None:
+    """What the saved model must satisfy to be built at this TP/PP; InputError otherwise."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if vocab_rows % tp:
+        fits = [d for d in range(1, 9) if vocab_rows % d == 0]
+        raise InputError(
+            f"{path}: the saved embedding has {vocab_rows} rows (the vocabulary as padded at "
+            f"save time), not divisible by --tensor-model-parallel-size {tp}; evaluate with a "
+            f"TP size that divides {vocab_rows} (e.g. {fits})"
+        )
+    for what, value in (
+        ("attention heads", model_cfg.num_attention_heads),
+        ("query groups", model_cfg.query_groups),
+        ("FFN size", model_cfg.ffn_size),
+    ):
+        if value % tp:
+            raise InputError(
+                f"{path}: the model's {value} {what} are not divisible by "
+                f"--tensor-model-parallel-size {tp}; choose a TP size that divides {value}"
+            )
+    if model_cfg.num_layers % pp:
+        raise InputError(
+            f"{path}: the model's {model_cfg.num_layers} layers are not divisible by "
+            f"--pipeline-model-parallel-size {pp}; choose a PP size that divides them"
+        )
+
+
+def _destroy_process_group() -> None:
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise InputError(
-            "reading a checkpoint runs on one process (the weights are resharded to TP1 PP1); "
-            "run the tool with python, not torchrun"
-        )
-    if device.type == "cpu":
-        os.environ["MEGATRON_JREG_DEVICE"] = "cpu"  # use_cpu(): gloo and the CPU redirections
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_world(device: str | torch.device = "cpu") -> torch.device:
+    """The default process group (a world of one, or torchrun's); returns this rank's device.
+
+    gloo and the CPU redirections on CPU, NCCL on GPUs. One process may name its GPU
+    (``cuda:1``); under torchrun each rank takes the GPU of its LOCAL_RANK.
+    """
+    import torch.distributed as dist
+
     from megatron_jreg.distributed.setup import initialize_distributed
 
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        os.environ["MEGATRON_JREG_DEVICE"] = "cpu"  # use_cpu(): gloo and the CPU redirections
+    elif dev.index is not None and launched_world_size() > 1:
+        raise InputError(
+            f"--device {device}: under torchrun give --device cuda; each rank takes the GPU "
+            "of its LOCAL_RANK"
+        )
+    fresh = not dist.is_initialized()
     initialize_distributed()
-    if dist.get_world_size() != 1:
-        raise InputError(f"a world of {dist.get_world_size()} processes; run on one process")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if fresh:
+        atexit.register(_destroy_process_group)
+    if dev.type != "cuda":
+        return torch.device("cpu")
+    if dev.index is not None:
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 @dataclass(kw_only=True)
-class LoadedCheckpoint:
-    """A checkpoint iteration rebuilt as one TP1 PP1 GPTModel in eval mode."""
+class LoadedModel:
+    """A checkpoint iteration built as this rank's chunks of the TP/PP model, eval mode."""
 
     root: str
     iteration: int
@@ -169,9 +225,19 @@ class LoadedCheckpoint:
     configs: Dict[str, object]
     """The saved run config sections (model as trained, parallel as saved, data, ...)."""
     model_config: object
-    """The ModelConfig the evaluation model was built with (saved padded vocabulary)."""
-    model: torch.nn.Module
-    """megatron-core GPTModel (pre and post process), weights loaded, eval mode."""
+    """The ModelConfig the model was built with (saved padded vocabulary, local layers)."""
+    parallel: object
+    """The ParallelConfig it was built at (TP1 PP1 on one process)."""
+    chunks: List[torch.nn.Module]
+    """This rank's megatron-core GPTModel chunks, weights loaded, eval mode."""
+    device: torch.device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The whole model: the one chunk of a TP1 PP1 build."""
+        if len(self.chunks) != 1:
+            raise RuntimeError(f"the model is split into {len(self.chunks)} chunks here")
+        return self.chunks[0]
 
     @property
     def vocab_size(self) -> int:
@@ -187,44 +253,55 @@ class LoadedCheckpoint:
         return int(self.configs["training"].seed)
 
 
-def load_checkpoint_model(
+def load_model(
     root: str,
-    iteration: int,
+    iteration: Optional[int] = None,
+    parallel=None,
     device: str | torch.device = "cpu",
     dtype: str = "float32",
-) -> LoadedCheckpoint:
-    """Build the run's model at TP1 PP1 on ``device`` and load iteration ``iteration``."""
+) -> LoadedModel:
+    """Build the run's model at ``parallel`` (default TP1 PP1) and load ``iteration``.
+
+    ``iteration`` None takes the one ``latest_checkpointed_iteration.txt`` names. Under
+    torchrun the world must be a multiple of TP x PP; the rest is data parallel.
+    """
+    import torch.distributed as dist
+
     from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
     from megatron_jreg.model.builder import build_model
     from megatron_jreg.model.config import ParallelConfig
 
-    ckpt = _checkpointing()
-    device = torch.device(device)
+    parallel = parallel if parallel is not None else ParallelConfig()
+    if iteration is None:
+        (iteration,) = checkpoint_iterations(root)
     path = ckpt.iteration_dir(root, iteration)
     configs = read_run_configs(path)
-    model_cfg = eval_model_config(configs["model"], saved_vocab_rows(path, configs["model"]), dtype)
-    if model_cfg.transformer_impl != "local":
-        model_cfg = dataclasses.replace(model_cfg, transformer_impl="local")  # same weights
-    init_single_process(device)
-    parallel = ParallelConfig()
+    rows = saved_vocab_rows(path, configs["model"])
+    model_cfg = eval_model_config(configs["model"], rows, dtype)
+    check_model_split(path, model_cfg, rows, parallel)
+    torch_device = init_world(device)
+    check_layout(parallel, dist.get_world_size())
     initialize_model_parallel(model_cfg, parallel)
     # megatron's layers draw their (overwritten) init from the model-parallel RNG streams
     seed_everything(int(configs["training"].seed))
     chunks = build_model(model_cfg, parallel, tracker=None)
     for chunk in chunks:
-        chunk.to(device)
+        chunk.to(torch_device)
     try:
         ckpt.load_checkpoint(root, iteration, chunks, optimizer=None, step_flag=ITERATION_FLAG)
     except ckpt.CheckpointError as err:
         raise InputError(str(err)) from None
-    model = chunks[0].eval()
-    return LoadedCheckpoint(
+    for chunk in chunks:
+        chunk.eval()
+    return LoadedModel(
         root=root,
         iteration=iteration,
         path=path,
         configs=configs,
         model_config=model_cfg,
-        model=model,
+        parallel=parallel,
+        chunks=chunks,
+        device=torch_device,
     )
 
 

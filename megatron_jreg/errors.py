@@ -1,4 +1,4 @@
-"""The one error type the analysis tools turn into a clean message and exit code 2."""
+"""The one error type every tool turns into a one-line message and exit status 2."""
 
 from __future__ import annotations
 

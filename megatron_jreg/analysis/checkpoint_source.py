@@ -1,0 +1,283 @@
+"""Hidden states of our trainer's checkpoints (``eval_jump --load``), at any TP/PP layout.
+
+The checkpoint is rebuilt by :func:`megatron_jreg.checkpoint.model_loader.load_model`:
+at TP1 PP1 on one process, or at ``--tensor/--pipeline-model-parallel-size`` over a
+torchrun world whose remaining factor is data parallel (dist-checkpointing reshards the
+weights from whatever layout saved them). Each batch runs through megatron's pipeline
+schedule; forward hooks on this rank's decoder layers hand each layer's input
+``h_{l-1}`` and output ``h_l`` ([s, b, h]) to the accumulator: the same pair the
+training-time :class:`JregTracker` measures inside each layer, so ``Psi_l`` here equals
+the trainer's on the same tokens. ``h_L`` is taken before the final norm unless
+``include_final_norm``.
+
+Under torchrun each rank adds what it holds, and one all-reduce (:class:`MeasureWorld`)
+gives exactly the sums of one process: each layer lives on one pipeline stage; without
+sequence parallelism the TP ranks hold identical states and only TP rank 0 counts; with
+it each TP rank counts its chunk of the sequence; DP ranks hold disjoint documents.
+
+Documents are tokenized as the trainer's data was (``tokenizer.encode``: no BOS/EOS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_jreg.analysis.batching import MeasureWorld, one_process
+from megatron_jreg.analysis.devices import resolve_device
+from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
+from megatron_jreg.analysis.layer_capture import LayerCapture
+from megatron_jreg.analysis.sources import SourceEntry, SourceKind
+from megatron_jreg.checkpoint.model_loader import (
+    LoadedModel,
+    build_run_tokenizer,
+    check_layout,
+    checkpoint_iterations,
+    launched_world_size,
+    load_model,
+)
+from megatron_jreg.errors import InputError
+from megatron_jreg.model.config import ParallelConfig
+from megatron_jreg.ops.token_mask import local_token_mask
+
+
+class CheckpointSource:
+    """One checkpoint iteration (this rank's chunks of it) feeding a JumpAccumulator."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        name: str,
+        include_final_norm: bool = False,
+        tokenizer_model: Optional[str] = None,
+    ):
+        from megatron.core import parallel_state as ps
+
+        self.loaded = loaded
+        self.name = name
+        self.include_final_norm = include_final_norm
+        self.num_layers = int(loaded.model_config.num_layers)
+        self.vocab_size = loaded.vocab_size
+        self.pad_id = 0  # never counted; any id below the vocabulary works
+        self.device = loaded.device
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.sequence_parallel = bool(loaded.parallel.sequence_parallel)
+        self._tokenizer_model = tokenizer_model
+        self._tokenizer = None  # built on first use: --data-path needs none
+        layers, final_norm = [], None
+        for chunk in loaded.chunks:
+            decoder = chunk.decoder
+            for layer in decoder.layers:
+                layers.append((int(layer.layer_number), layer))
+                if layer.layer_number == self.num_layers:
+                    final_norm = decoder.final_layernorm
+        self._capture = LayerCapture(name, layers, self.num_layers, final_norm,
+                                     include_final_norm, stop_after_last=False)
+
+    def tokenize(self, text: str) -> List[int]:
+        if self._tokenizer is None:
+            self._tokenizer = build_run_tokenizer(self.loaded.configs, self._tokenizer_model)
+        return list(self._tokenizer.encode(text))
+
+    def _local_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """[b, s] -> the [s(/tp), b] mask of this rank's hidden states, counted once."""
+        local = local_token_mask(mask, self.sequence_parallel, self.tp_rank, self.tp_size)
+        if not self.sequence_parallel and self.tp_rank != 0:
+            local = torch.zeros_like(local)  # the same states as TP rank 0: count them once
+        return local.to(self.device)
+
+    @torch.no_grad()
+    def accumulate(self, input_ids: torch.Tensor, mask: torch.Tensor, acc: JumpAccumulator) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_jreg.model.builder import causal_attention_mask
+
+        batch, seq = input_ids.shape
+        tokens = input_ids.to(self.device)
+        positions = torch.arange(seq, device=self.device).expand(batch, seq)
+        # right padding + a causal mask: real tokens never attend to padding
+        attention_mask = causal_attention_mask(seq, device=self.device)
+
+        def forward_step(data_iterator, model):
+            output = model(tokens, positions, attention_mask)  # logits on the last stage
+            return output, lambda _: (torch.zeros((), device=self.device), {})
+
+        chunks = self.loaded.chunks
+        self._capture.run(acc, self._local_mask(mask), lambda: get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None]),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=1,
+            seq_length=seq,
+            micro_batch_size=batch,
+            forward_only=True,
+        ))
+
+
+def checkpoint_world(sequence_parallel: bool) -> MeasureWorld:
+    """The world the loaded model runs in: one process, or this rank's data-parallel share."""
+    from megatron.core import parallel_state as ps
+
+    if launched_world_size() == 1:
+        return one_process()
+    tp = ps.get_tensor_model_parallel_world_size()
+    return MeasureWorld(
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        width_multiple=tp if sequence_parallel else 1,  # the sequence splits evenly over TP
+        layout={
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "data_parallel_size": ps.get_data_parallel_world_size(),
+            "sequence_parallel": sequence_parallel,
+        },
+    )
+
+
+# The layout flags are ParallelConfig's own (one definition of each); help for eval_jump.
+LAYOUT_FIELDS = {
+    "tensor_model_parallel_size": "--load under torchrun: tensor-parallel ranks (default: 1); "
+    "the world's remaining factor after TP x PP is data parallel",
+    "pipeline_model_parallel_size": "--load under torchrun: pipeline stages (default: 1)",
+    "sequence_parallel": "--load under torchrun: split the sequence over the TP ranks "
+    "(needs TP > 1)",
+}
+
+
+def layout_flags() -> Dict[str, str]:
+    """{ParallelConfig field: its flag} for the layout flags of ``--load``."""
+    flags = {f.name: f.metadata["flag"] for f in dataclasses.fields(ParallelConfig)}
+    return {name: flags[name] for name in LAYOUT_FIELDS}
+
+
+def layout_flags_given(args: argparse.Namespace) -> List[str]:
+    """The layout flags set away from their defaults (one process, TP1 PP1)."""
+    defaults = ParallelConfig()
+    return [flag for name, flag in layout_flags().items()
+            if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name)]
+
+
+def _add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--load",
+        nargs="+",
+        metavar="CKPT",
+        default=None,
+        help="checkpoint directories of our trainer (its --save); any TP/PP layout is read "
+        "on one process, or under torchrun at --tensor/--pipeline-model-parallel-size. "
+        "The latest iteration unless --iteration/--iterations/--all-iterations",
+    )
+    which = group.add_mutually_exclusive_group()
+    which.add_argument(
+        "--iteration", type=int, default=None, metavar="N", help="--load: this iteration"
+    )
+    which.add_argument(
+        "--iterations",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="--load: these iterations of one run (a trajectory)",
+    )
+    which.add_argument(
+        "--all-iterations",
+        action="store_true",
+        help="--load: every complete iteration of one run (a trajectory table and plot)",
+    )
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        metavar="PATH",
+        help="--load: the run's tokenizer file, when it moved since training",
+    )
+    for name, flag in layout_flags().items():
+        if name == "sequence_parallel":
+            group.add_argument(flag, dest=name, action="store_true", help=LAYOUT_FIELDS[name])
+        else:
+            group.add_argument(flag, dest=name, type=int, default=1, metavar="N",
+                               help=LAYOUT_FIELDS[name])
+
+
+def _run_name(root: str) -> str:
+    return os.path.basename(os.path.normpath(os.path.abspath(root)))
+
+
+def parallel_layout(args: argparse.Namespace) -> ParallelConfig:
+    """The ParallelConfig the flags ask for (TP1 PP1 for a plain one-process run)."""
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    sp = bool(getattr(args, "sequence_parallel", False))
+    world = launched_world_size()
+    try:
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp
+        )
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    if world < tp * pp:
+        raise InputError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
+            f"{tp * pp} processes, but {world} were launched; run under "
+            f"`torchrun --nproc_per_node {tp * pp}` (or a multiple of it)"
+        )
+    check_layout(parallel, world)
+    return parallel
+
+
+def _build(args: argparse.Namespace) -> List[SourceEntry]:
+    roots = list(args.load)
+    parallel = parallel_layout(args)
+    trajectory = bool(getattr(args, "all_iterations", False) or getattr(args, "iterations", None))
+    if trajectory and len(roots) > 1:
+        raise InputError(
+            f"--all-iterations/--iterations follow one run, but --load got {len(roots)} "
+            "directories; measure one run per trajectory"
+        )
+    include_final_norm = bool(getattr(args, "include_final_norm", False))
+    device = getattr(args, "device", "cpu")
+    dtype = getattr(args, "dtype", "float32")
+    tokenizer_model = getattr(args, "tokenizer_model", None)
+    if tokenizer_model is not None and not os.path.exists(tokenizer_model):
+        raise InputError(f"--tokenizer-model {tokenizer_model}: no such file or directory")
+    resolve_device(device)  # a bad --device fails before any checkpoint is read
+    entries = []
+    for root in roots:
+        iterations = checkpoint_iterations(
+            root,
+            iteration=getattr(args, "iteration", None),
+            iterations=getattr(args, "iterations", None),
+            all_iterations=bool(getattr(args, "all_iterations", False)),
+        )
+        for it in iterations:
+            label = f"{_run_name(root)}@{it}"
+
+            def open_source(root: str = root, it: int = it, label: str = label):
+                loaded = load_model(root, it, parallel, device=device, dtype=dtype)
+                return CheckpointSource(loaded, label, include_final_norm, tokenizer_model)
+
+            entries.append(
+                SourceEntry(
+                    label=label,
+                    open=open_source,
+                    # a trajectory sorts and tabulates by iteration; several runs do not
+                    iteration=it if len(roots) == 1 else None,
+                    describe=os.path.abspath(root),
+                    extra={"iteration": it},
+                    world=lambda: checkpoint_world(parallel.sequence_parallel),
+                )
+            )
+    return entries
+
+
+CHECKPOINT_SOURCE_KIND = SourceKind(
+    name="checkpoint",
+    flag="--load",
+    add_arguments=_add_arguments,
+    selected=lambda args: bool(getattr(args, "load", None)),
+    build=_build,
+)

@@ -1,0 +1,153 @@
+"""The experiment: every config section together, and the checks that span sections.
+
+Each section (``megatron_jreg.training.config.SECTIONS``) validates its own fields where it
+is defined. :meth:`ExperimentConfig.validate` runs, in one place and before any work, every
+check that needs more than one section or the environment (world size, files on disk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from megatron_jreg import cli
+from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
+from megatron_jreg.data.batches import data_prefixes
+from megatron_jreg.data.gpt_datasets import GPTDataConfig, check_indexed_dataset
+from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
+from megatron_jreg.training.config import (
+    BUILDERS,
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimConfig,
+    TrainingConfig,
+)
+
+DESCRIPTION = "Pretrain a Llama model with JREG on megatron-core"
+
+
+@dataclasses.dataclass(kw_only=True)
+class ExperimentConfig:
+    """One training run: the sections of ``SECTIONS``, by the same names."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    jreg: JregConfig
+    optim: OptimConfig
+    training: TrainingConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+
+    # ---- construction and YAML ----------------------------------------------------------
+    @classmethod
+    def from_sections(cls, sections: Mapping[str, object]) -> "ExperimentConfig":
+        return cls(**{name: sections[name] for name in SECTIONS})
+
+    @classmethod
+    def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "ExperimentConfig":
+        """Flags (and ``--config FILE.yaml``); a bad flag exits 2 with a one-line message."""
+        return cls.from_sections(cli.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS))
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "ExperimentConfig":
+        """The config a run saved (``run_config.yaml``)."""
+        return cls.from_sections(cli.from_yaml_text(text, SECTIONS))
+
+    def sections(self) -> Dict[str, object]:
+        return {name: getattr(self, name) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return cli.to_yaml(self.sections())
+
+    def to_dict(self) -> Dict[str, dict]:
+        return {name: dataclasses.asdict(section) for name, section in self.sections().items()}
+
+    # ---- derived ------------------------------------------------------------------------
+    def data_prefixes(self) -> List[str]:
+        return data_prefixes(self.data.data_path)
+
+    def gpt_data_config(self) -> GPTDataConfig:
+        """The datasets' config (its construction checks ``--split``)."""
+        return GPTDataConfig(data_path=list(self.data.data_path), split=self.data.split,
+                             seq_length=self.model.seq_length, seed=self.training.seed,
+                             cache_dir=self.data.data_cache_path)
+
+    # ---- checks -------------------------------------------------------------------------
+    def validate(self, world_size: Optional[int] = None,
+                 tokenizer_vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError, naming the flag and the fix, for a run that cannot work.
+
+        world_size: the processes launched (default: the launcher's WORLD_SIZE, 1 without
+        torchrun). tokenizer_vocab_size: the built tokenizer's, to check ``--vocab-size``.
+        """
+        world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        self._check_layout(world)
+        decay = self.optim.lr_decay_iters or self.training.train_iters
+        if self.optim.lr_warmup_iters >= decay:
+            raise ValueError(f"--lr-warmup-iters {self.optim.lr_warmup_iters} must be below the "
+                             f"decay length {decay} (--lr-decay-iters, default --train-iters)")
+        if self.checkpoint.load and not os.path.isdir(self.checkpoint.load):
+            raise ValueError(f"--load {self.checkpoint.load!r} does not exist")
+        self._check_save_directory()
+        if self.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb-project needs wandb installed: pip install wandb "
+                             "(or drop --wandb-project)")
+        self.gpt_data_config()
+        for prefix in self.data_prefixes():
+            if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
+                raise ValueError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "
+                                 "tools/preprocess_data.py")
+            check_indexed_dataset(prefix)  # .bin size as the .idx describes it, not empty
+        vocab = self.model.vocab_size
+        if tokenizer_vocab_size is not None and vocab is not None and vocab < tokenizer_vocab_size:
+            raise ValueError(
+                f"--vocab-size {vocab} is smaller than the tokenizer's "
+                f"{tokenizer_vocab_size}; drop --vocab-size to use the tokenizer's")
+
+    def _check_layout(self, world: int) -> None:
+        """The model and the batch split over TP x PP x DP as launched."""
+        model, parallel = self.model, self.parallel
+        parallel.virtual_stages(model.num_layers)
+        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        multiple = model.make_vocab_size_divisible_by
+        if multiple % tp and not self.checkpoint.load:
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} does not divide --make-vocab-size-divisible-by "
+                f"{multiple}: the vocabulary is padded to a multiple of it under every layout; "
+                f"pass --make-vocab-size-divisible-by {multiple * tp // math.gcd(multiple, tp)}")
+        if model.num_attention_heads % tp or model.query_groups % tp:
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} must divide --num-attention-heads "
+                f"{model.num_attention_heads} and the query groups {model.query_groups}")
+        if parallel.sequence_parallel and model.seq_length % tp:
+            raise ValueError(f"--seq-length {model.seq_length} must be divisible by TP {tp} "
+                             "under --sequence-parallel")
+        if world % (tp * pp):
+            raise ValueError(f"{world} processes cannot hold TP {tp} x PP {pp}; launch a multiple")
+        per_step = self.training.micro_batch_size * (world // (tp * pp))
+        if self.training.global_batch_size % per_step:
+            raise ValueError(
+                f"--global-batch-size {self.training.global_batch_size} is not divisible by "
+                f"--micro-batch-size x data-parallel size = {per_step}")
+
+    def _check_save_directory(self) -> None:
+        """A run that does not resume from --save must not replace the checkpoints there."""
+        save, load = self.checkpoint.save, self.checkpoint.load
+        if not save or not os.path.isdir(save) or self.checkpoint.overwrite_checkpoints:
+            return
+        if load and os.path.realpath(load) == os.path.realpath(save):
+            return
+        held = sorted(n for n in os.listdir(save)
+                      if n == TRACKER or (n.startswith("iter_") and n[5:].isdigit()))
+        if held:
+            shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+            raise ValueError(
+                f"--save {save} already holds checkpoints ({shown}) and this run does not resume "
+                f"from them: pass --load {save} to continue that run, another --save for a new "
+                "one, or --overwrite-checkpoints to replace them")

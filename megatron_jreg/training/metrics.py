@@ -1,0 +1,207 @@
+"""What a run reports, under one vocabulary, and the sinks that write it.
+
+A record is ``(phase, iteration, values)``: ``phase`` is "train" or "validation" and
+``values`` maps the internal keys of :data:`METRICS` to numbers (``psi``: a list, one per
+layer). Each sink writes a record under its own conventional names, all read from the one
+table below: the JSONL metrics file (``lm_loss``, ``validation_lm_loss``), TensorBoard and
+W&B (Megatron-LM's tags: ``lm loss``, ``validation/lm loss``) and the console line
+(``lm loss 5.123456``). A value of None was not measured and every sink leaves it out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import psutil
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from megatron_jreg.distributed.setup import print_rank_0
+from megatron_jreg.jreg import jump_rates
+from megatron_jreg.strict_json import finite_or_null
+
+TRAIN, VALIDATION = "train", "validation"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One quantity and its name in each sink (None: that sink does not show it)."""
+
+    key: str  # internal name, the key of a record's values
+    jsonl: Optional[str] = None
+    tensorboard: Optional[str] = None  # also the W&B key; "{layer:02d}" expands a per-layer list
+    console: Optional[str] = None  # label and format in the console line
+
+
+# The one table of names. Order is the order of the JSONL keys and of the console line.
+METRICS: Dict[str, Sequence[Metric]] = {
+    TRAIN: (
+        Metric("consumed_samples", jsonl="consumed_samples"),
+        Metric("consumed_tokens", console="consumed tokens {:12d}"),
+        Metric("lm_loss", jsonl="lm_loss", tensorboard="lm loss", console="lm loss {:.6f}"),
+        Metric("jreg_penalty", jsonl="jreg_penalty", tensorboard="jreg/penalty",
+               console="jreg penalty {:.6f}"),
+        Metric("R", jsonl="R", tensorboard="jreg/R"),
+        Metric("psi", jsonl="psi", tensorboard="jreg/psi/layer_{layer:02d}"),
+        Metric("zeta_L", jsonl="zeta_L", tensorboard="jreg/zeta_L", console="zeta_L {:.3f}"),
+        Metric("zeta_L-1", jsonl="zeta_L-1", tensorboard="jreg/zeta_L-1"),
+        Metric("zeta_L-2", jsonl="zeta_L-2", tensorboard="jreg/zeta_L-2"),
+        Metric("lr", jsonl="lr", tensorboard="learning-rate", console="lr {:.3e}"),
+        Metric("grad_norm", jsonl="grad_norm", tensorboard="grad-norm", console="grad norm {:.3f}"),
+        Metric("tokens_per_s", jsonl="tokens_per_s", tensorboard="throughput/tokens_per_s",
+               console="tokens/s {:,.0f}"),
+        Metric("tflops_per_gpu", console="TFLOP/s/GPU {:.1f}"),
+        Metric("memory_gib", jsonl="memory_gib", tensorboard="memory/GiB", console="mem {:.2f} GiB"),
+        Metric("skipped", console="skipped {}"),
+    ),
+    VALIDATION: (
+        Metric("lm_loss", jsonl="validation_lm_loss", tensorboard="validation/lm loss",
+               console="lm loss {:.6f}"),
+        Metric("ppl", console="ppl {:.3f}"),
+        Metric("psi", jsonl="validation_psi"),
+        Metric("zeta_L", jsonl="validation_zeta_L", tensorboard="validation/zeta_L",
+               console="zeta_L {:.3f}"),
+    ),
+}
+
+
+def _present(phase: str, values: Dict[str, object]):
+    return [(m, values[m.key]) for m in METRICS[phase] if values.get(m.key) is not None]
+
+
+def scalars(phase: str, values: Dict[str, object]) -> Dict[str, float]:
+    """{TensorBoard/W&B tag: value}, per-layer lists expanded to one tag per layer."""
+    out: Dict[str, float] = {}
+    for metric, value in _present(phase, values):
+        if metric.tensorboard is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            out.update({metric.tensorboard.format(layer=i + 1): v for i, v in enumerate(value)})
+        else:
+            out[metric.tensorboard] = value
+    return out
+
+
+class ConsoleSink:
+    """``iteration N/T | lm loss ... | ...`` and ``validation at iteration N | ...`` on rank 0."""
+
+    def __init__(self, train_iters: int):
+        self.train_iters = train_iters
+
+    def write(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
+        head = (f"iteration {iteration:8d}/{self.train_iters}" if phase == TRAIN
+                else f"validation at iteration {iteration}")
+        parts = [m.console.format(v) for m, v in _present(phase, values) if m.console]
+        print_rank_0(" | ".join([head] + parts))
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """One strict-JSON object per record (non-finite numbers as null), appended."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def write(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
+        record = {"iteration": iteration}
+        record.update({m.jsonl: v for m, v in _present(phase, values) if m.jsonl})
+        with open(self.path, "a") as f:
+            f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    def __init__(self, directory: str):
+        self.writer = SummaryWriter(directory)
+
+    def write(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
+        for tag, value in scalars(phase, values).items():
+            self.writer.add_scalar(tag, value, iteration)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, name: Optional[str], config: dict):
+        import wandb  # optional: --wandb-project is refused before any work without it
+
+        self.run = wandb.init(project=project, name=name, config=config)
+
+    def write(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
+        self.run.log(scalars(phase, values), step=iteration)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Hands each record to every sink (none on ranks other than 0)."""
+
+    def __init__(self, sinks: Sequence[object] = ()):
+        self.sinks = list(sinks)
+
+    def log(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
+        for sink in self.sinks:
+            sink.write(phase, iteration, values)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_metrics_logger(logging_cfg, train_iters: int, rank: int, run_config: dict) -> MetricsLogger:
+    """Rank 0's sinks from the logging section; other ranks write nothing."""
+    if rank != 0:
+        return MetricsLogger()
+    sinks: List[object] = [ConsoleSink(train_iters)]
+    if logging_cfg.metrics_file:
+        sinks.append(JsonlSink(logging_cfg.metrics_file))
+    if logging_cfg.tensorboard_dir:
+        sinks.append(TensorBoardSink(logging_cfg.tensorboard_dir))
+    if logging_cfg.wandb_project:
+        sinks.append(WandbSink(logging_cfg.wandb_project, logging_cfg.wandb_exp_name,
+                               json.loads(json.dumps(run_config, default=str))))
+    return MetricsLogger(sinks)
+
+
+# ---- the values of a record ---------------------------------------------------------------
+def jreg_summary(window: Sequence[Dict], num_layers: int, lam: float) -> Dict[str, object]:
+    """LM loss, penalty, R, Psi and the top jump rates averaged over a window of steps."""
+    n = len(window)
+    loss = sum(w["lm_loss"] for w in window) / n
+    penalty = sum(w["penalty"] for w in window) / n
+    psi = [sum(col) / n for col in zip(*(w["psi"] for w in window))]
+    rates = jump_rates(psi)
+    return {"lm_loss": loss, "jreg_penalty": penalty,
+            "R": penalty / lam if lam else sum(w["R"] for w in window) / n, "psi": psi,
+            "zeta_L": rates.get(num_layers, 0.0), "zeta_L-1": rates.get(num_layers - 1, 0.0),
+            "zeta_L-2": rates.get(num_layers - 2, 0.0)}
+
+
+def validation_summary(lm_loss: float, psi: List[float], num_layers: int) -> Dict[str, object]:
+    return {"lm_loss": lm_loss, "ppl": math.exp(min(lm_loss, 50)), "psi": psi,
+            "zeta_L": jump_rates(psi).get(num_layers, 0.0)}
+
+
+def model_flops_per_token(model_cfg, vocab: int) -> float:
+    """Forward+backward FLOPs per token of the dense Llama model (6N plus attention)."""
+    h, layers, s = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.seq_length
+    kv = model_cfg.query_groups * (h // model_cfg.num_attention_heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * model_cfg.ffn_size
+    return 6.0 * (layers * per_layer + h * vocab) + 12.0 * layers * h * s
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak GPU memory allocated, or the process's resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return psutil.Process().memory_info().rss / 2**30
