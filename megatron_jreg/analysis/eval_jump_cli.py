@@ -21,7 +21,7 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg import strict_json
-from megatron_jreg.analysis.atomic_write import check_output_path, write_text_atomic
+from megatron_jreg.atomic_write import check_output_path, write_text_atomic
 from megatron_jreg.analysis.checkpoint_source import layout_flags_given
 from megatron_jreg.analysis.compare import compare_reports, load_report
 from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
