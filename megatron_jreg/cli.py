@@ -4,12 +4,22 @@ Precedence: dataclass defaults < ``--model-preset`` sizes < ``--config FILE.yaml
 A field's flag is its metadata ``flag`` (Megatron-LM's name) or ``--field-name``; a field
 with metadata ``cli=False`` (state the program sets, such as the built vocabulary size) has
 no flag but is kept in the saved YAML.
+
+The tools (``tools/*.py``) get their flags the same way from their config dataclasses
+(``tool_parser``): a field without a default is a required flag, a ``bool`` field that
+defaults to False is a switch, metadata ``positional=True`` makes a positional argument,
+``group`` an argument group, ``exclusive`` a mutually exclusive group, ``metavar`` the
+placeholder; the help text is metadata ``help`` or else the field's docstring, followed by
+its default (metadata ``default_help`` words it when the value alone says too little).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import textwrap
 import typing
 from typing import Any, Dict, Mapping, Sequence, Tuple, Type
 
@@ -46,6 +56,130 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Ends an option's help with its default when the default says something: not for a
+    required flag, a switch that is off, or a value that is absent (None or empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = getattr(action, "default_help", None)
+        if shown is None:
+            if (action.required or not action.option_strings or "%(default)" in text
+                    or default is None or default is False or default is argparse.SUPPRESS
+                    or default == []):
+                return text
+            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        shown = str(shown).replace("%", "%%")
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+def field_docs(cls: Type) -> Dict[str, str]:
+    """The docstring under each field of a dataclass (and its dataclass bases), one line."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # no source (a frozen or generated class): no docs
+            continue
+        body = tree.body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                text = " ".join(inspect.cleandoc(after.value.value).split())
+                docs[node.target.id] = text.replace("``", "")
+    return docs
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def tool_parser(sections: Mapping[str | None, Type], *, prog: str | None = None,
+                description: str = "", epilog: str | None = None) -> ArgumentParser:
+    """The parser of a tool: a flag per field of each dataclass, its defaults and required
+    flags as the dataclass says. A section's fields go in an argument group titled by its
+    key (None: the general options) unless a field's metadata ``group`` names another;
+    each field's value lands under its own name (``vars(args)[field.name]``)."""
+    parser = ArgumentParser(prog=prog, description=description, epilog=epilog,
+                            formatter_class=HelpFormatter)
+    groups: Dict[Any, Any] = {}
+    seen: Dict[str, str] = {}
+    for section, cls in sections.items():
+        add_fields(parser, cls, section, groups=groups, seen=seen)
+    return parser
+
+
+def add_fields(container: Any, cls: Type, title: str | None = None, *,
+               groups: Dict[Any, Any] | None = None, seen: Dict[str, str] | None = None) -> None:
+    """Add a flag per field of ``cls`` to ``container``: to a parser, in the argument group
+    ``title`` (None: the parser's options) or the one a field's ``group`` names; to an
+    argument group, all in that group (argparse does not nest groups)."""
+    groups = {} if groups is None else groups
+    seen = {} if seen is None else seen
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    for field in dataclasses.fields(cls):
+        meta = field.metadata
+        if not field.init or field.name.startswith("_") or meta.get("cli") is False:
+            continue
+        positional = bool(meta.get("positional"))
+        flag = field.name if positional else _flag(field)
+        for name in (flag, field.name):
+            if name in seen and seen[name] != f"{title}.{field.name}":
+                raise ValueError(f"{name} defined by both {seen[name]} and {title}.{field.name}")
+            seen[name] = f"{title}.{field.name}"
+        group_title = meta.get("group", title)
+        if not isinstance(container, argparse.ArgumentParser):  # a group: no nesting
+            group_title = None
+        if group_title is not None and group_title not in groups:
+            groups[group_title] = container.add_argument_group(group_title)
+        target = container if group_title is None else groups[group_title]
+        if "exclusive" in meta:
+            key = (group_title, meta["exclusive"])
+            if key not in groups:
+                groups[key] = target.add_mutually_exclusive_group()
+            target = groups[key]
+        kind, is_list = _base_type(hints[field.name])
+        default = _field_default(field)
+        kwargs: Dict[str, Any] = {"help": (meta.get("help") or docs.get(field.name, ""))
+                                  .replace("%", "%%")}
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
+        if "action" in meta:
+            kwargs["action"] = meta["action"]
+        elif kind is bool:
+            kwargs["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
+        else:
+            kwargs.update(type=kind, choices=meta.get("choices"))
+            if is_list or "nargs" in meta:
+                kwargs["nargs"] = meta.get("nargs", "+")
+        if default is not dataclasses.MISSING:
+            kwargs["default"] = default
+        elif not positional:
+            kwargs["required"] = True
+        if positional:
+            action = target.add_argument(flag, **kwargs)
+        else:
+            action = target.add_argument(flag, *meta.get("aliases", ()), dest=field.name, **kwargs)
+        action.default_help = meta.get("default_help")
+
+
+def tool_values(sections: Mapping[str | None, Type], argv: Sequence[str] | None = None,
+                **parser_kwargs: Any) -> Dict[str | None, Dict[str, Any]]:
+    """Parse a tool's flags into keyword arguments per section; the caller builds the
+    configs, so each tool keeps its own handling of their validation errors."""
+    args = vars(tool_parser(sections, **parser_kwargs).parse_args(argv))
+    return {s: {f.name: args[f.name] for f in dataclasses.fields(cls) if f.name in args}
+            for s, cls in sections.items()}
 
 
 def build_parser(sections: Sections, description: str = "") -> argparse.ArgumentParser:

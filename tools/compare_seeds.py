@@ -12,13 +12,14 @@ difference is 0) prints as nan and is null in the JSON, as is an infinite t.
 
 import os
 import sys
+from dataclasses import dataclass, field
 
 # Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jreg import strict_json  # noqa: E402
 from megatron_jreg.atomic_write import check_output_path, write_text_atomic  # noqa: E402
-from megatron_jreg.cli import ArgumentParser  # noqa: E402
+from megatron_jreg.cli import ArgumentParser, tool_parser  # noqa: E402
 from megatron_jreg.errors import InputError  # noqa: E402
 from megatron_jreg.stats.seed_stats import (  # noqa: E402
     BACKENDS,
@@ -29,20 +30,23 @@ from megatron_jreg.stats.seed_stats import (  # noqa: E402
 )
 
 
+@dataclass(kw_only=True)
+class CompareSeedsConfig:
+    """One comparison: a scores file and how to test it."""
+
+    csv: str = field(metadata={"positional": True,
+                               "help": "per-seed scores of the baseline and JREG runs"})
+    confidence: float = field(default=0.95, metadata={"help": "one-sided interval level"})
+    backend: str = field(default="auto", metadata={
+        "choices": BACKENDS, "default_help": "scipy if installed",
+        "help": "t distribution from scipy or the built-in exact code"})
+    json: str | None = field(default=None, metadata={
+        "metavar": "OUT.json", "help": "also write the results as JSON"})
+
+
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="compare_seeds", description=__doc__.split("\n\n")[0])
-    parser.add_argument("csv", help="per-seed scores of the baseline and JREG runs")
-    parser.add_argument(
-        "--confidence", type=float, default=0.95, help="one-sided interval level (default: 0.95)"
-    )
-    parser.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="auto",
-        help="t distribution from scipy or the built-in exact code (default: scipy if installed)",
-    )
-    parser.add_argument("--json", metavar="OUT.json", help="also write the results as JSON")
-    return parser
+    return tool_parser({None: CompareSeedsConfig}, prog="compare_seeds",
+                       description=__doc__.split("\n\n")[0])
 
 
 def main(argv=None) -> int:

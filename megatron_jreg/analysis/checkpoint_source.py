@@ -40,6 +40,7 @@ from megatron_jreg.checkpoint.model_loader import (
     launched_world_size,
     load_model,
 )
+from megatron_jreg.cli import add_fields
 from megatron_jreg.errors import InputError
 from megatron_jreg.model.config import ParallelConfig
 from megatron_jreg.ops.token_mask import local_token_mask
@@ -141,9 +142,9 @@ def checkpoint_world(sequence_parallel: bool) -> MeasureWorld:
 
 # The layout flags are ParallelConfig's own (one definition of each); help for eval_jump.
 LAYOUT_FIELDS = {
-    "tensor_model_parallel_size": "--load under torchrun: tensor-parallel ranks (default: 1); "
+    "tensor_model_parallel_size": "--load under torchrun: tensor-parallel ranks; "
     "the world's remaining factor after TP x PP is data parallel",
-    "pipeline_model_parallel_size": "--load under torchrun: pipeline stages (default: 1)",
+    "pipeline_model_parallel_size": "--load under torchrun: pipeline stages",
     "sequence_parallel": "--load under torchrun: split the sequence over the TP ranks "
     "(needs TP > 1)",
 }
@@ -162,45 +163,38 @@ def layout_flags_given(args: argparse.Namespace) -> List[str]:
             if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name)]
 
 
-def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--load",
-        nargs="+",
-        metavar="CKPT",
-        default=None,
-        help="checkpoint directories of our trainer (its --save); any TP/PP layout is read "
+def _layout_field(name: str, default):
+    return dataclasses.field(default=default, metadata={
+        "flag": layout_flags()[name], "help": LAYOUT_FIELDS[name],
+        **({} if isinstance(default, bool) else {"metavar": "N"})})
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointSourceFlags:
+    """The flags that select checkpoints of our trainer to measure (``--load``)."""
+
+    load: Optional[List[str]] = dataclasses.field(default=None, metadata={
+        "metavar": "CKPT",
+        "help": "checkpoint directories of our trainer (its --save); any TP/PP layout is read "
         "on one process, or under torchrun at --tensor/--pipeline-model-parallel-size. "
-        "The latest iteration unless --iteration/--iterations/--all-iterations",
-    )
-    which = group.add_mutually_exclusive_group()
-    which.add_argument(
-        "--iteration", type=int, default=None, metavar="N", help="--load: this iteration"
-    )
-    which.add_argument(
-        "--iterations",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help="--load: these iterations of one run (a trajectory)",
-    )
-    which.add_argument(
-        "--all-iterations",
-        action="store_true",
-        help="--load: every complete iteration of one run (a trajectory table and plot)",
-    )
-    group.add_argument(
-        "--tokenizer-model",
-        default=None,
-        metavar="PATH",
-        help="--load: the run's tokenizer file, when it moved since training",
-    )
-    for name, flag in layout_flags().items():
-        if name == "sequence_parallel":
-            group.add_argument(flag, dest=name, action="store_true", help=LAYOUT_FIELDS[name])
-        else:
-            group.add_argument(flag, dest=name, type=int, default=1, metavar="N",
-                               help=LAYOUT_FIELDS[name])
+        "The latest iteration unless --iteration/--iterations/--all-iterations"})
+    iteration: Optional[int] = dataclasses.field(default=None, metadata={
+        "exclusive": "iteration", "metavar": "N", "help": "--load: this iteration"})
+    iterations: Optional[List[int]] = dataclasses.field(default=None, metadata={
+        "exclusive": "iteration", "metavar": "N",
+        "help": "--load: these iterations of one run (a trajectory)"})
+    all_iterations: bool = dataclasses.field(default=False, metadata={
+        "exclusive": "iteration",
+        "help": "--load: every complete iteration of one run (a trajectory table and plot)"})
+    tokenizer_model: Optional[str] = dataclasses.field(default=None, metadata={
+        "metavar": "PATH", "help": "--load: the run's tokenizer file, when it moved since training"})
+    tensor_model_parallel_size: int = _layout_field("tensor_model_parallel_size", 1)
+    pipeline_model_parallel_size: int = _layout_field("pipeline_model_parallel_size", 1)
+    sequence_parallel: bool = _layout_field("sequence_parallel", False)
+
+
+def _add_arguments(group: argparse._ArgumentGroup) -> None:
+    add_fields(group, CheckpointSourceFlags)
 
 
 def _run_name(root: str) -> str:

@@ -14,6 +14,7 @@ and the exit status is 3 (the trainer's status for a NaN loss).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -39,7 +40,7 @@ from megatron_jreg.analysis.trajectory import (
     sort_trajectory,
     trajectory_to_csv,
 )
-from megatron_jreg.cli import ArgumentParser
+from megatron_jreg.cli import add_fields, tool_parser
 from megatron_jreg.errors import InputError
 
 PROG = "eval_jump"
@@ -53,90 +54,73 @@ EPILOG = (
 )
 
 
+def _flag(default=None, **metadata):
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelRunFlags:
+    """How to run the measured models."""
+
+    include_final_norm: bool = _flag(
+        False, help="apply the model's final norm to h_L (what HF output_hidden_states "
+        "reports); by default h_L is taken before it")
+    device: str = _flag("cpu", help="torch device for the model")
+    dtype: str = _flag("float32", choices=["float32", "bfloat16", "float16"],
+                       help="weights' dtype; the cosine is always computed in fp32")
+    label: Optional[List[str]] = _flag(
+        action="append", metavar="NAME",
+        help="the name of a measured model in tables and plots; once per model, in order")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TextFlags:
+    """The evaluation text: one of --text-file, --jsonl, --data-path."""
+
+    text_file: Optional[str] = _flag(help="plain text, one document per line (blank lines skipped)")
+    jsonl: Optional[str] = _flag(help="JSON lines, the document under --json-key")
+    json_key: str = _flag("text", help="the JSONL key holding the text")
+    data_path: Optional[str] = _flag(
+        metavar="PREFIX", help="a Megatron indexed dataset (PREFIX.bin/.idx), already tokenized")
+    seq_length: int = _flag(2048, help="each document is cut to this many tokens")
+    max_tokens: Optional[int] = _flag(help="stop after this many counted tokens")
+    batch_size: int = _flag(8, help="documents per forward pass; results do not depend on it")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OutputFlags:
+    """Reports read and written."""
+
+    reports: List[str] = dataclasses.field(default_factory=list, metadata={
+        "metavar": "JSON",
+        "help": "reports written earlier by --json, shown and plotted with the measured ones"})
+    compare: Optional[List[str]] = _flag(
+        nargs="*", metavar="JSON",
+        help="Delta_l = Psi_l(B) - Psi_l(A): give two report files A B, or no file to compare "
+        "the two models of this run (first is A)")
+    json: Optional[str] = _flag(
+        metavar="OUT.json", help="write the report (a list when there are several)")
+    csv: Optional[str] = _flag(metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows")
+    plot: Optional[str] = _flag(metavar="OUT.png", help="plot Psi_l per layer, every model on one plot")
+    title: Optional[str] = _flag(help="title of the plot")
+    no_progress: bool = _flag(False, help="no progress bar on stderr")
+
+
+FLAG_GROUPS = {"how to run the model": ModelRunFlags, "evaluation text (one of)": TextFlags,
+               "reports and outputs": OutputFlags}
+
+
 def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
-    parser = ArgumentParser(
+    parser = tool_parser(
+        {},
         prog=PROG,
         description="Measure the per-layer displacement Psi_l and the jump rates zeta of a model "
         "(Shibata et al., EACL 2026). See docs/evaluation.md.",
         epilog=EPILOG,
     )
     add_source_arguments(parser, list(kinds))
-    model = parser.add_argument_group("how to run the model")
-    model.add_argument(
-        "--include-final-norm",
-        action="store_true",
-        help="apply the model's final norm to h_L (what HF output_hidden_states reports); "
-        "by default h_L is taken before it",
-    )
-    model.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
-    model.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="weights' dtype; the cosine is always computed in fp32 (default: float32)",
-    )
-    model.add_argument(
-        "--label",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="the name of a measured model in tables and plots; once per model, in order",
-    )
-
-    data = parser.add_argument_group("evaluation text (one of)")
-    data.add_argument("--text-file", help="plain text, one document per line (blank lines skipped)")
-    data.add_argument("--jsonl", help="JSON lines, the document under --json-key")
-    data.add_argument(
-        "--json-key", default="text", help="the JSONL key holding the text (default: text)"
-    )
-    data.add_argument(
-        "--data-path",
-        metavar="PREFIX",
-        help="a Megatron indexed dataset (PREFIX.bin/.idx), already tokenized",
-    )
-    data.add_argument(
-        "--seq-length",
-        type=int,
-        default=2048,
-        help="each document is cut to this many tokens (default: 2048)",
-    )
-    data.add_argument(
-        "--max-tokens", type=int, default=None, help="stop after this many counted tokens"
-    )
-    data.add_argument(
-        "--batch-size",
-        type=int,
-        default=8,
-        help="documents per forward pass (default: 8); results do not depend on it",
-    )
-
-    out = parser.add_argument_group("reports and outputs")
-    out.add_argument(
-        "--reports",
-        nargs="+",
-        default=[],
-        metavar="JSON",
-        help="reports written earlier by --json, shown and plotted with the measured ones",
-    )
-    out.add_argument(
-        "--compare",
-        nargs="*",
-        default=None,
-        metavar="JSON",
-        help="Delta_l = Psi_l(B) - Psi_l(A): give two report files A B, or no file to compare "
-        "the two models of this run (first is A)",
-    )
-    out.add_argument(
-        "--json", metavar="OUT.json", help="write the report (a list when there are several)"
-    )
-    out.add_argument(
-        "--csv", metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows"
-    )
-    out.add_argument(
-        "--plot", metavar="OUT.png", help="plot Psi_l per layer, every model on one plot"
-    )
-    out.add_argument("--title", default=None, help="title of the plot")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    for title, cls in FLAG_GROUPS.items():
+        add_fields(parser.add_argument_group(title), cls)
     return parser
 
 

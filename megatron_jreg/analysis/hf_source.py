@@ -11,6 +11,7 @@ before the final norm unless ``include_final_norm``, in which case it is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import List, Optional, Tuple
 
@@ -20,6 +21,7 @@ from megatron_jreg.analysis.devices import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
+from megatron_jreg.cli import add_fields
 from megatron_jreg.errors import InputError, missing_extra
 
 # (decoder layers, final norm) attribute paths, tried in order.
@@ -159,15 +161,19 @@ def load_hf_source(
     return HFCausalLMSource(model, tokenizer, label, include_final_norm=include_final_norm)
 
 
+@dataclasses.dataclass(kw_only=True)
+class HFSourceFlags:
+    """The flags that select Hugging Face models to measure."""
+
+    hf_model: Optional[List[str]] = dataclasses.field(default=None, metadata={
+        "metavar": "DIR",
+        "help": "Hugging Face causal LM directories (Llama, Qwen, Gemma, Mistral, ...); "
+        "several go on one plot. Needs the hf extra: `pip install --no-build-isolation -e "
+        "'.[hf]'` from the repository root."})
+
+
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--hf-model",
-        nargs="+",
-        metavar="DIR",
-        default=None,
-        help="Hugging Face causal LM directories (Llama, Qwen, Gemma, Mistral, ...); "
-        "several go on one plot. Needs the hf extra: `pip install --no-build-isolation -e '.[hf]'` from the repository root.",
-    )
+    add_fields(group, HFSourceFlags)
 
 
 def _build(args: argparse.Namespace) -> List[SourceEntry]:

@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -42,7 +43,7 @@ from megatron_jreg.checkpoint.model_loader import (
     launched_world_size,
     load_model,
 )
-from megatron_jreg.cli import ArgumentParser
+from megatron_jreg.cli import tool_parser
 from megatron_jreg.errors import InputError, missing_extra
 
 PROG = "convert_to_hf"
@@ -283,34 +284,30 @@ def convert(
     return warnings
 
 
+@dataclass(kw_only=True)
+class ExportConfig:
+    """The flags of ``convert_to_hf``; ``main`` hands them to ``convert``."""
+
+    load: str = field(metadata={"metavar": "CKPT", "help": "the run's --save directory"})
+    iteration: Optional[int] = field(default=None, metadata={
+        "metavar": "N", "default_help": "the latest", "help": "the iteration to export"})
+    output: str = field(metadata={"metavar": "DIR", "help": "a new directory to write"})
+    dtype: str = field(default="float32", metadata={
+        "choices": sorted(_DTYPES), "help": "dtype of the saved weights"})
+    tokenizer_model: Optional[str] = field(default=None, metadata={
+        "metavar": "PATH", "help": "the run's tokenizer file, when it moved since training"})
+    no_tokenizer: bool = field(default=False, metadata={
+        "help": "write the model only, no tokenizer files"})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
+    return tool_parser(
+        {None: ExportConfig},
         prog=PROG,
         description="Export a megatron-jreg checkpoint (any TP/PP layout) to a Hugging Face "
         "LlamaForCausalLM directory (safetensors, config.json, tokenizer). See "
         "docs/evaluation.md.",
     )
-    parser.add_argument("--load", required=True, metavar="CKPT", help="the run's --save directory")
-    parser.add_argument(
-        "--iteration", type=int, default=None, metavar="N", help="default: the latest"
-    )
-    parser.add_argument("--output", required=True, metavar="DIR", help="a new directory to write")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=sorted(_DTYPES),
-        help="dtype of the saved weights (default: float32)",
-    )
-    parser.add_argument(
-        "--tokenizer-model",
-        default=None,
-        metavar="PATH",
-        help="the run's tokenizer file, when it moved since training",
-    )
-    parser.add_argument(
-        "--no-tokenizer", action="store_true", help="write the model only, no tokenizer files"
-    )
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -12,7 +12,7 @@ import json
 import os
 import sysconfig
 import tokenize
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 # Directories whose docstrings are test scaffolding or vendored code, not prose.
@@ -32,7 +32,7 @@ class DemoCorpusConfig:
     """Stop once this many MB of text are written (None: no limit)."""
     min_chars: int = 200
     """Shorter docstrings are dropped: one-liners teach a tokenizer little."""
-    stdlib_dir: str | None = None
+    stdlib_dir: str | None = field(default=None, metadata={"cli": False})
     """The stdlib to walk; None means this interpreter's."""
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ import argparse
 import errno
 from dataclasses import dataclass, field
 
-from megatron_jreg.cli import ArgumentParser
+from megatron_jreg.cli import tool_parser, tool_values
 from megatron_jreg.data.document_encoder import EncoderSpec
 from megatron_jreg.data.text_sources import INPUT_FORMATS
 from megatron_jreg.data.tokenizers import TOKENIZER_TYPES
@@ -32,40 +32,41 @@ class Terminated(BaseException):
 class PreprocessConfig:
     """One preprocessing run; field names follow Megatron-LM's flags."""
 
-    input: list[str]
-    """JSONL files, globs or directories (``.gz``/``.zst`` and Parquet where installed)."""
-    output_prefix: str
-    """Writes ``<output_prefix>_<key>_document.bin/.idx`` per JSON key."""
-    tokenizer_type: str
-    """One of ``TOKENIZER_TYPES``."""
-    tokenizer_model: str | None = None
-    """The tokenizer file (not needed for ByteTokenizer)."""
-    vocab_size: int | None = None
+    input: list[str] = field(metadata={"group": "input"})
+    """JSONL files, globs or directories (.gz/.zst and Parquet where installed)."""
+    output_prefix: str = field(metadata={"group": "output"})
+    """Writes <output_prefix>_<key>_document.bin/.idx per JSON key."""
+    tokenizer_type: str = field(metadata={"group": "tokenizer", "choices": TOKENIZER_TYPES})
+    """The tokenizer class, as Megatron-LM names it."""
+    tokenizer_model: str | None = field(default=None, metadata={"group": "tokenizer"})
+    """The tokenizer file: sentencepiece .model, tokenizer.json or its directory (not needed
+    for ByteTokenizer)."""
+    vocab_size: int | None = field(default=None, metadata={"group": "tokenizer"})
     """ByteTokenizer only: pad its vocabulary to this size."""
-    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    json_keys: list[str] = field(default_factory=lambda: ["text"], metadata={"group": "input"})
     """Keys to extract; each gives its own dataset, documents aligned across them."""
-    input_format: str = "jsonl"
+    input_format: str = field(default="jsonl", metadata={"group": "input", "choices": INPUT_FORMATS})
     """``jsonl`` or ``text`` (one document per line); ``.parquet`` files are detected."""
-    workers: int = 1
+    workers: int = field(default=1, metadata={"group": "runtime"})
     """Tokenising processes; the parent only reads and writes."""
-    partitions: int = 1
+    partitions: int = field(default=1, metadata={"group": "runtime"})
     """Cut the input into this many parts, processed concurrently, then merged."""
-    append_eod: bool = False
+    append_eod: bool = field(default=False, metadata={"group": "tokenizer"})
     """Append the tokenizer's EOD id to every document (what GPT pretraining wants)."""
-    split_sentences: bool = False
+    split_sentences: bool = field(default=False, metadata={"group": "input"})
     """One sequence per sentence (nltk punkt); output key level becomes ``sentence``."""
-    keep_newlines: bool = False
-    """With ``split_sentences``: keep newlines between sentences."""
-    skip_invalid: bool = False
+    keep_newlines: bool = field(default=False, metadata={"group": "input"})
+    """With ``--split-sentences``: keep newlines between sentences."""
+    skip_invalid: bool = field(default=False, metadata={"group": "input"})
     """Skip and count bad lines instead of stopping at the first one."""
-    overwrite: bool = False
+    overwrite: bool = field(default=False, metadata={"group": "output"})
     """Replace existing outputs instead of refusing."""
-    allow_empty: bool = False
-    """Write an empty dataset when the input holds no documents, instead of refusing (an
-    empty dataset cannot be trained on)."""
-    log_interval: int = 10000
+    allow_empty: bool = field(default=False, metadata={"group": "output"})
+    """Write an empty dataset when the input holds no documents, instead of refusing with
+    exit status 2 (an empty dataset cannot be trained on)."""
+    log_interval: int = field(default=10000, metadata={"group": "runtime"})
     """Documents between progress log lines (when not on a terminal)."""
-    chunk_bytes: int = 1 << 18
+    chunk_bytes: int = field(default=1 << 18, metadata={"group": "runtime"})
     """Bytes of input per worker message: big enough to amortise the message, small enough
     for load balance and bounded memory."""
 
@@ -108,36 +109,15 @@ class PreprocessConfig:
         )
 
 
+DESCRIPTION = "Tokenise raw text into megatron-core .bin/.idx datasets."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        description="Tokenise raw text into megatron-core .bin/.idx datasets.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    g = p.add_argument_group("input")
-    g.add_argument("--input", nargs="+", required=True, help="JSONL files, globs or directories")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one dataset each")
-    g.add_argument("--input-format", choices=INPUT_FORMATS, default="jsonl", help="text: one document per line")
-    g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (needs nltk)")
-    g.add_argument("--keep-newlines", action="store_true", help="keep newlines between sentences")
-    g.add_argument("--skip-invalid", action="store_true", help="skip and count bad lines instead of stopping")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model, tokenizer.json or its directory")
-    g.add_argument("--vocab-size", type=int, default=None, help="ByteTokenizer only: padded vocabulary size")
-    g.add_argument("--append-eod", action="store_true", help="append the EOD id to every document")
-    g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
-    g.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    g.add_argument("--allow-empty", action="store_true",
-                   help="write an empty dataset when the input holds no documents (else exit 2)")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenising processes")
-    g.add_argument("--partitions", type=int, default=1, help="input parts processed concurrently, then merged")
-    g.add_argument("--log-interval", type=int, default=10000, help="documents between log lines")
-    g.add_argument("--chunk-bytes", type=int, default=1 << 18, help="input bytes per worker message")
-    return p
+    """The flags of ``PreprocessConfig``'s fields (``megatron_jreg.cli.tool_parser``)."""
+    return tool_parser({None: PreprocessConfig}, description=DESCRIPTION)
 
 
 def config_from_args(argv: list[str] | None = None) -> PreprocessConfig:
-    args = build_parser().parse_args(argv)
-    return PreprocessConfig(**{k: v for k, v in vars(args).items()})
+    """Raises ``PreprocessError`` for a bad value; bad flags exit 2 from argparse."""
+    values = tool_values({None: PreprocessConfig}, argv, description=DESCRIPTION)
+    return PreprocessConfig(**values[None])

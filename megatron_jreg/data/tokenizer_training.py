@@ -16,18 +16,18 @@ class TrainTokenizerConfig:
     """A sentencepiece BPE model with byte fallback, ids unk=0, bos=1, eos=2 like Llama-2."""
 
     input: list[str]
-    """JSONL files (or text with ``input_format='text'``), globs or directories."""
+    """JSONL files (or text with ``--input-format text``), globs or directories."""
     model_prefix: str
     """Writes ``<model_prefix>.model`` and ``<model_prefix>.vocab``."""
     vocab_size: int = 3000
     """Small vocabularies train in seconds; 256 byte pieces and 3 specials are included."""
     json_keys: list[str] = field(default_factory=lambda: ["text"])
     """JSON keys whose strings are training text."""
-    input_format: str = "jsonl"
+    input_format: str = field(default="jsonl", metadata={"choices": ("jsonl", "text")})
     """``jsonl`` or ``text`` (one document per line)."""
     max_sentences: int = 2_000_000
     """Lines sampled for training; bounds memory on big corpora."""
-    model_type: str = "bpe"
+    model_type: str = field(default="bpe", metadata={"choices": ("bpe", "unigram")})
     """``bpe`` (Llama-2) or ``unigram``."""
     seed: int = 1234
     """Sampling seed, for reproducible models."""

@@ -125,3 +125,76 @@ def test_trainer_help_runs_and_lists_every_flag():
             elif "flag" in field.metadata:
                 assert field.metadata["flag"] in proc.stdout, field.metadata["flag"]
     assert "default 10% of decay" in proc.stdout
+
+
+@dataclasses.dataclass(kw_only=True)
+class _ToolConfig:
+    """A tool's config, for the tests of ``cli.tool_parser``."""
+
+    path: str = dataclasses.field(metadata={"positional": True})
+    """the file to read"""
+    out: str = dataclasses.field(metadata={"group": "output", "metavar": "OUT.json"})
+    """where to write"""
+    size: int = 3
+    """how many (100% of them)"""
+    names: list = dataclasses.field(default_factory=lambda: ["a"], metadata={"group": "output"})
+    """the names"""
+    mode: str = dataclasses.field(default="auto", metadata={
+        "choices": ("auto", "fast"), "default_help": "fast when it can", "help": "the mode"})
+    quiet: bool = False
+    first: bool = dataclasses.field(default=False, metadata={"exclusive": "which", "help": "x"})
+    last: bool = dataclasses.field(default=False, metadata={"exclusive": "which", "help": "y"})
+    state: int = dataclasses.field(default=0, metadata={"cli": False})
+
+
+def _tool(argv):
+    return cli.tool_values({None: _ToolConfig}, argv, prog="tool", epilog="exit status: 0")[None]
+
+
+def test_tool_flags_positional_required_switch_defaults():
+    v = _tool(["in.csv", "--out", "o.json"])
+    assert v == {"path": "in.csv", "out": "o.json", "size": 3, "names": ["a"], "mode": "auto",
+                 "quiet": False, "first": False, "last": False}
+    assert _ToolConfig(**v).state == 0  # cli=False: no flag, the dataclass default
+    v = _tool(["--out", "o", "--size", "5", "--names", "x", "y", "--quiet", "in.csv", "--first"])
+    assert (v["path"], v["size"], v["names"], v["quiet"], v["first"]) == ("in.csv", 5, ["x", "y"],
+                                                                         True, True)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["in.csv"], "tool: error: the following arguments are required: --out"),
+    (["--out", "o"], "tool: error: the following arguments are required: path"),
+    (["in.csv", "--out", "o", "--mode", "slow"], "argument --mode: invalid choice: 'slow'"),
+    (["in.csv", "--out", "o", "--first", "--last"], "argument --last: not allowed with argument --first"),
+    (["in.csv", "--out", "o", "--state", "1"], "unrecognized arguments: --state 1"),
+    (["in.csv", "--ou", "o"], "required: --out"),  # no abbreviations
+])
+def test_tool_errors_one_line_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _tool(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and err.count("\n") == 1 and "usage" not in err
+
+
+def test_tool_help_docstrings_defaults_groups_epilog():
+    text = " ".join(cli.tool_parser({None: _ToolConfig}, prog="tool",
+                                    epilog="exit status: 0").format_help().split())
+    assert "path the file to read" in text and "--out OUT.json where to write" in text
+    assert "how many (100% of them) (default: 3)" in text  # % is not a format directive
+    assert "the names (default: a)" in text and "the mode (default: fast when it can)" in text
+    assert "--quiet (default" not in text and "where to write (default" not in text
+    assert "output: --out OUT.json" in text and text.endswith("exit status: 0")
+    assert "--state" not in text
+
+
+def test_add_fields_to_a_group_and_duplicate_flags_refused():
+    import argparse
+
+    parser = cli.ArgumentParser(prog="tool")
+    cli.add_fields(parser.add_argument_group("mine"), _ToolConfig)
+    assert [g.title for g in parser._action_groups][-1] == "mine"  # "output" not nested
+    assert len(parser._action_groups[-1]._group_actions) == 8
+    assert len(parser._mutually_exclusive_groups) == 1
+    with pytest.raises(ValueError, match="path defined by both a.path and b.path"):
+        cli.tool_parser({"a": _ToolConfig, "b": _ToolConfig})
+    assert isinstance(parser, argparse.ArgumentParser)
