@@ -24,6 +24,8 @@ EXTRAS = {
     "hf": ["transformers", "safetensors"],
     "plot": ["matplotlib"],
     "stats": ["scipy"],
+    # tools/eval_downstream.py: lm-evaluation-harness's Python API and its hf backend
+    "eval": ["lm_eval[hf]>=0.4.13,<0.5"],
 }
 # the tests cover the optional readers and both t-test paths (scipy and the exact one)
 EXTRAS["test"] = ["pytest>=7", *EXTRAS["data"], *EXTRAS["stats"]]

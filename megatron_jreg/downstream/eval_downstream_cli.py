@@ -1,0 +1,223 @@
+"""The command line of ``tools/eval_downstream.py``: models, tasks, cache, outputs.
+
+Every problem with the input surfaces as an :class:`InputError`: one line on stderr, exit
+status 2. Tasks (and their datasets) load before any model, so a typo or an uncached
+dataset fails before a checkpoint is exported. A checkpoint (``--load``, any TP/PP layout)
+is exported to a temporary Hugging Face directory by ``checkpoint.hf_export`` in a child
+process (megatron's process group and its CPU redirections stay out of the evaluating
+process), then evaluated like ``--hf-model``; only the tasks missing from the cache are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import sys
+import tempfile
+from typing import List, Optional, Sequence
+
+from megatron_jreg import strict_json
+from megatron_jreg.atomic_write import check_output_path, write_text_atomic
+from megatron_jreg.cli import tool_parser
+from megatron_jreg.downstream import cache as cache_mod
+from megatron_jreg.downstream import harness
+from megatron_jreg.downstream.report import DownstreamReport, TaskScore, format_table, to_csv
+from megatron_jreg.downstream.tasks import METRICS, pick_metric, resolve_tasks
+from megatron_jreg.errors import InputError
+
+PROG = "eval_downstream"
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                             "megatron_jreg", "eval_downstream")
+
+
+def _flag(default=None, **metadata):
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DownstreamConfig:
+    """The flags of ``eval_downstream``."""
+
+    load: Optional[List[str]] = _flag(metavar="CKPT", exclusive="model", group="models",
+                                      help="--save directories of training runs (any TP/PP)")
+    hf_model: Optional[List[str]] = _flag(metavar="DIR", exclusive="model", group="models",
+                                          help="Hugging Face model directories")
+    iteration: Optional[int] = _flag(metavar="N", group="models", default_help="the latest",
+                                     help="the iteration of each --load run")
+    label: Optional[List[str]] = _flag(action="append", metavar="NAME", group="models",
+                                       help="a model's name in the outputs; once per model")
+    tasks: str = _flag("paper", group="tasks", help="'paper' (lambada_openai, boolq, arc_easy, "
+                       "hellaswag, piqa, race, social_iqa, sciq, swag) or a comma list of "
+                       "lm-eval task names")
+    include_path: Optional[List[str]] = _flag(action="append", metavar="DIR", group="tasks",
+                                              help="a folder of local task YAMLs (repeatable)")
+    metric: str = _flag("acc", choices=list(METRICS), group="tasks",
+                        help="acc_norm: taken where a task reports it, acc elsewhere")
+    limit: Optional[float] = _flag(group="tasks", metavar="N",
+                                   help="the first N examples per task (a value below 1: that "
+                                   "fraction)")
+    num_fewshot: int = _flag(0, group="tasks", help="few-shot examples per prompt")
+    batch_size: str = _flag("8", group="how to run the model", help="lm-eval's batch size, or auto")
+    device: str = _flag("cpu", group="how to run the model", help="torch device, e.g. cuda:0")
+    dtype: str = _flag("float32", choices=["float32", "bfloat16", "float16"],
+                       group="how to run the model", help="dtype the model runs in")
+    json: Optional[str] = _flag(metavar="OUT.json", group="outputs",
+                                help="write one object per model (a list when there are several)")
+    csv: Optional[str] = _flag(metavar="OUT.csv", group="outputs",
+                               help="write model,source,iteration,task,metric,value,stderr rows")
+    cache_dir: str = _flag(DEFAULT_CACHE, group="outputs",
+                           help="results per (model, task, limit) are kept here")
+    no_cache: bool = _flag(False, group="outputs", help="neither read nor write the cache")
+
+
+def build_parser():
+    return tool_parser({None: DownstreamConfig}, prog=PROG,
+                       description="Downstream accuracy (the paper's Table 3) of checkpoints or "
+                       "HF models through lm-evaluation-harness. See docs/evaluation.md.")
+
+
+@dataclasses.dataclass
+class ModelEntry:
+    label: str
+    kind: str  # "load" or "hf_model"
+    path: str
+    iteration: Optional[int] = None
+    seed: Optional[int] = None
+    identity: dict = dataclasses.field(default_factory=dict)
+
+
+def _entries(args) -> List[ModelEntry]:
+    from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+    from megatron_jreg.checkpoint.model_loader import checkpoint_iterations, read_run_configs
+
+    paths, kind = (args.load, "load") if args.load else (args.hf_model, "hf_model")
+    if not paths:
+        raise InputError("no model: give --load CKPT ... or --hf-model DIR ...")
+    if args.iteration is not None and kind != "load":
+        raise InputError("--iteration applies to --load CKPT only")
+    labels = args.label or []
+    if labels and len(labels) != len(paths):
+        raise InputError(f"{len(labels)} --label for {len(paths)} models; give one per model")
+    names = [os.path.basename(os.path.normpath(p)) for p in paths]
+    if len(set(names)) < len(names):
+        names = [os.path.normpath(p) for p in paths]
+    entries = []
+    for path, name in zip(paths, labels or names):
+        if kind == "hf_model":
+            if not os.path.isdir(path):
+                raise InputError(f"--hf-model {path}: no such directory; check the path")
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise InputError(f"--hf-model {path}: no config.json, not a Hugging Face model "
+                                 "directory; export a checkpoint with tools/convert_to_hf.py")
+            entries.append(ModelEntry(name, kind, path,
+                                      identity=cache_mod.hf_model_identity(path)))
+            continue
+        (iteration,) = checkpoint_iterations(path, iteration=args.iteration)
+        it_dir = ckpt.iteration_dir(path, iteration)
+        seed = int(read_run_configs(it_dir)["training"].seed)
+        entries.append(ModelEntry(name, kind, path, iteration, seed,
+                                  cache_mod.checkpoint_identity(it_dir, path, iteration)))
+    return entries
+
+
+def _export_child(root: str, iteration: int, out: str, queue) -> None:
+    try:
+        from megatron_jreg.checkpoint.hf_export import convert
+
+        queue.put(("ok", convert(root, out, iteration=iteration)))
+    except InputError as err:
+        queue.put(("input", str(err)))
+    except BaseException as err:  # noqa: BLE001 - reported by the parent
+        queue.put(("error", f"{type(err).__name__}: {err}"))
+
+
+def export_checkpoint(root: str, iteration: int, out: str) -> List[str]:
+    """``hf_export.convert`` in a spawned process; returns its warnings."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_export_child, args=(root, iteration, out, queue))
+    proc.start()
+    status, value = queue.get()
+    proc.join()
+    if status == "input":
+        raise InputError(value)
+    if status != "ok":
+        raise RuntimeError(f"exporting {root} iteration {iteration} failed: {value}")
+    return value
+
+
+def _limit(value: Optional[float]):
+    if value is None:
+        return None
+    if not value > 0:
+        raise InputError(f"--limit {value:g}: must be > 0 (N examples, or a fraction below 1)")
+    return int(value) if value >= 1 and value == int(value) else value
+
+
+def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limit) -> dict:
+    """{task: lm-eval result} for one model, from the cache where it can."""
+    settings = dict(limit=limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
+                    lm_eval=harness.lm_eval_version())
+    keys = {t: cache.key(entry.identity, task=t, task_config=digests[t], **settings)
+            for t in names}
+    results = {t: cache.get(keys[t]) for t in names}
+    missing = [t for t in names if results[t] is None]
+    if not missing:
+        return results
+    run = dict(dtype=args.dtype, device=args.device, batch_size=args.batch_size, limit=limit,
+               num_fewshot=args.num_fewshot)
+    print(f"{PROG}: {entry.label}: evaluating {', '.join(missing)}", file=sys.stderr)
+    if entry.kind == "hf_model":
+        fresh = harness.evaluate_hf(entry.path, missing, manager, **run)
+    else:
+        with tempfile.TemporaryDirectory(prefix="eval_downstream.") as tmp:
+            out = os.path.join(tmp, "hf")
+            for warning in export_checkpoint(entry.path, entry.iteration, out):
+                print(f"{PROG}: warning: {entry.label}: {warning}", file=sys.stderr)
+            fresh = harness.evaluate_hf(out, missing, manager, **run)
+    for t in missing:
+        cache.put(keys[t], fresh[t])
+        results[t] = fresh[t]
+    return results
+
+
+def run(args) -> List[DownstreamReport]:
+    for flag, path in (("--json", args.json), ("--csv", args.csv)):
+        if path:
+            check_output_path(path, flag)
+    if args.num_fewshot < 0:
+        raise InputError(f"--num-fewshot {args.num_fewshot}: must be >= 0")
+    limit = _limit(args.limit)
+    names = resolve_tasks(args.tasks)
+    entries = _entries(args)
+    manager = harness.task_manager(args.include_path)
+    digests = harness.check_tasks(manager, names)
+    cache = cache_mod.ResultCache(None if args.no_cache else args.cache_dir)
+    reports = []
+    for entry in entries:
+        results = evaluate_model(entry, names, digests, manager, cache, args, limit)
+        report = DownstreamReport(entry.label, entry.path, entry.iteration, entry.seed,
+                                  harness.lm_eval_version(), limit, args.num_fewshot, args.dtype)
+        for t in names:
+            metric, value, stderr = pick_metric(t, results[t]["metrics"], args.metric)
+            report.tasks[t] = TaskScore(metric, value, stderr, results[t].get("samples"),
+                                       results[t]["metrics"])
+        reports.append(report)
+    return reports
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        reports = run(args)
+    except InputError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(reports))
+    if args.json:
+        payload = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
+        write_text_atomic(args.json, strict_json.dumps(payload))
+    if args.csv:
+        write_text_atomic(args.csv, to_csv(reports))
+    return 0

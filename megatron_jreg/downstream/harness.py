@@ -1,0 +1,119 @@
+"""lm-evaluation-harness, called through its Python API on a Hugging Face directory.
+
+The tasks are loaded once before any model (a checkpoint's export included), so an unknown
+task name or a dataset that is neither cached nor reachable fails first, with one line
+saying how to fix it. The model is lm-eval's ``hf`` backend (``simple_evaluate(model="hf",
+model_args="pretrained=DIR,dtype=...")``), so the numbers are lm-eval's own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Dict, List, Optional
+
+from megatron_jreg.errors import InputError, missing_extra
+
+OFFLINE_HINT = (
+    "pre-populate the datasets cache on a machine with network access (HF_HOME=DIR "
+    "python tools/eval_downstream.py ... once, or datasets.load_dataset), copy DIR here and "
+    "run with HF_HOME=DIR HF_DATASETS_OFFLINE=1; or give a local task YAML with --include-path"
+)
+
+
+def lm_eval_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("lm_eval")
+    except Exception:  # noqa: BLE001 - not installed: the import below says so
+        return "unknown"
+
+
+def _import_lm_eval():
+    try:
+        import lm_eval  # noqa: F401
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise missing_extra("lm_eval", "eval", "tools/eval_downstream.py") from None
+    for name in ("lm-eval", "lm_eval"):  # its INFO lines per request are noise here
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return TaskManager
+
+
+def task_manager(include_path: Optional[List[str]] = None):
+    """lm-eval's TaskManager with the local task YAMLs of ``include_path``."""
+    for path in include_path or []:
+        if not os.path.isdir(path):
+            raise InputError(f"--include-path {path}: no such directory; give the folder of "
+                             "the task YAML files")
+    TaskManager = _import_lm_eval()
+    return TaskManager(include_path=list(include_path) if include_path else None)
+
+
+def check_tasks(manager, names: List[str]) -> Dict[str, str]:
+    """Load each task (its dataset included) before any model; {name: config digest}.
+
+    The digest (of the task's resolved config: dataset, prompts, metrics) keys the cache,
+    so an edited local task is evaluated again.
+    """
+    known = set(manager.all_tasks)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InputError(
+            f"--tasks: unknown task {', '.join(unknown)}; lm-eval's names are listed by "
+            "`lm_eval ls tasks`; a local task needs its YAML folder in --include-path")
+    digests: Dict[str, str] = {}
+    for name in names:
+        try:
+            loaded = manager.load([name])
+        except (ConnectionError, OSError) as err:
+            raise InputError(
+                f"task {name}: its dataset is not in the local cache and the hub cannot be "
+                f"reached ({str(err).splitlines()[0][:160]}); {OFFLINE_HINT}") from None
+        except Exception as err:  # noqa: BLE001 - datasets' own errors (DatasetNotFoundError ...)
+            text = str(err).splitlines()[0][:160] if str(err) else ""
+            if "offline" in text.lower() or "hub" in text.lower() or "connect" in text.lower():
+                raise InputError(f"task {name}: dataset unavailable ({text}); {OFFLINE_HINT}") from None
+            raise InputError(f"task {name}: lm-eval cannot load it ({type(err).__name__}: "
+                             f"{text}); check the task's YAML") from None
+        tasks = loaded["tasks"] if isinstance(loaded, dict) and "tasks" in loaded else loaded
+        digests[name] = _digest(tasks)
+    return digests
+
+
+def _digest(tasks) -> str:
+    import hashlib
+
+    def config(task):
+        dump = getattr(task, "dump_config", None)
+        return dump() if dump else repr(task)
+
+    items = sorted((str(k), config(v)) for k, v in dict(tasks).items())
+    text = json.dumps(items, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def evaluate_hf(model_dir: str, names: List[str], manager, *, dtype: str, device: str,
+                batch_size: str, limit: Optional[float], num_fewshot: int) -> Dict[str, dict]:
+    """lm-eval's results for ``names`` on the HF directory: {task: {"metrics": {..},
+    "samples": n}}, from one ``simple_evaluate`` call (one model load)."""
+    from lm_eval import simple_evaluate
+
+    out = simple_evaluate(
+        model="hf", model_args=f"pretrained={model_dir},dtype={dtype}", tasks=list(names),
+        task_manager=manager, device=device, batch_size=batch_size, limit=limit,
+        num_fewshot=num_fewshot, log_samples=False)
+    from megatron_jreg.downstream.tasks import task_metrics
+
+    samples = out.get("n-samples", {})
+    results = {}
+    for name in names:
+        if name not in out["results"]:
+            raise InputError(f"task {name}: lm-eval returned no result for it (a group? give "
+                             "its member tasks)")
+        count = samples.get(name, {})
+        results[name] = {"metrics": task_metrics(out["results"][name]),
+                         "samples": count.get("effective", count.get("original"))}
+    return results
