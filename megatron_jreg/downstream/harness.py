@@ -8,9 +8,11 @@ model_args="pretrained=DIR,dtype=...")``), so the numbers are lm-eval's own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 from typing import Dict, List, Optional
 
 from megatron_jreg.errors import InputError, missing_extra
@@ -67,7 +69,8 @@ def check_tasks(manager, names: List[str]) -> Dict[str, str]:
     digests: Dict[str, str] = {}
     for name in names:
         try:
-            loaded = manager.load([name])
+            with contextlib.redirect_stdout(sys.stderr):
+                loaded = manager.load([name])
         except (ConnectionError, OSError) as err:
             raise InputError(
                 f"task {name}: its dataset is not in the local cache and the hub cannot be "
@@ -101,10 +104,12 @@ def evaluate_hf(model_dir: str, names: List[str], manager, *, dtype: str, device
     "samples": n}}, from one ``simple_evaluate`` call (one model load)."""
     from lm_eval import simple_evaluate
 
-    out = simple_evaluate(
-        model="hf", model_args=f"pretrained={model_dir},dtype={dtype}", tasks=list(names),
-        task_manager=manager, device=device, batch_size=batch_size, limit=limit,
-        num_fewshot=num_fewshot, log_samples=False)
+    # lm-eval prints progress lines ("bootstrapping for stddev") to stdout: the table owns it
+    with contextlib.redirect_stdout(sys.stderr):
+        out = simple_evaluate(
+            model="hf", model_args=f"pretrained={model_dir},dtype={dtype}", tasks=list(names),
+            task_manager=manager, device=device, batch_size=batch_size, limit=limit,
+            num_fewshot=num_fewshot, log_samples=False)
     from megatron_jreg.downstream.tasks import task_metrics
 
     samples = out.get("n-samples", {})
