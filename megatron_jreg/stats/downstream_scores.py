@@ -1,0 +1,70 @@
+"""Per-seed scores from ``tools/eval_downstream.py`` reports, for the seed t-test.
+
+Each file holds one report object or a list of them (``--json`` of eval_downstream).
+Reports pair by their ``seed`` (the run config's training seed for ``--load``); when a
+report has none (an ``--hf-model``), the reports of each side pair in the order given.
+A task pairs the seeds that both sides scored; the average over tasks is left to
+``compare_seed_scores`` (the per-seed mean over the tasks, as in the paper).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Sequence
+
+from megatron_jreg.errors import InputError
+
+
+def _reports(paths: Sequence[str], flag: str) -> List[dict]:
+    out: List[dict] = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise InputError(f"{flag} {path}: no such file; give eval_downstream's --json "
+                             "output") from None
+        except (OSError, ValueError) as err:
+            raise InputError(f"{flag} {path}: not a JSON report ({err})") from None
+        items = data if isinstance(data, list) else [data]
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("tasks"), dict):
+                raise InputError(f"{flag} {path}: not an eval_downstream report (no 'tasks'); "
+                                 "write it with tools/eval_downstream.py --json")
+        out += items
+    return out
+
+
+def _by_seed(reports: List[dict], flag: str) -> Dict[str, dict]:
+    if any(r.get("seed") is None for r in reports):
+        return {str(i + 1): r for i, r in enumerate(reports)}  # order given
+    out: Dict[str, dict] = {}
+    for r in reports:
+        seed = str(r["seed"])
+        if seed in out:
+            raise InputError(f"{flag}: seed {seed} appears twice ({out[seed].get('model')} and "
+                             f"{r.get('model')}); give one report per seed")
+        out[seed] = r
+    return out
+
+
+def read_report_scores(baseline: Sequence[str], jreg: Sequence[str]):
+    """SeedScores ({task: {seed: (baseline, jreg)}}) from the two sides' report files."""
+    base = _by_seed(_reports(baseline, "--baseline"), "--baseline")
+    ours = _by_seed(_reports(jreg, "--jreg"), "--jreg")
+    seeds = sorted(set(base) & set(ours))
+    if not seeds:
+        raise InputError(f"no seed is on both sides (baseline {sorted(base)}, jreg "
+                         f"{sorted(ours)}); pair the runs by their training seed")
+    scores: Dict[str, Dict[str, tuple]] = {}
+    for seed in seeds:
+        b, j = base[seed]["tasks"], ours[seed]["tasks"]
+        for task in [t for t in b if t in j]:
+            if b[task].get("metric") != j[task].get("metric"):
+                raise InputError(f"task {task}, seed {seed}: baseline reports "
+                                 f"{b[task].get('metric')} but jreg {j[task].get('metric')}; "
+                                 "evaluate both with the same --metric")
+            scores.setdefault(task, {})[seed] = (float(b[task]["value"]), float(j[task]["value"]))
+    if not scores:
+        raise InputError("the baseline and jreg reports share no task; evaluate the same --tasks")
+    return scores

@@ -1,0 +1,70 @@
+"""compare_seeds on eval_downstream's JSON reports: paired by seed, the CSV's numbers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_jreg.errors import InputError
+from megatron_jreg.stats.downstream_scores import read_report_scores
+from megatron_jreg.stats.seed_stats import compare_seed_scores, read_seed_scores
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = {1: (60.1, 70.0), 2: (59.5, 69.1), 3: (60.8, 70.2)}
+JREG = {1: (61.0, 70.4), 2: (60.2, 70.0), 3: (60.9, 70.1)}
+
+
+def report(seed, scores, metric="acc"):
+    tasks = {t: {"metric": metric, "value": v, "stderr": 1.0}
+             for t, v in zip(("boolq", "piqa"), scores)}
+    return {"model": f"s{seed}", "seed": seed, "tasks": tasks, "average": sum(scores) / 2}
+
+
+def write(path, reports):
+    path.write_text(json.dumps(reports))
+    return str(path)
+
+
+def test_reports_pair_by_seed_and_equal_the_long_csv(tmp_path):
+    base = write(tmp_path / "b.json", [report(s, BASE[s]) for s in (3, 1, 2)])  # any order
+    jreg = [write(tmp_path / f"j{s}.json", report(s, JREG[s])) for s in (2, 3, 1)]
+    csv = tmp_path / "long.csv"
+    csv.write_text("seed,task,baseline,jreg\n" + "".join(
+        f"{s},{t},{BASE[s][i]},{JREG[s][i]}\n" for i, t in enumerate(("boolq", "piqa"))
+        for s in (1, 2, 3)))
+    got = dict(compare_seed_scores(read_report_scores([base], jreg), backend="exact"))
+    want = dict(compare_seed_scores(read_seed_scores(str(csv)), backend="exact"))
+    assert set(got) == {"boolq", "piqa", "average"}
+    for task in want:
+        assert got[task].to_dict() == pytest.approx(want[task].to_dict())
+    assert got["average"].mean_difference == pytest.approx(0.4833333333, abs=1e-9)
+
+
+def test_report_errors(tmp_path):
+    ok = write(tmp_path / "ok.json", [report(1, BASE[1]), report(2, BASE[2])])
+    with pytest.raises(InputError, match="no such file"):
+        read_report_scores([str(tmp_path / "none.json")], [ok])
+    bad = write(tmp_path / "bad.json", [{"model": "x"}])
+    with pytest.raises(InputError, match="not an eval_downstream report"):
+        read_report_scores([bad], [ok])
+    twice = write(tmp_path / "twice.json", [report(1, BASE[1]), report(1, BASE[2])])
+    with pytest.raises(InputError, match="seed 1 appears twice"):
+        read_report_scores([twice], [ok])
+    norm = write(tmp_path / "norm.json", [report(1, JREG[1], "acc_norm")])
+    with pytest.raises(InputError, match="same --metric"):
+        read_report_scores([ok], [norm])
+    other = write(tmp_path / "other.json", [report(7, JREG[1])])
+    with pytest.raises(InputError, match="no seed is on both sides"):
+        read_report_scores([ok], [other])
+
+
+def test_tool_usage_errors_are_one_line(tmp_path):
+    ok = write(tmp_path / "ok.json", [report(1, BASE[1])])
+    for argv, expected in (([], "no scores"), (["x.csv", "--baseline", ok], "not both"),
+                           (["--baseline", ok], "go together")):
+        proc = subprocess.run([sys.executable, "tools/compare_seeds.py", *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and expected in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
