@@ -26,7 +26,8 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokeni
 _KNOWN_EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 
 
-def _file_sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks (identifies tokenizer and model files)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -99,7 +100,7 @@ class SentencePieceTokenizer:
         self.bos = self._sp.bos_id()
         self.unique_identifiers = {
             "class": "SentencePieceTokenizer",
-            "model_sha256": _file_sha256(model_path),
+            "model_sha256": file_sha256(model_path),
             "vocab_size": self.vocab_size,
         }
 
@@ -172,7 +173,7 @@ class HuggingFaceTokenizer:
         self.eos = eod
         self.unique_identifiers = {
             "class": "HuggingFaceTokenizer",
-            "tokenizer_sha256": _file_sha256(json_path),
+            "tokenizer_sha256": file_sha256(json_path),
             "eod": eod,
             "vocab_size": self.vocab_size,
         }

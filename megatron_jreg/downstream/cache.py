@@ -16,17 +16,10 @@ import os
 from typing import Dict, Optional
 
 from megatron_jreg.atomic_write import write_text_atomic
+from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import InputError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def hf_model_identity(model_dir: str) -> Dict[str, object]:
@@ -37,7 +30,7 @@ def hf_model_identity(model_dir: str) -> Dict[str, object]:
         if name.endswith(WEIGHT_SUFFIXES):
             st = os.stat(os.path.join(model_dir, name))
             weights[name] = [st.st_size, st.st_mtime_ns]
-    return {"hf_model": model_dir, "config": _sha256_file(config) if os.path.isfile(config) else None,
+    return {"hf_model": model_dir, "config": file_sha256(config) if os.path.isfile(config) else None,
             "weights": weights}
 
 
@@ -46,7 +39,7 @@ def checkpoint_identity(iteration_dir: str, root: str, iteration: int) -> Dict[s
 
     manifest = os.path.join(iteration_dir, MANIFEST)
     return {"checkpoint": os.path.realpath(root), "iteration": iteration,
-            "manifest": _sha256_file(manifest) if os.path.isfile(manifest) else None}
+            "manifest": file_sha256(manifest) if os.path.isfile(manifest) else None}
 
 
 class ResultCache:

@@ -188,26 +188,19 @@ def one_sided_t_test(
     if se == 0.0:  # identical differences: the sign of the mean decides
         t = math.copysign(math.inf, mean) if mean != 0 else math.nan
         p = math.nan if mean == 0 else (0.0 if mean > 0 else 1.0)
-        return OneSidedTTest(
-            n=n,
-            mean_difference=mean,
-            std_difference=sd,
-            t=t,
-            df=df,
-            p_value=p,
-            lower_bound=mean,
-            confidence=confidence,
-            backend=used,
-        )
-    t = mean / se
+        lower = mean
+    else:
+        t = mean / se
+        p = t_sf(t, df, used)
+        lower = mean - t_ppf(confidence, df, used) * se
     return OneSidedTTest(
         n=n,
         mean_difference=mean,
         std_difference=sd,
         t=t,
         df=df,
-        p_value=t_sf(t, df, used),
-        lower_bound=mean - t_ppf(confidence, df, used) * se,
+        p_value=p,
+        lower_bound=lower,
         confidence=confidence,
         backend=used,
     )
