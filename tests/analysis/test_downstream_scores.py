@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,3 +69,31 @@ def test_tool_usage_errors_are_one_line(tmp_path):
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and expected in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_documented_metrics_are_lm_evals_own_for_the_paper_tasks():
+    """docs/evaluation.md's --metric row names the paper tasks that report acc_norm; lm-eval's
+    own task configs (installed, no download) must say the same, and every paper task must
+    report acc, the default metric of Table 3."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from megatron_jreg.downstream.tasks import PAPER_TASKS, pick_metric
+
+    docs = open(os.path.join(REPO, "docs", "evaluation.md"), encoding="utf-8").read()
+    row = re.search(r"^\| `--metric acc` \|.*where a task reports it \(([^)]*)\)", docs, re.M)
+    assert row, "the --metric row of docs/evaluation.md changed"
+    documented = {name.strip() for name in row.group(1).split(",")}
+    index = TaskManager().task_index
+    with_norm = set()
+    for task in PAPER_TASKS:
+        metrics = [m["metric"] for m in index[task].cfg["metric_list"]]
+        assert "acc" in metrics, (task, metrics)
+        if "acc_norm" in metrics:
+            with_norm.add(task)
+        # what the report takes for each --metric, on lm-eval's metric names
+        values = {m: 0.25 + 0.5 * (m == "acc_norm") for m in metrics if m != "perplexity"}
+        assert pick_metric(task, values, "acc")[:2] == ("acc", 25.0)
+        assert pick_metric(task, values, "acc_norm")[:2] == (
+            ("acc_norm", 75.0) if "acc_norm" in metrics else ("acc", 25.0))
+    assert with_norm == documented

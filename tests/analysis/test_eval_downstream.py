@@ -163,3 +163,24 @@ def test_missing_dataset_offline_says_how_to_cache_it(runs):
     assert proc.returncode == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "sciq" in err and "HF_DATASETS_OFFLINE" in err and "HF_HOME" in err
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--load", "{tp1}", "{tp2}", "--label", "only-one"], "1 --label for 2 models"),
+    (["--load", "{tp1}", "--label", "a", "--label", "b"], "2 --label for 1 models"),
+    (["--hf-model", "{export}", "--iteration", "3"], "--iteration applies to --load CKPT only"),
+    (["--load", "{tp1}", "--iteration", "99"], "99"),
+])
+def test_model_selection_errors_are_one_line_before_any_work(runs, trained_checkpoints,
+                                                            extra, expected):
+    paths = dict(tp1=trained_checkpoints["tp1"], tp2=trained_checkpoints["tp2"],
+                 export=runs["export"])
+    argv = [a.format(**paths) for a in extra]
+    proc = tool([*argv, "--tasks", TASKS, "--include-path", runs["tasks"], "--no-cache",
+                 "--json", runs["root"] / "never.json"], runs["env"], check=False)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert expected in err, err
+    # refused before any task is evaluated or any report written
+    assert "evaluating" not in err and not (runs["root"] / "never.json").exists()
