@@ -1,6 +1,7 @@
 """Write a deterministic demo JSONL corpus of English docstrings from the Python stdlib.
 
     python tools/make_demo_corpus.py --output demo.jsonl --max-mb 4
+    python tools/make_demo_corpus.py --chat --output chat.jsonl   # conversations for --sft
 """
 
 import os
@@ -16,11 +17,13 @@ from megatron_jreg.data.demo_corpus import DemoCorpusConfig, write_demo_corpus  
 def main(argv=None) -> int:
     values = tool_values({None: DemoCorpusConfig}, argv, description=__doc__.splitlines()[0])
     try:
-        docs, nbytes = write_demo_corpus(DemoCorpusConfig(**values[None]))
+        config = DemoCorpusConfig(**values[None])
+        docs, nbytes = write_demo_corpus(config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {docs} documents ({nbytes / 1e6:.2f} MB) to {values[None]['output']}")
+    what = "conversations" if config.chat else "documents"
+    print(f"wrote {docs} {what} ({nbytes / 1e6:.2f} MB) to {config.output}")
     return 0
 
 

@@ -36,6 +36,7 @@ from megatron_jreg.checkpoint.manifest import verify_manifest, write_manifest
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
 RUN_CONFIG = "run_config.yaml"
+CHAT_TEMPLATE = "chat_template.jinja"  # an SFT run's chat template, for the HF export
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                      "chained_optim_avoid_prefix": True}
 
@@ -204,12 +205,13 @@ def nonfinite_anywhere(model_chunks) -> Optional[str]:
 
 
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
-                    run_config_yaml: str, train_state: Dict, run_id: str = "0") -> str:
+                    run_config_yaml: str, train_state: Dict, run_id: str = "0",
+                    extra_files: Optional[Dict[str, str]] = None) -> str:
     """Write iteration ``iteration`` under ``root``; collective over all ranks.
 
     ``run_id`` (the same on every rank) names the temporary directory and tracker file,
-    so no two runs share one. Raises CheckpointError, having written nothing, when any
-    parameter is non-finite."""
+    so no two runs share one. ``extra_files`` (name -> text) go beside the run config.
+    Raises CheckpointError, having written nothing, when any parameter is non-finite."""
     from megatron.core import dist_checkpointing
 
     bad = nonfinite_anywhere(model_chunks)
@@ -236,8 +238,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
     _barrier()
     if rank == 0:
-        with open(os.path.join(partial, RUN_CONFIG), "w") as f:
-            f.write(run_config_yaml)
+        for name, text in {RUN_CONFIG: run_config_yaml, **(extra_files or {})}.items():
+            with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
+                f.write(text)
     _barrier()
     write_manifest(partial)  # every rank hashes its share of the files
     if rank == 0:

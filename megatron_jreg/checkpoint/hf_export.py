@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.model_loader import (
     build_run_tokenizer,
     checkpoint_iterations,
@@ -171,10 +172,13 @@ def _sentencepiece_tokenizer(model_file: str, out_dir: str):
     return LlamaTokenizer.from_pretrained(out_dir, add_bos_token=False, add_eos_token=False)
 
 
-def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = None) -> List[str]:
+def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = None,
+                     chat_template: Optional[str] = None) -> List[str]:
     """Write the run's tokenizer into ``out_dir`` in HF form; returns warnings to print.
 
-    The exported tokenizer is checked to give the trainer's ids on a sample text.
+    The exported tokenizer is checked to give the trainer's ids on a sample text. An SFT
+    run's ``chat_template`` goes into ``tokenizer_config.json``, so ``apply_chat_template``
+    renders conversations as the model was fine-tuned on them.
     """
     data = configs["data"]
     run_tokenizer = build_run_tokenizer(configs, tokenizer_model)
@@ -191,7 +195,13 @@ def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = Non
         )
         eos = run_tokenizer._tok.id_to_token(run_tokenizer.eod)
         hf = PreTrainedTokenizerFast(tokenizer_file=json_path, eos_token=eos)
-    hf.save_pretrained(out_dir)
+    if chat_template:
+        hf.chat_template = chat_template
+        # in tokenizer_config.json, where every transformers version reads it (recent ones
+        # would write a separate chat_template.jinja that older ones ignore)
+        hf.save_pretrained(out_dir, save_jinja_files=False)
+    else:
+        hf.save_pretrained(out_dir)
     sample = "Hello world: héllo 123.\nThe end."
     got = list(hf(sample, add_special_tokens=True)["input_ids"])
     want = list(run_tokenizer.encode(sample))
@@ -260,7 +270,12 @@ def convert(
     warnings: List[str] = []
     try:
         if not skip_tokenizer:
-            warnings += export_tokenizer(loaded.configs, tmp, tokenizer_model)
+            template_file = os.path.join(loaded.path, ckpt.CHAT_TEMPLATE)
+            template = None
+            if os.path.exists(template_file):
+                with open(template_file, encoding="utf-8") as f:
+                    template = f.read()
+            warnings += export_tokenizer(loaded.configs, tmp, tokenizer_model, template)
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(tmp)

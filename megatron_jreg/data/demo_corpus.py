@@ -1,15 +1,22 @@
-"""A demo JSONL corpus of real English text, harvested offline from the Python stdlib.
+"""Demo JSONL data made offline: English text from the Python stdlib, and chat conversations.
 
 Docstrings of stdlib modules, classes and functions are read with ``ast`` (never imported:
 some stdlib modules act on import, e.g. ``antigravity`` opens a browser), walked in sorted
 path order and deduplicated, so the corpus is identical for a given Python version.
+
+With ``chat`` the file holds generated conversations instead (``{"messages": [...]}``, the
+input of ``preprocess_data.py --sft``): small tasks with checkable answers (arithmetic,
+spelling, counting, a few facts), an optional system message and 1-3 user/assistant turns,
+drawn from a seeded generator, so the file is the same on every machine.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
+import random
 import sysconfig
 import tokenize
 from dataclasses import dataclass, field
@@ -25,15 +32,19 @@ class DemoCorpusConfig:
     """What to harvest and where to write it."""
 
     output: str
-    """The JSONL file to write, one ``{"text": ..., "source": ...}`` object per line."""
+    """The JSONL file to write, one ``{"text": ..., "source": ...}`` object per line
+    (``{"messages": [...], "source": ...}`` with --chat)."""
     max_docs: int | None = None
-    """Stop after this many documents (None: no limit)."""
+    """Stop after this many documents (None: no limit; 500 conversations with --chat)."""
     max_mb: float | None = None
     """Stop once this many MB of text are written (None: no limit)."""
     min_chars: int = 200
     """Shorter docstrings are dropped: one-liners teach a tokenizer little."""
     stdlib_dir: str | None = field(default=None, metadata={"cli": False})
     """The stdlib to walk; None means this interpreter's."""
+    chat: bool = False
+    """Write generated chat conversations ({"messages": [...]}, 500 unless --max-docs says
+    otherwise) for preprocess_data.py --sft, instead of docstrings."""
 
     def __post_init__(self) -> None:
         if self.max_docs is not None and self.max_docs < 1:
@@ -98,6 +109,112 @@ def iter_demo_documents(config: DemoCorpusConfig) -> Iterator[dict[str, str]]:
             yield {"text": text, "source": source}
 
 
+# -- chat conversations ------------------------------------------------------------------------
+DEMO_CHATS = 500
+# Byte-tokenizer tokens a conversation may take in the tulu template: the tiny SFT run
+# trains at 256 positions, so no demo conversation is cut.
+CHAT_BUDGET = 256
+_TULU_OVERHEAD = {"system": 12, "user": 10, "assistant": 16}  # header, newline, EOS
+
+_SYSTEMS = ("You are a helpful assistant.", "Answer briefly.", "You are a friendly tutor.",
+            "Give short, exact answers.")
+_WORDS = ("apple", "river", "garden", "pencil", "window", "orange", "rabbit", "planet",
+          "silver", "candle", "forest", "market", "bridge", "yellow", "summer", "winter",
+          "letter", "number", "castle", "dragon", "basket", "pocket", "mirror", "ladder")
+_OPPOSITES = {"hot": "cold", "up": "down", "big": "small", "fast": "slow", "early": "late",
+              "open": "closed", "light": "dark", "happy": "sad", "full": "empty", "old": "new"}
+_SOUNDS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "sheep": "baa",
+           "owl": "hoo", "horse": "neigh", "frog": "ribbit"}
+_COLOURS = {"the sky": "blue", "grass": "green", "snow": "white", "a banana": "yellow",
+            "coal": "black", "a tomato": "red", "an orange": "orange", "a plum": "purple"}
+_GREETINGS = ("Hello!", "Hi there.", "Good morning!", "Hey, are you there?")
+
+
+def _arithmetic(rng: random.Random) -> tuple[str, str, int]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    op = rng.choice("+-x")
+    if op == "+":
+        return f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", a + b
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+        return f"What is {a} - {b}?", f"{a} - {b} = {a - b}.", a - b
+    a, b = a % 12 + 1, b % 12 + 1
+    return f"What is {a} times {b}?", f"{a} times {b} is {a * b}.", a * b
+
+
+def _word_task(rng: random.Random) -> tuple[str, str]:
+    w = rng.choice(_WORDS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return f"Spell '{w}' backwards.", f"'{w}' backwards is '{w[::-1]}'."
+    if kind == 1:
+        return f"How many letters are in '{w}'?", f"'{w}' has {len(w)} letters."
+    if kind == 2:
+        return f"Write '{w}' in capital letters.", w.upper()
+    return f"What is the first letter of '{w}'?", f"The first letter of '{w}' is '{w[0]}'."
+
+
+def _fact(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(3)
+    if kind == 0:
+        animal = rng.choice(sorted(_SOUNDS))
+        return f"What sound does a {animal} make?", f"A {animal} says {_SOUNDS[animal]}."
+    if kind == 1:
+        thing = rng.choice(sorted(_COLOURS))
+        return f"What colour is {thing}?", f"{thing[0].upper()}{thing[1:]} is {_COLOURS[thing]}."
+    word = rng.choice(sorted(_OPPOSITES))
+    return f"What is the opposite of '{word}'?", f"The opposite of '{word}' is '{_OPPOSITES[word]}'."
+
+
+def _counting(rng: random.Random) -> tuple[str, str]:
+    a = rng.randint(1, 40)
+    if rng.random() < 0.5:
+        return f"What number comes after {a}?", f"{a + 1} comes after {a}."
+    b = a + rng.randint(2, 5)
+    return f"Count from {a} to {b}.", ", ".join(str(n) for n in range(a, b + 1)) + "."
+
+
+def _turns(rng: random.Random) -> Iterator[tuple[str, str]]:
+    """(user, assistant) pairs of one conversation; follow-ups may use the last answer."""
+    result = None
+    while True:
+        kind = rng.randrange(6)
+        if kind == 0 and result is not None:
+            c = rng.randint(1, 20)
+            yield f"And if you add {c} to that?", f"{result} + {c} = {result + c}."
+            result += c
+            continue
+        if kind == 1 and result is None:
+            yield rng.choice(_GREETINGS), "Hello! How can I help you today?"
+            continue
+        result = None
+        if kind <= 2:
+            user, answer, result = _arithmetic(rng)
+            yield user, answer
+        else:
+            yield (_word_task, _fact, _counting)[kind - 3](rng)
+
+
+def iter_demo_chats(seed: int = 1234) -> Iterator[dict]:
+    """Endless conversations ``{"messages", "task"}`` in a fixed order for ``seed``."""
+    rng = random.Random(seed)
+    for i in itertools.count():
+        messages = []
+        if rng.random() < 0.3:
+            messages.append({"role": "system", "content": rng.choice(_SYSTEMS)})
+        used = sum(_TULU_OVERHEAD[m["role"]] + len(m["content"]) for m in messages)
+        for user, answer in _turns(rng):
+            cost = _TULU_OVERHEAD["user"] + _TULU_OVERHEAD["assistant"] + len(user) + len(answer)
+            if used + cost > CHAT_BUDGET:
+                break
+            messages += [{"role": "user", "content": user},
+                         {"role": "assistant", "content": answer}]
+            used += cost
+            if len(messages) >= 6 or rng.random() < 0.45:  # 1-3 turns
+                break
+        yield {"messages": messages, "source": f"demo-chat-{i}"}
+
+
 def write_demo_corpus(config: DemoCorpusConfig) -> tuple[int, int]:
     """Write the corpus; returns (documents, bytes). Writes a temp file, then renames."""
     out_dir = os.path.dirname(os.path.abspath(config.output))
@@ -110,8 +227,9 @@ def write_demo_corpus(config: DemoCorpusConfig) -> tuple[int, int]:
     docs = written = 0
     try:
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            for doc in iter_demo_documents(config):
-                if config.max_docs is not None and docs >= config.max_docs:
+            limit = config.max_docs or (DEMO_CHATS if config.chat else None)
+            for doc in iter_demo_chats() if config.chat else iter_demo_documents(config):
+                if limit is not None and docs >= limit:
                     break
                 if max_bytes is not None and written >= max_bytes:
                     break

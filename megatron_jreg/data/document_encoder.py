@@ -58,6 +58,10 @@ class EncoderSpec:
     split_sentences: bool = False
     keep_newlines: bool = False
 
+    def build(self) -> "DocumentEncoder":
+        """The encoder a worker runs (``SFTSpec.build`` gives the chat one)."""
+        return DocumentEncoder(self)
+
 
 @dataclass
 class EncodedKey:
@@ -83,13 +87,43 @@ class EncodedChunk:
     """Reason -> first chunk-relative line (0-based) skipped for it, for the log."""
     error: tuple[int, str] | None = None
     """(chunk-relative 0-based line, message) of the first bad line without --skip-invalid."""
+    counts: Counter = field(default_factory=Counter)
+    """Totals of one kind of data (SFT: truncated conversations, loss-masked tokens)."""
 
 
-class _BadLine(Exception):
+class BadLine(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+
+
+def split_lines(payload: bytes) -> list[str | BadLine]:
+    """Decoded lines; a line that is not UTF-8 becomes a BadLine in its place."""
+    try:
+        lines: list = payload.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        lines = []
+        for raw in payload.split(b"\n"):
+            try:
+                lines.append(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                lines.append(BadLine(INVALID_UTF8, (
+                    f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
+                    f"of the line)")))
+    if payload.endswith(b"\n"):
+        lines.pop()  # the empty string after the final newline is not a line
+    return lines
+
+
+def surrogate_error(value: str, where: str) -> BadLine | None:
+    """The problem of a string holding a lone surrogate (no UTF-8 form), or None."""
+    surrogate = None if value.isascii() else _SURROGATE.search(value)
+    if surrogate is None:
+        return None
+    return BadLine(LONE_SURROGATE, (
+        f"lone surrogate \\u{ord(surrogate.group()):04x} at character "
+        f"{surrogate.start() + 1} of {where} (a JSON escape that is not valid Unicode)"))
 
 
 class _Unencodable(Exception):
@@ -149,76 +183,57 @@ class DocumentEncoder:
         self.spec = spec
         self.tokenizer = build_tokenizer(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size)
         self.dtype = token_dtype(self.tokenizer.vocab_size)
+        self.dtypes = [self.dtype] * len(spec.json_keys)  # one dataset per key
         self._splitter = _SentenceSplitter(spec.keep_newlines) if spec.split_sentences else None
 
     # -- parsing ---------------------------------------------------------------------------
-    def _lines(self, payload: bytes) -> list[str | _BadLine]:
-        """Decoded lines; a line that is not UTF-8 becomes a _BadLine in its place."""
-        try:
-            lines: list = payload.decode("utf-8").split("\n")
-        except UnicodeDecodeError:
-            lines = []
-            for raw in payload.split(b"\n"):
-                try:
-                    lines.append(raw.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    lines.append(_BadLine(INVALID_UTF8, (
-                        f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
-                        f"of the line)")))
-        if payload.endswith(b"\n"):
-            lines.pop()  # the empty string after the final newline is not a line
-        return lines
-
     def _texts_from_record(self, record) -> list[str]:
         if not isinstance(record, dict):
-            raise _BadLine(NOT_AN_OBJECT, f"expected a JSON object, got {type(record).__name__}")
+            raise BadLine(NOT_AN_OBJECT, f"expected a JSON object, got {type(record).__name__}")
         texts = []
         for key in self.spec.json_keys:
             if key not in record:
                 present = ", ".join(list(record)[:8]) or "none"
-                raise _BadLine(MISSING_KEY, f"missing key {key!r} (keys present: {present})")
+                raise BadLine(MISSING_KEY, f"missing key {key!r} (keys present: {present})")
             value = record[key]
             if not isinstance(value, str):
-                raise _BadLine(
+                raise BadLine(
                     NON_STRING, f"value of {key!r} is {type(value).__name__}, expected a string"
                 )
             if not value.strip():
-                raise _BadLine(EMPTY_DOCUMENT, f"empty document in {key!r}")
-            surrogate = None if value.isascii() else _SURROGATE.search(value)
-            if surrogate is not None:
-                raise _BadLine(LONE_SURROGATE, (
-                    f"lone surrogate \\u{ord(surrogate.group()):04x} at character "
-                    f"{surrogate.start() + 1} of {key!r} (a JSON escape that is not valid "
-                    f"Unicode)"))
+                raise BadLine(EMPTY_DOCUMENT, f"empty document in {key!r}")
+            bad = surrogate_error(value, repr(key))
+            if bad is not None:
+                raise bad
             texts.append(value)
         return texts
 
-    def _parse(self, chunk: Chunk, kind: str) -> list[tuple[int, list[str] | _BadLine]]:
+    def _parse(self, chunk: Chunk, kind: str) -> list[tuple[int, list[str] | BadLine]]:
         """(chunk-relative line, texts per key or the problem) for every non-blank line."""
         out = []
         if chunk.rows is not None:
             for i, row in enumerate(chunk.rows):
                 try:
                     out.append((i, self._texts_from_record(row)))
-                except _BadLine as bad:
+                except BadLine as bad:
                     out.append((i, bad))
             return out
-        for i, line in enumerate(self._lines(chunk.lines)):
-            if isinstance(line, _BadLine):
+        for i, line in enumerate(split_lines(chunk.lines)):
+            if isinstance(line, BadLine):
                 out.append((i, line))
             elif kind == "text":
                 text = line.removesuffix("\r")
-                out.append((i, [text] if text.strip() else _BadLine(
+                out.append((i, [text] if text.strip() else BadLine(
                     EMPTY_DOCUMENT, "empty document (a blank line)")))
             elif line.strip():  # blank lines between JSON records are not documents
                 try:
                     record = json.loads(line)
                 except ValueError as e:
-                    out.append((i, _BadLine(MALFORMED_JSON, f"malformed JSON ({e})")))
+                    out.append((i, BadLine(MALFORMED_JSON, f"malformed JSON ({e})")))
                     continue
                 try:
                     out.append((i, self._texts_from_record(record)))
-                except _BadLine as bad:
+                except BadLine as bad:
                     out.append((i, bad))
         return out
 
@@ -274,7 +289,7 @@ class DocumentEncoder:
         good_lines: list[int] = []
         first_bad: tuple[int, str] | None = None
         for line, item in self._parse(chunk, kind):
-            if isinstance(item, _BadLine):
+            if isinstance(item, BadLine):
                 if not self.spec.skip_invalid:
                     # Documents before it are still encoded: one the tokenizer rejects comes
                     # earlier, and the earliest bad line is the one to report.
@@ -295,7 +310,7 @@ class DocumentEncoder:
                     result.error = (good_lines[doc], detail)  # before first_bad, by construction
                     return result
                 for doc, detail in bad.failures:
-                    self._skip(result, good_lines[doc], _BadLine(UNENCODABLE, detail))
+                    self._skip(result, good_lines[doc], BadLine(UNENCODABLE, detail))
                 for doc, _ in reversed(bad.failures):  # from the end: indices stay valid
                     del good[doc], good_lines[doc]
         errors = [] if first_bad is None else [first_bad]
@@ -315,16 +330,16 @@ class DocumentEncoder:
         return result
 
     @staticmethod
-    def _skip(result: EncodedChunk, line: int, bad: _BadLine) -> None:
+    def _skip(result: EncodedChunk, line: int, bad: BadLine) -> None:
         result.skipped[bad.reason] += 1
         result.first_skipped.setdefault(bad.reason, line)
 
 
 # -- multiprocessing entry points ------------------------------------------------------------
-_ENCODER: DocumentEncoder | None = None
+_ENCODER = None  # a DocumentEncoder, or sft_encoder.SFTEncoder
 
 
-def init_worker(spec: EncoderSpec, parent_pid: int) -> None:
+def init_worker(spec, parent_pid: int) -> None:
     """Pool initializer: build the tokenizer once per worker process.
 
     ``parent_pid`` is the process that owns the pool: the worker dies with it.
@@ -336,7 +351,7 @@ def init_worker(spec: EncoderSpec, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # One thread per worker: parallelism comes from the worker count.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _ENCODER = DocumentEncoder(spec)
+    _ENCODER = spec.build()
 
 
 def encode_chunk_in_worker(chunk: Chunk) -> EncodedChunk:

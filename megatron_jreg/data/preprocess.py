@@ -23,11 +23,7 @@ import warnings
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
-from megatron_jreg.data.document_encoder import (
-    DocumentEncoder,
-    encode_chunk_in_worker,
-    init_worker,
-)
+from megatron_jreg.data.document_encoder import encode_chunk_in_worker, init_worker
 from megatron_jreg.data.parent_death import die_with_parent
 from megatron_jreg.data.preprocess_config import (
     _NO_ROOM,
@@ -40,6 +36,8 @@ from megatron_jreg.data.preprocess_config import (
     config_from_args,
 )
 from megatron_jreg.data.progress import Progress, RunStats
+from megatron_jreg.data.sft import metadata_path, write_metadata
+from megatron_jreg.data.sft_encoder import sft_metadata
 from megatron_jreg.data.text_sources import (
     Segment,
     iter_chunks,
@@ -65,13 +63,18 @@ def _check_outputs(config: PreprocessConfig) -> None:
         raise PreprocessError(f"--output-prefix: directory {out_dir!r} is not writable")
     if config.overwrite:
         return
-    for prefix in config.output_prefixes():
-        for path in (prefix + ".bin", prefix + ".idx"):
-            if os.path.exists(path):
-                raise PreprocessError(
-                    f"{path} already exists; pass --overwrite to replace it or choose another "
-                    f"--output-prefix"
-                )
+    for path in config.output_paths():
+        if os.path.exists(path):
+            raise PreprocessError(
+                f"{path} already exists; pass --overwrite to replace it or choose another "
+                f"--output-prefix"
+            )
+
+
+def _drop_stale_metadata(config: PreprocessConfig) -> None:
+    """An SFT run's old metadata goes before its new datasets land: it would vouch for them."""
+    if config.sft and os.path.exists(metadata_path(config.output_prefixes()[0])):
+        os.unlink(metadata_path(config.output_prefixes()[0]))
 
 
 def _no_room_error(e: OSError, config: PreprocessConfig) -> PreprocessError | None:
@@ -108,20 +111,20 @@ def _import_writer():
 def _encode_stream(
     segments: list[Segment],
     config: PreprocessConfig,
+    spec,
     prefixes: list[str],
-    dtype,
+    dtypes: list,
     workers: int,
     progress: Progress,
-    refuse_empty: bool = True,
+    final: bool = True,
 ) -> RunStats:
-    """Tokenise ``segments`` in order into committed datasets at ``prefixes``.
+    """Tokenise ``segments`` in order into committed datasets at ``prefixes`` (one dtype each).
 
-    ``refuse_empty`` False leaves the no-documents check to the caller (a partition may be
-    empty when the whole input is not).
+    ``final`` False (a partition's partial datasets) leaves the no-documents check and stale
+    metadata to the caller (a partition may be empty when the whole input is not).
     """
     stats = RunStats()
     outputs = []
-    spec = config.encoder_spec()
     pending: deque = deque()
     window = max(2, 4 * workers)
 
@@ -135,7 +138,7 @@ def _encode_stream(
             )
         if not outputs:  # first result: workers are busy while megatron-core imports
             writer = _import_writer()
-            outputs.extend(writer.IndexedDatasetOutput(p, dtype) for p in prefixes)
+            outputs.extend(writer.IndexedDatasetOutput(p, d) for p, d in zip(prefixes, dtypes))
         for output, encoded in zip(outputs, result.keys):
             output.builder.add_encoded(
                 encoded.tokens, encoded.sequence_lengths, encoded.sequences_per_document
@@ -144,6 +147,7 @@ def _encode_stream(
         stats.tokens += result.tokens
         stats.bytes += num_bytes
         stats.skipped.update(result.skipped)
+        stats.counts.update(result.counts)
         for reason, line in result.first_skipped.items():
             stats.first_skipped.setdefault(reason, f"{path}:{first_line + line}")
         progress.update(stats, result.documents)
@@ -156,7 +160,7 @@ def _encode_stream(
     try:
         try:
             for segment in segments:
-                for chunk in iter_chunks(segment, config.chunk_bytes, config.json_keys):
+                for chunk in iter_chunks(segment, config.chunk_bytes, config.read_keys):
                     future = executor.submit(encode_chunk_in_worker, chunk)
                     pending.append((segment.path, chunk.first_line, chunk.num_bytes, future))
                     if len(pending) >= window:
@@ -166,11 +170,12 @@ def _encode_stream(
         finally:
             # On failure only the few chunks already running finish; queued ones are dropped.
             executor.shutdown(wait=True, cancel_futures=True)
-        if refuse_empty:
+        if final:
             _refuse_empty(config, segments, stats)
+            _drop_stale_metadata(config)
         if not outputs:  # empty input (--allow-empty): still write valid, empty datasets
             writer = _import_writer()
-            outputs.extend(writer.IndexedDatasetOutput(p, dtype) for p in prefixes)
+            outputs.extend(writer.IndexedDatasetOutput(p, d) for p, d in zip(prefixes, dtypes))
         for output in outputs:
             output.commit()
     except BaseException:
@@ -180,15 +185,16 @@ def _encode_stream(
     return stats
 
 
-def _run_partition(index, segments, config, prefixes, dtype, workers, parent_pid, conn) -> None:
+def _run_partition(index, segments, config, spec, prefixes, dtypes, workers, parent_pid,
+                   conn) -> None:
     """Child process body: one partition into committed partial datasets; reports back."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         progress = Progress(config.log_interval, stream=_NotATty(sys.stderr),
                             label=f"[partition {index}] ")
-        stats = _encode_stream(segments, config, prefixes, dtype, workers, progress,
-                               refuse_empty=False)
+        stats = _encode_stream(segments, config, spec, prefixes, dtypes, workers, progress,
+                               final=False)
         conn.send(("ok", stats))
     except (PreprocessError, InputError) as e:
         conn.send(("error", str(e)))
@@ -221,7 +227,7 @@ class _NotATty:
         self._stream.flush()
 
 
-def _encode_partitioned(config, segments, dtype, progress) -> RunStats:
+def _encode_partitioned(config, spec, segments, dtypes, progress) -> RunStats:
     groups = split_into_partitions(segments, config.partitions)
     writer = _import_writer()  # once here, not once per forked partition
     workers = max(1, config.workers // len(groups))
@@ -231,13 +237,11 @@ def _encode_partitioned(config, segments, dtype, progress) -> RunStats:
     procs = []
     try:
         for i, group in enumerate(groups):
-            part_prefixes = [
-                os.path.join(tmp_dir, f"part{i:04d}_{key}") for key in config.json_keys
-            ]
+            part_prefixes = [os.path.join(tmp_dir, f"part{i:04d}_{k}") for k in range(len(dtypes))]
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_run_partition,
-                args=(i, group, config, part_prefixes, dtype, workers, os.getpid(), send),
+                args=(i, group, config, spec, part_prefixes, dtypes, workers, os.getpid(), send),
             )
             proc.start()
             send.close()
@@ -262,8 +266,9 @@ def _encode_partitioned(config, segments, dtype, progress) -> RunStats:
             raise RuntimeError(failure[1])
         progress.update(stats, stats.documents)
         _refuse_empty(config, segments, stats)
+        _drop_stale_metadata(config)
         for k, prefix in enumerate(config.output_prefixes()):
-            output = writer.IndexedDatasetOutput(prefix, dtype)
+            output = writer.IndexedDatasetOutput(prefix, dtypes[k])
             try:
                 for _, _, part_prefixes in procs:
                     output.builder.add_index(part_prefixes[k])
@@ -288,20 +293,22 @@ def run_preprocess(config: PreprocessConfig) -> RunStats:
     except InputError as e:
         raise PreprocessError(str(e)) from None
     try:
-        # Built here too (not only in workers) so a bad tokenizer or missing nltk fails once,
-        # clearly, instead of in every worker.
-        encoder = DocumentEncoder(config.encoder_spec())
+        # Built here too (not only in workers) so a bad tokenizer, chat template or missing
+        # nltk fails once, clearly, instead of in every worker.
+        spec = config.encoder_spec()
+        encoder = spec.build()
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         raise PreprocessError(str(e)) from None
     _check_outputs(config)
     progress = Progress(config.log_interval)
     try:
         if config.partitions > 1:
-            stats = _encode_partitioned(config, segments, encoder.dtype, progress)
+            stats = _encode_partitioned(config, spec, segments, encoder.dtypes, progress)
         else:
-            stats = _encode_stream(
-                segments, config, config.output_prefixes(), encoder.dtype, config.workers, progress
-            )
+            stats = _encode_stream(segments, config, spec, config.output_prefixes(),
+                                   encoder.dtypes, config.workers, progress)
+        if config.sft:
+            write_metadata(config.output_prefixes()[0], sft_metadata(spec, encoder, stats))
     except InputError as e:
         raise PreprocessError(str(e)) from None
     except OSError as e:
@@ -343,4 +350,6 @@ def main(argv: list[str] | None = None) -> int:
     print(stats.summary())
     for prefix in config.output_prefixes():
         print(f"wrote {prefix}.bin and {prefix}.idx")
+    if config.sft:
+        print(f"wrote {metadata_path(config.output_prefixes()[0])}")
     return 0

@@ -7,7 +7,10 @@ import errno
 from dataclasses import dataclass, field
 
 from megatron_jreg.cli import tool_parser, tool_values
+from megatron_jreg.data.chat_template import resolve_chat_template
 from megatron_jreg.data.document_encoder import EncoderSpec
+from megatron_jreg.data.sft import metadata_path, sft_prefixes
+from megatron_jreg.data.sft_encoder import OVERLONG_CHOICES, SFTSpec
 from megatron_jreg.data.text_sources import INPUT_FORMATS
 from megatron_jreg.data.tokenizers import TOKENIZER_TYPES
 from megatron_jreg.errors import InputError
@@ -64,6 +67,19 @@ class PreprocessConfig:
     allow_empty: bool = field(default=False, metadata={"group": "output"})
     """Write an empty dataset when the input holds no documents, instead of refusing with
     exit status 2 (an empty dataset cannot be trained on)."""
+    sft: bool = field(default=False, metadata={"group": "sft"})
+    """Chat data for supervised fine-tuning: JSONL lines {"messages": [{"role", "content"},
+    ...]} become <output_prefix>_sft_document (tokens), ..._loss_mask (1 on assistant
+    content and its end-of-turn token) and a .json of metadata."""
+    chat_template: str = field(default="auto", metadata={"group": "sft", "metavar": "TEMPLATE"})
+    """With --sft: auto (the tokenizer's own chat_template, else tulu), tulu, tokenizer, or
+    a .jinja file."""
+    max_seq_length: int | None = field(default=None, metadata={"group": "sft"})
+    """With --sft: conversations longer than this many tokens are skipped or truncated
+    (--overlong); none by default."""
+    overlong: str = field(default="skip", metadata={"group": "sft", "choices": OVERLONG_CHOICES})
+    """With --sft: skip a conversation over --max-seq-length (counted), or truncate it (a
+    truncated answer teaches answers that stop without an end)."""
     log_interval: int = field(default=10000, metadata={"group": "runtime"})
     """Documents between progress log lines (when not on a terminal)."""
     chunk_bytes: int = field(default=1 << 18, metadata={"group": "runtime"})
@@ -88,15 +104,64 @@ class PreprocessConfig:
             raise PreprocessError("--input-format text has one document per line; drop --json-keys")
         if self.keep_newlines and not self.split_sentences:
             raise PreprocessError("--keep-newlines only applies with --split-sentences")
+        if self.sft:
+            self._check_sft()
+        else:
+            for flag, value, default in (("--chat-template", self.chat_template, "auto"),
+                                         ("--max-seq-length", self.max_seq_length, None),
+                                         ("--overlong", self.overlong, "skip")):
+                if value != default:
+                    raise PreprocessError(f"{flag} only applies with --sft")
+
+    def _check_sft(self) -> None:
+        for flag, on in (("--append-eod", self.append_eod),
+                         ("--split-sentences", self.split_sentences),
+                         ("--input-format text", self.input_format == "text"),
+                         ("--json-keys", self.json_keys != ["text"])):
+            if on:
+                raise PreprocessError(
+                    f"{flag} does not apply with --sft (each line is one conversation under "
+                    f"'messages', and the chat template ends turns with the EOS); drop it")
+        if self.max_seq_length is not None and self.max_seq_length < 1:
+            raise PreprocessError(f"--max-seq-length must be at least 1, got {self.max_seq_length}")
+        if self.overlong not in OVERLONG_CHOICES:
+            raise PreprocessError(f"--overlong must be one of {OVERLONG_CHOICES}")
 
     @property
     def level(self) -> str:
         return "sentence" if self.split_sentences else "document"
 
     def output_prefixes(self) -> list[str]:
+        if self.sft:
+            return sft_prefixes(self.output_prefix)
         return [f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys]
 
-    def encoder_spec(self) -> EncoderSpec:
+    def output_paths(self) -> list[str]:
+        """Every file a run writes (an SFT run adds its metadata)."""
+        prefixes = self.output_prefixes()
+        paths = [prefix + ext for prefix in prefixes for ext in (".bin", ".idx")]
+        return paths + ([metadata_path(prefixes[0])] if self.sft else [])
+
+    @property
+    def read_keys(self) -> list[str]:
+        """The JSON keys (Parquet columns) read from each record."""
+        return ["messages"] if self.sft else list(self.json_keys)
+
+    def encoder_spec(self) -> EncoderSpec | SFTSpec:
+        """What workers need; for --sft the chat template is read here, once (InputError)."""
+        if self.sft:
+            name, template = resolve_chat_template(
+                self.chat_template, self.tokenizer_type, self.tokenizer_model)
+            return SFTSpec(
+                tokenizer_type=self.tokenizer_type,
+                tokenizer_model=self.tokenizer_model,
+                vocab_size=self.vocab_size,
+                template_name=name,
+                template=template,
+                skip_invalid=self.skip_invalid,
+                max_seq_length=self.max_seq_length,
+                overlong=self.overlong,
+            )
         return EncoderSpec(
             tokenizer_type=self.tokenizer_type,
             tokenizer_model=self.tokenizer_model,
@@ -109,7 +174,8 @@ class PreprocessConfig:
         )
 
 
-DESCRIPTION = "Tokenise raw text into megatron-core .bin/.idx datasets."
+DESCRIPTION = ("Tokenise raw text into megatron-core .bin/.idx datasets; with --sft, chat "
+               "conversations into tokens and a loss mask.")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,8 @@ class RunStats:
     skipped: Counter = field(default_factory=Counter)
     first_skipped: dict[str, str] = field(default_factory=dict)
     """Reason -> ``file:line`` of its first skipped line."""
+    counts: Counter = field(default_factory=Counter)
+    """Totals of one kind of data (SFT: ``truncated``, ``loss_tokens``)."""
     seconds: float = 0.0
 
     def merge(self, other: "RunStats") -> None:
@@ -26,6 +28,7 @@ class RunStats:
         self.tokens += other.tokens
         self.bytes += other.bytes
         self.skipped.update(other.skipped)
+        self.counts.update(other.counts)
         for reason, where in other.first_skipped.items():
             self.first_skipped.setdefault(reason, where)
 
@@ -37,6 +40,9 @@ class RunStats:
             f"{self.bytes / 1e6 / max(self.seconds, 1e-9):.1f} MB/s), "
             f"skipped {sum(self.skipped.values())}"
         ]
+        if self.counts:
+            lines.append("  " + ", ".join(f"{key.replace('_', ' ')} {value}"
+                                          for key, value in sorted(self.counts.items())))
         for reason, count in sorted(self.skipped.items()):
             lines.append(f"  skipped {count} x {reason} (first at {self.first_skipped[reason]})")
         return "\n".join(lines)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
 from megatron_jreg.checkpoint.dist_checkpoint import (
     TRACKER,
+    complete_iterations,
     iteration_dir,
     load_checkpoint,
     resolve_iteration,
@@ -23,6 +24,18 @@ from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.training.experiment import ExperimentConfig
 
 
+# What must match to load another run's weights (resolved values, so a preset and its
+# explicit flags compare equal); the sequence length may change, RoPE has no weights.
+ARCHITECTURE = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                ("num_attention_heads", "--num-attention-heads"),
+                ("query_groups", "--num-query-groups"), ("ffn_size", "--ffn-hidden-size"),
+                ("rotary_base", "--rotary-base"), ("norm_epsilon", "--norm-epsilon"))
+
+
+def _holds_checkpoint(root: str) -> bool:
+    return os.path.exists(os.path.join(root, TRACKER)) or bool(complete_iterations(root))
+
+
 class Checkpointer:
     """Loads and saves the run described by ``experiment`` (whose config each save records)."""
 
@@ -31,6 +44,7 @@ class Checkpointer:
         self.cfg = experiment.checkpoint
         self.save_lock: Optional[SaveLock] = None
         self.run_id = "0"
+        self.extra_files: Dict[str, str] = {}  # written into every saved iteration
 
     def take_save_lock(self) -> None:
         """One writer per --save (rank 0 holds the lock for the job); every rank learns the
@@ -68,6 +82,20 @@ class Checkpointer:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return f"removed {len(stale)} unfinished save(s) of earlier runs: {', '.join(sorted(stale))}" if stale else None
 
+    def source(self) -> Optional[Tuple[str, Optional[int], bool, str]]:
+        """What setup loads: (directory, iteration or None, weights only, its flag), or None.
+
+        ``--load`` when it holds a checkpoint (a resumed run, also one that began from
+        --pretrained-checkpoint: a requeued fine-tuning job continues exactly); else
+        ``--pretrained-checkpoint``, weights only. ``--finetune`` without
+        ``--pretrained-checkpoint`` loads --load's weights only (Megatron-LM's meaning)."""
+        c = self.cfg
+        if c.load and (not c.pretrained_checkpoint or _holds_checkpoint(c.load)):
+            return c.load, c.ckpt_step, c.finetune and not c.pretrained_checkpoint, "--load"
+        if c.pretrained_checkpoint:
+            return c.pretrained_checkpoint, None, True, "--pretrained-checkpoint"
+        return None
+
     def resolve_padded_vocab(self) -> None:
         """Embedding rows: a resumed checkpoint's own (so a checkpoint padded otherwise, e.g.
         by an earlier version that multiplied by TP, still loads), else the vocabulary
@@ -75,15 +103,17 @@ class Checkpointer:
         m = self.experiment.model
         m.padded_vocab = None
         rows = m.padded_vocab_size()
-        if self.cfg.load:
-            path = iteration_dir(self.cfg.load, resolve_iteration(self.cfg.load, self.cfg.ckpt_step))
+        source = self.source()
+        if source:
+            root, step, _, flag = source
+            path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
             saved = saved_embedding_rows(path)
             tp = self.experiment.parallel.tensor_model_parallel_size
             if saved < m.vocab_size:
-                raise ValueError(f"--load {self.cfg.load}: the saved embedding has {saved} rows, "
+                raise ValueError(f"{flag} {root}: the saved embedding has {saved} rows, "
                                  f"fewer than the tokenizer's {m.vocab_size}; wrong tokenizer or checkpoint")
             if saved % tp:
-                raise ValueError(f"--load {self.cfg.load}: the saved embedding has {saved} rows, "
+                raise ValueError(f"{flag} {root}: the saved embedding has {saved} rows, "
                                  f"not divisible by --tensor-model-parallel-size {tp}; pick a TP that "
                                  "divides it")
             if saved != rows:
@@ -93,15 +123,18 @@ class Checkpointer:
         m.padded_vocab = rows
 
     def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, int]]:
-        """Restore --load into the model (and optimizer and schedule unless
-        --no-load-optim). Returns (iteration, consumed samples) to continue from, or None
-        when only weights were loaded."""
-        load_optim = not self.cfg.no_load_optim
+        """Restore :meth:`source` into the model (and optimizer and schedule unless
+        --no-load-optim or fine-tuning). Returns (iteration, consumed samples) to continue
+        from, or None when only weights were loaded (the run starts at iteration 0)."""
+        root, step, weights_only, flag = self.source()
+        if weights_only:
+            self._check_architecture(root, step, flag)
+        load_optim = not (self.cfg.no_load_optim or weights_only)
         o = self.experiment.optim
         mode = o.scheduler_mode()
         g = self.experiment.training.global_batch_size
         iteration, state = load_checkpoint(
-            self.cfg.load, self.cfg.ckpt_step, model,
+            root, step, model,
             optimizer if load_optim else None, scheduler if load_optim else None,
             verify=not self.cfg.no_verify_checkpoint, scheduler_mode=mode,
             samples_per_iter=g, load_rng=not self.cfg.no_load_rng)
@@ -116,9 +149,27 @@ class Checkpointer:
                 if sch.wsd_decay_steps:
                     o.lr_wsd_decay_iters = sch.wsd_decay_steps // g
                     o.lr_wsd_decay_style = sch.lr_wsd_decay_style
-        print_rank_0(f"loaded checkpoint {self.cfg.load} iteration {iteration}"
-                     + ("" if load_optim else " (weights only)"))
+        if weights_only:
+            print_rank_0(f"fine-tuning from {flag} {root} iteration {iteration}: weights only; "
+                         "iteration 0 with a fresh optimizer, schedule and random state")
+        else:
+            print_rank_0(f"loaded checkpoint {root} iteration {iteration}"
+                         + ("" if load_optim else " (weights only)"))
         return resumed
+
+    def _check_architecture(self, root: str, step: Optional[int], flag: str) -> None:
+        """Weights from another run must fit this model: one line naming what differs."""
+        from megatron_jreg.checkpoint.model_loader import read_run_configs
+
+        path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
+        saved = read_run_configs(path)["model"]
+        mine = self.experiment.model
+        differ = [f"{flag_name} {getattr(saved, attr)} (this run: {getattr(mine, attr)})"
+                  for attr, flag_name in ARCHITECTURE
+                  if getattr(saved, attr) != getattr(mine, attr)]
+        if differ:
+            raise ValueError(f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; "
+                             "pass the pretraining run's model flags (or its --model-preset)")
 
     def save(self, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> None:
         if not self.cfg.save:
@@ -126,7 +177,7 @@ class Checkpointer:
         t0 = time.time()
         path = save_checkpoint(self.cfg.save, iteration, model, optimizer, scheduler,
                                self.experiment.to_yaml(), {"consumed_samples": consumed_samples},
-                               run_id=self.run_id)
+                               run_id=self.run_id, extra_files=self.extra_files)
         print_rank_0(f"saved checkpoint {path} in {time.time() - t0:.1f}s")
 
     def close(self) -> None:

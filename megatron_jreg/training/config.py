@@ -79,6 +79,9 @@ class TrainingConfig:
         "penalty or gradient norm is NaN/inf (--no-exit-on-nan skips such steps: no update)"))
     exit_interval: Optional[int] = field(default=None, metadata=_flag(
         "--exit-interval", "save and exit after this many steps (for tests and preemption drills)"))
+    calculate_per_token_loss: bool = field(default=False, metadata=_flag(
+        "--calculate-per-token-loss", "average the LM loss over the loss-masked tokens of the "
+        "whole global batch (default: the mean of each micro-batch's token mean); on with --sft"))
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
@@ -104,6 +107,9 @@ class DataConfig:
         "--tokenizer-type", "SentencePieceTokenizer, HuggingFaceTokenizer or ByteTokenizer"))
     tokenizer_model: Optional[str] = field(default=None, metadata=_flag(
         "--tokenizer-model", "tokenizer file or directory"))
+    sft: bool = field(default=False, metadata=_flag(
+        "--sft", "supervised fine-tuning on chat data from preprocess_data.py --sft: one "
+        "conversation per sample, padded, loss on assistant tokens only"))
 
     def __post_init__(self):
         if not self.data_path:
@@ -124,6 +130,12 @@ class CheckpointConfig:
         "--ckpt-step", "load this iteration instead of the latest"))
     no_load_optim: bool = field(default=False, metadata=_flag(
         "--no-load-optim", "load weights only (fresh optimizer and schedule)"))
+    finetune: bool = field(default=False, metadata=_flag(
+        "--finetune", "load weights only and start at iteration 0 with a fresh optimizer, "
+        "schedule and random state (from --pretrained-checkpoint when given, else --load)"))
+    pretrained_checkpoint: Optional[str] = field(default=None, metadata=_flag(
+        "--pretrained-checkpoint", "weights to start from when --load is unset or holds no "
+        "checkpoint yet (implies --finetune for them; any TP/PP layout)"))
     ckpt_format: str = field(default="torch_dist", metadata=_flag("--ckpt-format", "torch_dist"))
     no_load_rng: bool = field(default=False, metadata=_flag(
         "--no-load-rng", "on --load, do not restore the saved random state"))

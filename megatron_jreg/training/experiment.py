@@ -72,6 +72,10 @@ class ExperimentConfig:
     def data_prefixes(self) -> List[str]:
         return data_prefixes(self.data.data_path)
 
+    def per_token_loss(self) -> bool:
+        """The LM loss is the mean over the global batch's loss-masked tokens."""
+        return self.training.calculate_per_token_loss or self.data.sft
+
     def gpt_data_config(self) -> GPTDataConfig:
         """The datasets' config (its construction checks ``--split``)."""
         return GPTDataConfig(data_path=list(self.data.data_path), split=self.data.split,
@@ -92,13 +96,17 @@ class ExperimentConfig:
         if self.optim.lr_warmup_iters >= decay:
             raise ValueError(f"--lr-warmup-iters {self.optim.lr_warmup_iters} must be below the "
                              f"decay length {decay} (--lr-decay-iters, default --train-iters)")
-        if self.checkpoint.load and not os.path.isdir(self.checkpoint.load):
+        if (self.checkpoint.load and not self.checkpoint.pretrained_checkpoint
+                and not os.path.isdir(self.checkpoint.load)):
             raise ValueError(f"--load {self.checkpoint.load!r} does not exist")
         self._check_save_directory()
         if self.logging.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb-project needs wandb installed: pip install wandb "
                              "(or drop --wandb-project)")
+        self._check_finetune()
         self.gpt_data_config()
+        if self.data.sft:
+            self._check_sft_data()
         for prefix in self.data_prefixes():
             if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
                 raise ValueError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "
@@ -109,6 +117,30 @@ class ExperimentConfig:
             raise ValueError(
                 f"--vocab-size {vocab} is smaller than the tokenizer's "
                 f"{tokenizer_vocab_size}; drop --vocab-size to use the tokenizer's")
+
+    def _check_finetune(self) -> None:
+        c = self.checkpoint
+        if c.pretrained_checkpoint and not os.path.isdir(c.pretrained_checkpoint):
+            raise ValueError(f"--pretrained-checkpoint {c.pretrained_checkpoint!r} does not exist")
+        if c.finetune and not (c.load or c.pretrained_checkpoint):
+            raise ValueError("--finetune loads weights from --pretrained-checkpoint or --load; "
+                             "pass one of them")
+
+    def _check_sft_data(self) -> None:
+        """--sft reads chat datasets (token and loss-mask pairs), unweighted."""
+        from megatron_jreg.data.sft import SFTDataset
+
+        items = list(self.data.data_path)
+        if data_prefixes(items) != items:
+            raise ValueError("--sft takes dataset prefixes without weights (the conversations of "
+                             "all of them are used); drop the weights from --data-path")
+        for prefix in items:
+            dataset = SFTDataset(prefix)  # an InputError names the file and the fix
+            built_with = dataset.metadata.get("tokenizer_type")
+            if built_with and built_with != self.data.tokenizer_type:
+                raise ValueError(
+                    f"--data-path {prefix}: built with --tokenizer-type {built_with}, but this run "
+                    f"uses {self.data.tokenizer_type}; pass the same tokenizer")
 
     def _check_layout(self, world: int) -> None:
         """The model and the batch split over TP x PP x DP as launched."""

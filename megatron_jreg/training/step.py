@@ -6,6 +6,7 @@ from functools import partial
 from typing import Dict, Iterator, List, Optional
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_jreg.model.builder import causal_attention_mask
@@ -15,22 +16,41 @@ from megatron_jreg.model.jreg_layer import JregTracker
 # token_mask (bool, True = counted by JREG; default every token).
 
 
-def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """LM loss: mean token cross-entropy over the loss mask. output_tensor: [b, s]."""
+def _masked_mean_loss(per_token_scale: Optional[float], loss_mask: torch.Tensor,
+                      output_tensor: torch.Tensor):
+    """LM loss of one micro-batch; output_tensor: [b, s] token cross-entropies.
+
+    Default: the mean over the micro-batch's loss-masked tokens. With ``per_token_scale``
+    (micro-batches x DP ranks / loss-masked tokens of the global batch): the masked sum
+    times it, so that megatron's mean over micro-batches and DDP's mean over DP ranks give
+    the mean over every loss-masked token of the global batch."""
     losses = output_tensor.float()
     mask = loss_mask.float()
-    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    if per_token_scale is None:
+        loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    else:
+        loss = (losses * mask).sum() * per_token_scale
     return loss, {"lm loss": loss.clone().detach()}
 
 
-def _forward_step(tracker: Optional[JregTracker], data_iterator, model):
+def global_loss_tokens(batches: List[Dict[str, torch.Tensor]]) -> float:
+    """Loss-masked tokens in the global batch: this DP rank's micro-batches, summed over DP."""
+    count = torch.zeros(1, dtype=torch.float64, device=batches[0]["loss_mask"].device)
+    for batch in batches:
+        count += batch["loss_mask"].double().sum()
+    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
+    return float(count.item())
+
+
+def _forward_step(tracker: Optional[JregTracker], per_token_scale: Optional[float],
+                  data_iterator, model):
     batch = next(data_iterator)
     tokens = batch["tokens"]
     if tracker is not None:
         tracker.set_token_mask(batch.get("token_mask"))
     attention_mask = causal_attention_mask(tokens.shape[1], device=tokens.device)
     output = model(tokens, batch["position_ids"], attention_mask, labels=batch["labels"])
-    return output, partial(_masked_mean_loss, batch["loss_mask"])
+    return output, partial(_masked_mean_loss, per_token_scale, batch["loss_mask"])
 
 
 def forward_backward(
@@ -40,6 +60,7 @@ def forward_backward(
     micro_batch_size: int,
     tracker: Optional[JregTracker],
     forward_only: bool = False,
+    per_token_loss: bool = False,
 ) -> Dict[str, object]:
     """Run one step's micro-batches (forward, and backward unless ``forward_only``).
 
@@ -47,8 +68,14 @@ def forward_backward(
     same list (the first stage reads tokens, the last labels). Returns the LM loss averaged
     over micro-batches (on the last stage; None elsewhere) and the JREG metrics reduced
     over TP/PP/DP (every rank). Gradients accumulate in the model's grad buffers.
+    ``per_token_loss``: the LM loss is the mean over the global batch's loss-masked tokens
+    (``--calculate-per-token-loss``), not the mean of the micro-batches' means.
     """
     num_microbatches = len(batches)
+    per_token_scale = None
+    if per_token_loss:
+        dp = parallel_state.get_data_parallel_world_size()
+        per_token_scale = num_microbatches * dp / max(global_loss_tokens(batches), 1.0)
     config = model[0].config
     if tracker is not None:
         tracker.reset()
@@ -60,7 +87,7 @@ def forward_backward(
     # one iterator per model chunk: each chunk reads every micro-batch once
     iterators: List[Iterator] = [iter(batches) for _ in model]
     losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, tracker),
+        forward_step_func=partial(_forward_step, tracker, per_token_scale),
         data_iterator=iterators if len(model) > 1 else iterators[0],
         model=model if len(model) > 1 else model[0],
         num_microbatches=num_microbatches,

@@ -22,9 +22,10 @@ from megatron.core.distributed import (
 )
 from megatron.core.transformer.module import Float16Module
 
-from megatron_jreg.checkpoint.dist_checkpoint import CheckpointError
+from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
 from megatron_jreg.data.batches import rank_microbatches
 from megatron_jreg.data.gpt_datasets import build_gpt_datasets
+from megatron_jreg.data.sft_samples import build_sft_samples
 from megatron_jreg.data.tokenizers import build_tokenizer
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
@@ -86,7 +87,7 @@ class Trainer:
         seed_everything(self.train_cfg.seed)
         self._build_model_and_optimizer()
         self._build_data()
-        if cfg.checkpoint.load:
+        if self.checkpoints.source():
             resumed = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
             if resumed is not None:
                 self.iteration, self.consumed_samples = resumed
@@ -129,8 +130,20 @@ class Trainer:
         evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
         # validation reuses one fixed set of eval_iters batches: comparable across runs
         valid_samples = t.eval_iters * g if evals else 0
-        self.train_ds, self.valid_ds, _ = build_gpt_datasets(
-            self.cfg.gpt_data_config(), self.tokenizer, t.train_iters * g, valid_samples or None, None)
+        if self.cfg.data.sft:
+            self.train_ds, self.valid_ds, waste = build_sft_samples(
+                self.cfg.data_prefixes(), self.cfg.data.split, self.cfg.model.seq_length,
+                t.seed, t.train_iters * g, valid_samples, self.tokenizer.eod)
+            template = self.train_ds.datasets[0].chat_template
+            if template:  # the HF export writes it into tokenizer_config.json
+                self.checkpoints.extra_files[CHAT_TEMPLATE] = template
+            print_rank_0(f"SFT data: one conversation per sample, padded to --seq-length "
+                         f"{self.cfg.model.seq_length}: {100 * waste:.1f}% of the train split's "
+                         "token positions are padding")
+        else:
+            self.train_ds, self.valid_ds, _ = build_gpt_datasets(
+                self.cfg.gpt_data_config(), self.tokenizer, t.train_iters * g, valid_samples or None,
+                None)
         if self.valid_ds is None and evals:
             print_rank_0("warning: the --split gives no validation data; validation is off")
 
@@ -153,7 +166,7 @@ class Trainer:
         self.optimizer.zero_grad()
         batches = self._batches(self.train_ds, self.consumed_samples)
         out = forward_backward(self.model, batches, self.cfg.model.seq_length, t.micro_batch_size,
-                               self.tracker)
+                               self.tracker, per_token_loss=self.cfg.per_token_loss())
         loss = self._global_mean(out["lm_loss"])
         bad = [f"{name} is {value}" for name, value in (("LM loss", loss), ("JREG penalty", out["penalty"]))
                if not math.isfinite(value)]
@@ -189,7 +202,8 @@ class Trainer:
             for i in range(t.eval_iters):
                 batches = self._batches(self.valid_ds, i * t.global_batch_size)
                 out = forward_backward(self.model, batches, self.cfg.model.seq_length,
-                                       t.micro_batch_size, self.tracker, forward_only=True)
+                                       t.micro_batch_size, self.tracker, forward_only=True,
+                                       per_token_loss=self.cfg.per_token_loss())
                 losses.append(self._global_mean(out["lm_loss"]))
                 psis.append(out["psi"])
         for chunk in self.model:
@@ -227,7 +241,7 @@ class Trainer:
             f"{self.num_microbatches} micro-batches per step, JREG lambda {cfg.jreg.lam}")
         window: List[Dict] = []
         start, t_start, first = time.time(), time.time(), self.iteration
-        last_saved = self.iteration if cfg.checkpoint.load else None
+        last_saved = self.iteration if self.iteration else None
         last = None
         while self.iteration < t.train_iters:
             last = self.train_step()

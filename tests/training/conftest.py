@@ -51,6 +51,22 @@ def demo_sp_data(tmp_path_factory):
     return str(prefix) + "_text_document", str(model_prefix) + ".model"
 
 
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory):
+    """200 demo conversations (tools/make_demo_corpus.py --chat), byte tokenizer, as
+    ``preprocess_data.py --sft`` writes them; returns the dataset prefix."""
+    root = tmp_path_factory.mktemp("sft_data")
+    for cmd in (
+        [sys.executable, "tools/make_demo_corpus.py", "--chat", "--output", str(root / "chat.jsonl"),
+         "--max-docs", "200"],
+        [sys.executable, "tools/preprocess_data.py", "--sft", "--input", str(root / "chat.jsonl"),
+         "--output-prefix", str(root / "chat"), "--tokenizer-type", "ByteTokenizer", "--workers", "1"],
+    ):
+        proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(root / "chat_sft_document")
+
+
 def base_args(data_prefix, **overrides):
     """Flags of a tiny fp32 run on the demo data; overrides use flag names without dashes."""
     args = {

@@ -140,3 +140,24 @@ def test_3b_script_builds_its_model_without_the_cpu_platform(demo_data, tmp_path
         kv = h // PRESETS["3b"]["num_attention_heads"] * PRESETS["3b"]["num_query_groups"]
         layer = (h * (h + 2 * kv) + h * h + 3 * h * ffn) // 2 + 2 * h
         assert got["params_on_rank"] == 2 * layer + 2 * 32000 * h // 2 + h
+
+
+def test_sft_3b_script_runs_the_papers_recipe_on_both_checkpoints(sft_data, tmp_path, monkeypatch):
+    """examples/sft_3b.sh: the paper's SFT recipe (lr 2e-5 linear, AdamW (0.9, 0.95), global
+    batch 512, 957 steps) from each pretrained checkpoint, each into its own directory."""
+    base, jreg = tmp_path / "base_ckpt", tmp_path / "jreg_ckpt"
+    base.mkdir()
+    jreg.mkdir()
+    calls = launch(tmp_path, "sft_3b.sh", sft_data, SFT_DATA_PATH=sft_data, BASELINE_CKPT=str(base),
+                   JREG_CKPT=str(jreg), OUT=str(tmp_path / "sft"), TOKENIZER_TYPE="ByteTokenizer")
+    runs = [validated(argv, monkeypatch) for _, argv in calls]
+    assert [r["checkpoint"].pretrained_checkpoint for r in runs] == [str(base), str(jreg)]
+    assert [r["checkpoint"].save for r in runs] == [str(tmp_path / "sft" / n / "checkpoints")
+                                                     for n in ("baseline", "jreg")]
+    for r in runs:
+        o, t = r["optim"], r["training"]
+        assert r["data"].sft and r["checkpoint"].finetune and r["checkpoint"].load is None
+        assert (o.lr, o.min_lr, o.lr_decay_style, o.lr_warmup_iters) == (2e-5, 0.0, "linear", 0)
+        assert (o.adam_beta1, o.adam_beta2) == (0.9, 0.95)
+        assert (t.global_batch_size, t.train_iters) == (512, 957)
+        assert r["model"].model_preset == "3b" and r["model"].seq_length == 2048

@@ -1,0 +1,162 @@
+"""SFT data as ``tools/preprocess_data.py --sft`` writes it, and ``SFTDataset`` to read it.
+
+For ``--output-prefix OUT`` the dataset prefix is ``P = OUT_sft_document``:
+
+- ``P.bin``/``P.idx``: token ids, megatron-core's indexed-dataset format, one sequence per
+  conversation (the whole rendered conversation, tokenised once).
+- ``P_loss_mask.bin``/``.idx``: the same format in uint8, the same sequence lengths; 1 on
+  the tokens of each assistant message's content and its end-of-turn token, else 0.
+- ``P.json``: metadata: the chat template (name and jinja text), the tokenizer, its EOD id
+  and the counts of the run.
+
+The reader uses numpy on the documented format, not megatron-core: importing it costs
+seconds and it cannot tell a mask that does not belong to its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy
+
+from megatron_jreg.atomic_write import write_text_atomic
+from megatron_jreg.errors import InputError
+
+FORMAT = "megatron-jreg sft 1"
+MASK_SUFFIX = "_loss_mask"
+_REBUILD = "rebuild it with tools/preprocess_data.py --sft"
+
+# megatron-core's .idx: magic, version (Q), dtype code (B), sequence count (Q), document
+# boundary count (Q); then int32 lengths, int64 byte pointers, int64 document boundaries.
+# The codes are megatron-core's DType values (a test pins them).
+_MAGIC = b"MMIDIDX\x00\x00"
+_HEADER = len(_MAGIC) + struct.calcsize("<QBQQ")
+_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64,
+           6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}
+
+
+def sft_prefixes(output_prefix: str) -> list[str]:
+    """The token and loss-mask dataset prefixes that ``--output-prefix`` gives."""
+    prefix = f"{output_prefix}_sft_document"
+    return [prefix, prefix + MASK_SUFFIX]
+
+
+def metadata_path(prefix: str) -> str:
+    return prefix + ".json"
+
+
+def write_metadata(prefix: str, metadata: dict) -> None:
+    """Written last, under a temporary name: its counts vouch for the two datasets."""
+    text = json.dumps(metadata, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    write_text_atomic(metadata_path(prefix), text)
+
+
+def _hint(prefix: str) -> str:
+    if os.path.isfile(prefix + "_sft_document.idx"):
+        return f"; pass the dataset prefix {prefix}_sft_document"
+    return f"; {_REBUILD}"
+
+
+class _Index:
+    """One ``.bin``/``.idx`` pair: its dtype, sequence lengths and byte pointers, checked."""
+
+    def __init__(self, prefix: str) -> None:
+        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+        with open(idx_path, "rb") as f:
+            head = f.read(_HEADER)
+        if len(head) < _HEADER or not head.startswith(_MAGIC):
+            raise InputError(f"{idx_path} is not a megatron-core index file; {_REBUILD}")
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(_MAGIC):])
+        expected = _HEADER + sequences * 12 + documents * 8
+        if version != 1 or code not in _DTYPES or os.path.getsize(idx_path) != expected:
+            raise InputError(f"{idx_path} is truncated or damaged (version {version}, dtype "
+                             f"code {code}, {sequences} sequences); {_REBUILD}")
+        self.dtype = numpy.dtype(_DTYPES[code])
+        self.lengths = numpy.fromfile(idx_path, numpy.int32, sequences, offset=_HEADER)
+        self.pointers = numpy.fromfile(idx_path, numpy.int64, sequences,
+                                       offset=_HEADER + sequences * 4)
+        self.tokens = int(self.lengths.sum(dtype=numpy.int64))
+        size = os.path.getsize(bin_path)
+        if size != self.tokens * self.dtype.itemsize:
+            raise InputError(
+                f"{bin_path} is {size} bytes but {idx_path} describes {self.tokens} tokens of "
+                f"{self.dtype.itemsize} bytes: the two files come from different runs; "
+                f"{_REBUILD}")
+        # numpy cannot map an empty file; an empty dataset needs no mapping
+        self.data = (numpy.memmap(bin_path, self.dtype, mode="r") if size
+                     else numpy.zeros(0, self.dtype))
+
+    def sequence(self, i: int) -> numpy.ndarray:
+        start = int(self.pointers[i]) // self.dtype.itemsize
+        return self.data[start:start + int(self.lengths[i])]
+
+
+class SFTDataset:
+    """Conversations of one SFT dataset: ``ds[i]`` is ``{"tokens", "loss_mask"}``, both int64
+    arrays of one length. ``prefix`` is ``OUT_sft_document`` for ``--output-prefix OUT``.
+
+    Raises InputError (one line, naming the file and the fix) for a missing file, a mask
+    that does not fit its tokens, or metadata from another run.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        mask_prefix = prefix + MASK_SUFFIX
+        for path in (prefix + ".bin", prefix + ".idx", mask_prefix + ".bin",
+                     mask_prefix + ".idx", metadata_path(prefix)):
+            if not os.path.isfile(path):
+                raise InputError(f"SFT data {prefix!r}: {path} does not exist{_hint(prefix)}")
+        self.metadata = self._read_metadata()
+        self._tokens = _Index(prefix)
+        self._mask = _Index(mask_prefix)
+        if self._mask.dtype != numpy.uint8:
+            raise InputError(f"{mask_prefix}.idx holds {self._mask.dtype} values, not a uint8 "
+                             f"loss mask; {_REBUILD}")
+        if not numpy.array_equal(self._tokens.lengths, self._mask.lengths):
+            raise InputError(
+                f"SFT data {prefix!r}: the loss mask's sequence lengths differ from the tokens' "
+                f"({len(self._mask.lengths)} vs {len(self._tokens.lengths)} sequences): the "
+                f"files come from different runs; {_REBUILD}")
+        counts = self.metadata.get("counts", {})
+        found = {"conversations": len(self), "tokens": self._tokens.tokens}
+        for key, value in found.items():
+            if counts.get(key) != value:
+                raise InputError(
+                    f"{metadata_path(prefix)} lists {counts.get(key)} {key} but the data holds "
+                    f"{value}: the files come from different runs; {_REBUILD}")
+
+    def _read_metadata(self) -> dict:
+        path = metadata_path(self.prefix)
+        try:
+            with open(path, encoding="utf-8") as f:
+                metadata = json.load(f)
+        except ValueError as e:
+            raise InputError(f"{path} is not valid JSON ({e}); {_REBUILD}") from None
+        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+            raise InputError(f"{path} is not the metadata of preprocess_data.py --sft "
+                             f"(format {FORMAT!r}); {_REBUILD}")
+        return metadata
+
+    def __len__(self) -> int:
+        return len(self._tokens.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, numpy.ndarray]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"conversation {i} is out of range for {n} conversations")
+        i %= n
+        # copies, as plain arrays: a sample outlives nothing of the file mapping
+        return {"tokens": numpy.array(self._tokens.sequence(i), dtype=numpy.int64),
+                "loss_mask": numpy.array(self._mask.sequence(i), dtype=numpy.int64)}
+
+    @property
+    def lengths(self) -> numpy.ndarray:
+        """Tokens per conversation (int32)."""
+        return self._tokens.lengths
+
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja text the conversations were rendered with."""
+        return self.metadata.get("chat_template")
