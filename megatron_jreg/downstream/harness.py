@@ -94,8 +94,22 @@ def _digest(tasks) -> str:
         return dump() if dump else repr(task)
 
     items = sorted((str(k), config(v)) for k, v in dict(tasks).items())
-    text = json.dumps(items, sort_keys=True, default=str)
+    text = json.dumps(items, sort_keys=True, default=_stable)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _stable(value) -> str:
+    """A value json cannot write, as text that is the same in every process: a function
+    (lm-eval leaves those of ``fewshot_config`` as objects) by its source, never by the
+    ``<function f at 0x...>`` address that ``str`` gives."""
+    import inspect
+
+    if callable(value):
+        try:
+            return inspect.getsource(value)
+        except (OSError, TypeError):
+            return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value)}"
+    return str(value)
 
 
 def evaluate_hf(model_dir: str, names: List[str], manager, *, dtype: str, device: str,

@@ -97,3 +97,23 @@ def test_documented_metrics_are_lm_evals_own_for_the_paper_tasks():
         assert pick_metric(task, values, "acc_norm")[:2] == (
             ("acc_norm", 75.0) if "acc_norm" in metrics else ("acc", 25.0))
     assert with_norm == documented
+
+
+def test_task_digest_is_the_same_in_every_process():
+    """lm-eval leaves functions inside fewshot_config as objects (hellaswag, race): the cache
+    key must not hold their memory address, or a re-run never finds its results."""
+    code = ("import json, sys\n"
+            "from lm_eval.tasks.hellaswag import utils\n"
+            "from megatron_jreg.downstream.harness import _digest\n"
+            "class Task:\n"
+            "    def dump_config(self):\n"
+            "        return {'fewshot_config': {'process_docs': utils.process_docs}}\n"
+            "print(_digest({'hellaswag': Task()}))\n")
+    pytest.importorskip("lm_eval")
+    digests = set()
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        digests.add(proc.stdout.strip())
+    assert len(digests) == 1
