@@ -29,10 +29,10 @@ echo "== 1/3 chat data: the built-in demo conversations, the demo's tokenizer"
 for lambda in 0 1.0; do
   run="$OUT/sft_from_lambda$lambda"
   echo "== 2/3 SFT of the $([ "$lambda" = 0 ] && echo baseline || echo JREG) checkpoint into $run"
-  run_trainer --sft --model-preset tiny --seq-length 256 \
+  run_trainer --sft --model-preset tiny --seq-length 192 \
     --pretrained-checkpoint "$OUT/tiny_lambda$lambda/checkpoints" --finetune \
     --micro-batch-size 8 --global-batch-size 16 --train-iters "${SFT_ITERS:-100}" \
-    --lr 1e-3 --min-lr 0 --lr-warmup-iters 0 --lr-decay-style linear \
+    --lr 2e-4 --min-lr 0 --lr-warmup-iters 0 --lr-decay-style linear \
     --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0 --clip-grad 1.0 --seed 1234 \
     --data-path "$DATA_DIR/chat_sft_document" --split 95,5,0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" \

@@ -12,13 +12,34 @@ from typing import Callable
 from megatron_jreg.errors import InputError
 
 
-def check_output_path(path: str, flag: str) -> None:
-    """Fail early, before any model is loaded, when ``path`` cannot be written."""
-    directory = os.path.dirname(os.path.abspath(path))
+def check_output_dir(directory: str, flag: str, path: str = None, create: bool = True) -> None:
+    """Make ``directory`` (with its parents, unless ``create`` is False) and prove it takes
+    a new file; else one InputError naming ``flag``, the path and the fix. Runs before any
+    work, so an unwritable output never costs a model load or a training step."""
+    shown = f"{flag} {path if path is not None else directory}"
+    if create:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as err:
+            raise InputError(f"{shown}: cannot create directory {directory} "
+                             f"({err.strerror}); choose a writable location") from None
     if not os.path.isdir(directory):
-        raise InputError(f"{flag} {path}: directory {directory} does not exist; create it first")
+        raise InputError(f"{shown}: {directory} is not a directory; choose another path")
+    try:  # os.access says yes to root on read-only mounts: create a file to know
+        fd, probe = tempfile.mkstemp(prefix=".jreg-write-check-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise InputError(f"{shown}: cannot write in {directory} ({err.strerror}); choose a "
+                         "writable location") from None
+
+
+def check_output_path(path: str, flag: str, create: bool = True) -> None:
+    """An output file: its directory made if missing and writable, the path not a
+    directory (see :func:`check_output_dir`)."""
     if os.path.isdir(path):
         raise InputError(f"{flag} {path}: is a directory; give a file name")
+    check_output_dir(os.path.dirname(os.path.abspath(path)), flag, path, create)
 
 
 def write_atomic(path: str, write: Callable[[str], None]) -> None:

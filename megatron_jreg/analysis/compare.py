@@ -106,3 +106,17 @@ class ReportComparison:
 
 def compare_reports(a: JumpReport, b: JumpReport) -> ReportComparison:
     return ReportComparison(a=a, b=b)
+
+
+def format_summary_table(reports: List[JumpReport]) -> str:
+    """One row per model, its jump rates of the last three layers: the layout of the
+    paper's Tables 4 and 7. A rate that is not finite prints as nan, never as a number."""
+    names = [n for n in ("L", "L-1", "L-2") if any(n in r.jump_rate for r in reports)]
+    width = max([len("model")] + [len(r.model) for r in reports])
+    header = f"{'model':<{width}}  " + "  ".join(f"{'zeta_' + n:>9}" for n in names)
+    lines = [header]
+    for r in reports:
+        cells = [f"{r.jump_rate[n]:9.4f}" if n in r.jump_rate else f"{'-':>9}" for n in names]
+        lines.append(f"{r.model:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
+

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 from megatron_jreg import strict_json
 from megatron_jreg.atomic_write import check_output_path, write_text_atomic
 from megatron_jreg.analysis.checkpoint_source import layout_flags_given
-from megatron_jreg.analysis.compare import compare_reports, load_report
+from megatron_jreg.analysis.compare import compare_reports, format_summary_table, load_report
 from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
 from megatron_jreg.analysis.measure import measure_jump
 from megatron_jreg.analysis.source_kinds import builtin_source_kinds
@@ -271,6 +271,8 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     trajectory = sort_trajectory([(e.iteration, r) for e, r in measured if e.iteration is not None])
     if len(trajectory) > 1:
         show(format_trajectory_table(trajectory))
+    elif len(reports) > 1:
+        show(format_summary_table(reports))
 
     # every rank holds the same reports, so the status is the same everywhere; the outputs
     # are written first (with NaN as nan/null), then the problem is reported

@@ -44,6 +44,7 @@ from megatron_jreg.checkpoint.model_loader import (
     launched_world_size,
     load_model,
 )
+from megatron_jreg.atomic_write import check_output_dir
 from megatron_jreg.cli import tool_parser
 from megatron_jreg.errors import InputError, missing_extra
 
@@ -219,9 +220,8 @@ def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = Non
 def _check_output(output: str) -> None:
     if os.path.exists(output):
         raise InputError(f"--output {output}: already exists; remove it or choose a new directory")
-    parent = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(parent):
-        raise InputError(f"--output {output}: directory {parent} does not exist; create it first")
+    # the export is written beside --output and renamed: its parent must take new files
+    check_output_dir(os.path.dirname(os.path.abspath(output)), "--output", output)
 
 
 def convert(

@@ -22,6 +22,8 @@ import tokenize
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from megatron_jreg.atomic_write import check_output_path
+
 # Directories whose docstrings are test scaffolding or vendored code, not prose.
 _SKIP_DIRS = frozenset({"test", "tests", "site-packages", "dist-packages", "__pycache__",
                         "idle_test", "lib2to3", "ensurepip", "turtledemo"})
@@ -217,11 +219,7 @@ def iter_demo_chats(seed: int = 1234) -> Iterator[dict]:
 
 def write_demo_corpus(config: DemoCorpusConfig) -> tuple[int, int]:
     """Write the corpus; returns (documents, bytes). Writes a temp file, then renames."""
-    out_dir = os.path.dirname(os.path.abspath(config.output))
-    if not os.path.isdir(out_dir):
-        raise FileNotFoundError(
-            f"demo corpus: output directory {out_dir!r} does not exist; create it first"
-        )
+    check_output_path(config.output, "--output")  # parents made, writable, before any work
     max_bytes = None if config.max_mb is None else int(config.max_mb * 1e6)
     tmp = f"{config.output}.tmp-{os.getpid()}"
     docs = written = 0

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from megatron_jreg.atomic_write import check_output_path
 from megatron_jreg.data.text_sources import resolve_inputs
 
 
@@ -42,11 +43,7 @@ class TrainTokenizerConfig:
             raise ValueError(f"--input-format must be jsonl or text, got {self.input_format!r}")
         if self.model_type not in ("bpe", "unigram"):
             raise ValueError(f"--model-type must be bpe or unigram, got {self.model_type!r}")
-        out_dir = os.path.dirname(os.path.abspath(self.model_prefix))
-        if not os.path.isdir(out_dir):
-            raise FileNotFoundError(
-                f"--model-prefix: directory {out_dir!r} does not exist; create it first"
-            )
+        check_output_path(self.model_prefix + ".model", "--model-prefix")
 
 
 def _training_lines(config: TrainTokenizerConfig) -> Iterator[str]:

@@ -18,7 +18,7 @@ import tempfile
 from typing import List, Optional, Sequence
 
 from megatron_jreg import strict_json
-from megatron_jreg.atomic_write import check_output_path, write_text_atomic
+from megatron_jreg.atomic_write import check_output_dir, check_output_path, write_text_atomic
 from megatron_jreg.cli import tool_parser
 from megatron_jreg.downstream import cache as cache_mod
 from megatron_jreg.downstream import harness
@@ -186,6 +186,8 @@ def run(args) -> List[DownstreamReport]:
     for flag, path in (("--json", args.json), ("--csv", args.csv)):
         if path:
             check_output_path(path, flag)
+    if not args.no_cache:
+        check_output_dir(os.path.expanduser(args.cache_dir), "--cache-dir", args.cache_dir)
     if args.num_fewshot < 0:
         raise InputError(f"--num-fewshot {args.num_fewshot}: must be >= 0")
     limit = _limit(args.limit)

@@ -76,6 +76,21 @@ class ExperimentConfig:
         """The LM loss is the mean over the global batch's loss-masked tokens."""
         return self.training.calculate_per_token_loss or self.data.sft
 
+    def outputs(self) -> List[tuple]:
+        """Every path the run writes: (flag, path, is a directory, written by every rank)."""
+        out = []
+        if self.checkpoint.save:
+            out.append(("--save", self.checkpoint.save, True, True))
+        if self.logging.metrics_file:
+            out.append(("--metrics-file", self.logging.metrics_file, False, False))
+        if self.logging.tensorboard_dir:
+            out.append(("--tensorboard-dir", self.logging.tensorboard_dir, True, False))
+        if not self.data.sft:  # megatron-core's sample-index cache: every rank builds it
+            cache = self.data.data_cache_path or os.path.join(
+                os.path.dirname(os.path.abspath(self.data_prefixes()[0])), "index-cache")
+            out.append(("--data-cache-path", cache, True, True))
+        return out
+
     def gpt_data_config(self) -> GPTDataConfig:
         """The datasets' config (its construction checks ``--split``)."""
         return GPTDataConfig(data_path=list(self.data.data_path), split=self.data.split,

@@ -22,6 +22,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.transformer.module import Float16Module
 
+from megatron_jreg.atomic_write import check_output_dir, check_output_path
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
 from megatron_jreg.data.batches import rank_microbatches
 from megatron_jreg.data.gpt_datasets import build_gpt_datasets
@@ -52,6 +53,7 @@ from megatron_jreg.training.metrics import (
 )
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
 from megatron_jreg.training.signals import SignalFlag
+from megatron_jreg.errors import InputError
 from megatron_jreg.training.step import forward_backward
 
 
@@ -74,6 +76,7 @@ class Trainer:
             cfg.model.vocab_size = self.tokenizer.vocab_size
         initialize_distributed()
         self.device = torch.device("cpu") if use_cpu() else torch.device("cuda", torch.cuda.current_device())
+        self._check_outputs()
         self.checkpoints.take_save_lock()
         impl, why = resolve_transformer_impl(cfg.model.transformer_impl)
         print_rank_0(f"transformer implementation: {impl} ({why})")
@@ -94,6 +97,34 @@ class Trainer:
         self.metrics = build_metrics_logger(cfg.logging, self.train_cfg.train_iters, dist.get_rank(),
                                             cfg.to_dict())
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler)
+
+    def _check_outputs(self) -> None:
+        """Before any work: rank 0 makes the missing output directories, then every rank
+        proves it can write what it writes. The first problem anywhere stops every rank
+        with the same one-line error (no rank is left waiting in a collective)."""
+        outputs = self.cfg.outputs()
+        rank, world = dist.get_rank(), dist.get_world_size()
+
+        def check(create: bool) -> Optional[str]:
+            for flag, path, is_dir, every_rank in outputs:
+                if not (create or every_rank):
+                    continue
+                try:
+                    if is_dir:
+                        check_output_dir(path, flag, create=create)
+                    else:
+                        check_output_path(path, flag, create=create)
+                except InputError as err:
+                    return str(err)
+            return None
+
+        for create in (True, False):
+            problem = check(create) if (rank == 0) == create else None
+            found: List[Optional[str]] = [None] * world
+            dist.all_gather_object(found, problem)
+            first = next((p for p in found if p), None)
+            if first:
+                raise ValueError(first)
 
     def _build_model_and_optimizer(self) -> None:
         cfg = self.cfg

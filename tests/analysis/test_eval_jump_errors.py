@@ -137,14 +137,6 @@ def test_two_inputs(capsys, tmp_path, text, tiny_hf_model):
     assert "choose one" in err
 
 
-def test_output_dir_missing(capsys, tmp_path, text, tiny_hf_model):
-    err = run_error(
-        capsys,
-        ["--hf-model", tiny_hf_model, "--text-file", text, "--json", tmp_path / "no" / "o.json"],
-    )
-    assert "--json" in err and "does not exist" in err
-
-
 def test_bad_numbers(capsys, text, tiny_hf_model):
     assert "--seq-length" in run_error(
         capsys, ["--hf-model", tiny_hf_model, "--text-file", text, "--seq-length", 0]

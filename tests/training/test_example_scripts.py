@@ -1,0 +1,55 @@
+"""examples/demo.sh and examples/sft_tiny.sh run as written, at small step counts.
+
+sft_tiny.sh runs demo.sh first on a fresh OUT (corpus, tokenizer, data, baseline and JREG
+pretraining, eval_jump), then fine-tunes both checkpoints and measures them again; a
+second run of the same command resumes everything and trains nothing.
+"""
+
+import json
+import subprocess
+
+from conftest import REPO, run_env
+
+
+def run_script(out, **env):
+    full = dict(run_env(), OUT=str(out), TRAIN_ITERS="30", SFT_ITERS="8", **env)
+    return subprocess.run(["bash", "examples/sft_tiny.sh"], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=1500)
+
+
+def test_sft_tiny_runs_the_demo_then_sft_and_prints_the_jump_after_it(tmp_path):
+    out = tmp_path / "demo"
+    proc = run_script(out)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    # the demo ran as written: its four steps and its jump report
+    for step in ("== 1/4", "== 2/4 baseline", "== 3/4 JREG", "== 4/4 eval_jump"):
+        assert step in log
+    assert json.loads((out / "jump.json").read_text())
+    # both fine-tuning runs started from their pretrained checkpoints, at iteration 0
+    for lam in ("0", "1.0"):
+        assert f"fine-tuning from --pretrained-checkpoint {out}/tiny_lambda{lam}/checkpoints" in log
+        rows = [json.loads(line) for line in open(out / f"sft_from_lambda{lam}" / "metrics.jsonl")]
+        assert [r["iteration"] for r in rows if "lm_loss" in r][-1] == 8
+    assert "% of the train split's token positions are padding" in log
+    report = json.loads((out / "sft_jump.json").read_text())
+    assert [r["model"] for r in report] == ["baseline-sft", "jreg-sft"]
+    for r in report:
+        assert r["num_layers"] == 4 and len(r["displacement"]) == 4
+        assert set(r["jump_rate"]) == {"L", "L-1", "L-2"}
+    # the Table 7 layout at the end: one row per model, zeta_L, zeta_L-1, zeta_L-2
+    lines = proc.stdout[proc.stdout.index("== 3/3"):].splitlines()
+    header = lines.index(next(line for line in lines if line.split()[:2] == ["model", "zeta_L"]))
+    assert lines[header].split() == ["model", "zeta_L", "zeta_L-1", "zeta_L-2"]
+    for line, r in zip(lines[header + 1:header + 3], report):
+        name, *values = line.split()
+        assert name == r["model"]
+        assert [float(v) for v in values] == [round(r["jump_rate"][k], 4)
+                                              for k in ("L", "L-1", "L-2")]
+
+    again = run_script(out)
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, log[-5000:]
+    assert "running examples/demo.sh first" not in log and "fine-tuning from" not in log
+    assert log.count("loaded checkpoint") == 2  # each SFT run resumed at its end
+    assert json.loads((out / "sft_jump.json").read_text()) == report
