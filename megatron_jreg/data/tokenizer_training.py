@@ -5,11 +5,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from megatron_jreg.atomic_write import check_output_path
 from megatron_jreg.data.text_sources import resolve_inputs
+from megatron_jreg.errors import InputError
 
 
 @dataclass(kw_only=True)
@@ -71,6 +73,27 @@ def train_sentencepiece(config: TrainTokenizerConfig) -> str:
     # Seeds sentence sampling and shuffling, so retraining gives the same model.
     sentencepiece.set_random_generator_seed(config.seed)
     model = io.BytesIO()
+    try:
+        _train(sentencepiece, config, model)
+    except RuntimeError as err:  # sentencepiece reports bad settings as RuntimeError
+        reason = str(err).strip().splitlines()[0]
+        need = re.search(r"required_chars\. \d+ vs (\d+)", reason)
+        if need:
+            raise InputError(f"--vocab-size {config.vocab_size}: too small for this text, whose "
+                             f"characters alone need {need.group(1)} pieces; use --vocab-size "
+                             f"{need.group(1)} or more") from None
+        raise InputError(f"sentencepiece cannot train on this input: {reason}") from None
+    # Written under a temp name so an interrupted run never leaves a truncated model.
+    model_path = config.model_prefix + ".model"
+    tmp = f"{model_path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(model.getvalue())
+    os.replace(tmp, model_path)
+    _write_vocab(model_path, config.model_prefix + ".vocab")
+    return model_path
+
+
+def _train(sentencepiece, config: TrainTokenizerConfig, model) -> None:
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=_training_lines(config),
         model_writer=model,
@@ -92,14 +115,6 @@ def train_sentencepiece(config: TrainTokenizerConfig) -> str:
         max_sentence_length=16384,
         minloglevel=2,
     )
-    # Written under a temp name so an interrupted run never leaves a truncated model.
-    model_path = config.model_prefix + ".model"
-    tmp = f"{model_path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, model_path)
-    _write_vocab(model_path, config.model_prefix + ".vocab")
-    return model_path
 
 
 def _write_vocab(model_path: str, vocab_path: str) -> None:
