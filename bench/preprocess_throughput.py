@@ -1,18 +1,32 @@
-"""Throughput of tools/preprocess_data.py at 1 and 2 workers against a naive loop.
+"""tools/preprocess_data.py against its limit: the tokenizer's own batch-encode time.
 
-The naive loop is what a first attempt looks like: read a line, ``json.loads``, encode,
-``IndexedDatasetBuilder.add_item`` (torch tensor per document). All runs use the same
-tokenizer, corpus and output format; each configuration runs ``--repeats`` times,
-interleaved, and the best time counts (the machine may be shared).
+For each tokenizer (a Hugging Face byte-level BPE and a sentencepiece BPE, both trained here
+on the bench corpus, offline) and each worker count, it prints:
 
-    python bench/preprocess_throughput.py              # generated 24 MB corpus, sentencepiece
+- the limit: the library's batch encode of every document of the corpus on one thread
+  (``Tokenizer.encode_batch_fast``, ``SentencePieceProcessor.Encode(num_threads=1)``),
+  divided by the workers; JSON parsing and writing are not in it;
+- the tool's wall time, run as a command (start-up, reading, workers, writing, all of it),
+  and its CPU time (itself and its workers);
+- the ratio of the two. Target (issue): <= 1.5x at 2 workers;
+- the floor: the same library encode run alone in as many processes as workers, each on
+  its share of the corpus, and the tool's median wall time over its median. On an idle
+  machine the floor equals the limit; on a shared one it says how much of the ratio is
+  other people's load, not the tool;
+- the CPU time of the tool and its workers, and its multiple of the encode's own CPU time:
+  the work the tool adds, whatever the load.
+
+Each figure is the median of ``--repeats`` runs, with the spread (min-max); runs are
+interleaved so a busy spell on a shared machine hits every configuration alike. The load
+average before and after says how busy the machine was. It also prints the fixed start-up:
+the tool on a 1-document input (median of 5; target <= 0.5 s), and checks that every run
+wrote the same bytes.
+
+    python bench/preprocess_throughput.py                    # 20 MB generated corpus
     python bench/preprocess_throughput.py --corpus-mb 100 --workers 1 2 4 8
 
-Targets (issue): 2 workers >= 1.7x 1 worker; 1 worker >= 1.3x the naive loop.
-
-Memory: the tool also runs as a command on the corpus and on the same corpus repeated
-``--memory-scale`` times; the peak resident set of its largest process should not grow
-with the corpus (streaming input, spilled index lists, streamed finalize).
+``--memory-scale 4`` also runs the tool on the corpus repeated 4 times: the peak resident
+set of its largest process should not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -22,25 +36,27 @@ import filecmp
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+# The limit is one thread; set before the tokenizers library first runs.
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 # Run from a checkout, use that checkout's package.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_jreg.data.demo_corpus import DemoCorpusConfig, iter_demo_documents  # noqa: E402
-from megatron_jreg.data.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from megatron_jreg.data.tokenizer_training import (  # noqa: E402
     TrainTokenizerConfig,
     train_sentencepiece,
 )
-from megatron_jreg.data.tokenizers import build_tokenizer  # noqa: E402
+
+TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
+BATCH = 1000  # documents per library call when measuring the limit
 
 
 def make_corpus(path: str, target_mb: float, seed: int = 0) -> tuple[int, int]:
@@ -58,49 +74,113 @@ def make_corpus(path: str, target_mb: float, seed: int = 0) -> tuple[int, int]:
     return docs, written
 
 
-def naive_loop(corpus: str, prefix: str, tokenizer) -> None:
-    import numpy
-    import torch
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+def train_hf_bpe(corpus: str, out_dir: str, vocab_size: int) -> str:
+    """A GPT-2 style byte-level BPE ``tokenizer.json`` trained on the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    builder = IndexedDatasetBuilder(
-        prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size)
-    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     with open(corpus, encoding="utf-8") as f:
-        for line in f:
-            ids = tokenizer.encode(json.loads(line)["text"])
-            ids.append(tokenizer.eod)
-            builder.add_item(torch.tensor(ids, dtype=torch.int64))
-            builder.end_document()
-    builder.finalize(prefix + ".idx")
-    del numpy
+        tok.train_from_iterator((json.loads(line)["text"] for line in f), trainer)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "tokenizer.json")
+    tok.save(path)
+    return path
+
+
+def library_encoder(kind: str, model: str):
+    """The library's own one-thread batch encode, with nothing of ours around it."""
+    if kind == "HuggingFaceTokenizer":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(model)
+        return lambda texts: tok.encode_batch_fast(texts, add_special_tokens=False)
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    return lambda texts: sp.Encode(texts, num_threads=1)
+
+
+def time_encode(encode, texts: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of encoding ``texts`` in batches."""
+    start, cpu = time.perf_counter(), time.process_time()
+    for i in range(0, len(texts), BATCH):
+        encode(texts[i:i + BATCH])
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def _time_part(job) -> float:
+    kind, model, texts = job
+    return time_encode(library_encoder(kind, model), texts)[0]
+
+
+def time_parallel_encode(kind: str, model: str, texts: list[str], processes: int) -> float:
+    """The library's encode alone, in ``processes`` processes at once, 1/n of the corpus
+    each: the floor this machine delivers now (the limit assumes ``processes`` idle cores)."""
+    import multiprocessing
+
+    jobs = [(kind, model, texts[i::processes]) for i in range(processes)]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return max(pool.map(_time_part, jobs))
+
+
+def run_tool(argv: list[str]) -> tuple[float, float]:
+    """(wall, CPU of the tool and its workers) of one run as a command."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, TOOL, *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"preprocess_data.py {' '.join(argv)} failed:\n{err}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def startup(work: str, tokenizers: dict[str, list[str]], repeats: int = 5) -> None:
+    one = os.path.join(work, "one.jsonl")
+    with open(one, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "A single short document."}) + "\n")
+    print(f"start-up (1-document input, median of {repeats}, target <= 0.5 s):")
+    for name, flags in tokenizers.items():
+        walls = [run_tool(["--input", one, "--output-prefix", os.path.join(work, "one"),
+                           *flags, "--append-eod", "--overwrite"])[0] for _ in range(repeats)]
+        print(f"  {name:<14} {spread(walls)} s")
 
 
 def peak_rss_mib(argv: list[str]) -> float:
     """Peak resident set of the largest process of a command (itself or a reaped child)."""
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed with exit code {proc.returncode}")
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(argv)} failed")
     return usage.ru_maxrss / 1024  # Linux reports KiB
 
 
-def memory_check(work: str, corpus: str, nbytes: int, scale: int, tok_type: str, tok_model) -> None:
+def memory_check(work: str, corpus: str, nbytes: int, scale: int, flags: list[str]) -> None:
     big = os.path.join(work, f"corpus_x{scale}.jsonl")
     with open(corpus, "rb") as src, open(big, "wb") as dst:
         data = src.read()
         for _ in range(scale):
             dst.write(data)
-    tool = os.path.join(REPO, "tools", "preprocess_data.py")
     peaks = {}
     for name, path in (("1x", corpus), (f"{scale}x", big)):
-        argv = [sys.executable, tool, "--input", path, "--output-prefix",
-                os.path.join(work, f"mem_{name}"), "--tokenizer-type", tok_type,
-                "--workers", "2", "--append-eod", "--overwrite"]
-        if tok_model:
-            argv += ["--tokenizer-model", tok_model]
-        peaks[name] = peak_rss_mib(argv)
+        peaks[name] = peak_rss_mib([sys.executable, TOOL, "--input", path, "--output-prefix",
+                                    os.path.join(work, f"mem_{name}"), *flags, "--workers", "2",
+                                    "--append-eod", "--overwrite"])
     one, many = peaks["1x"], peaks[f"{scale}x"]
     print(f"peak RSS of the largest process: {one:.1f} MiB on {nbytes / 1e6:.0f} MB, "
           f"{many:.1f} MiB on {scale * nbytes / 1e6:.0f} MB: {many / one:.3f}x for "
@@ -109,79 +189,80 @@ def memory_check(work: str, corpus: str, nbytes: int, scale: int, tok_type: str,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--corpus-mb", type=float, default=24.0)
+    p.add_argument("--corpus-mb", type=float, default=20.0)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--tokenizer-type", default=None, help="default: a sentencepiece model trained here")
-    p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--sp-model-type", choices=("bpe", "unigram"), default="bpe",
-                   help="the trained sentencepiece model: bpe (Llama-2 style) or unigram (3x faster)")
-    p.add_argument("--memory-scale", type=int, default=4,
-                   help="memory check: the corpus repeated this many times (0 skips it)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hf-vocab", type=int, default=16000)
+    p.add_argument("--sp-vocab", type=int, default=8000)
+    p.add_argument("--memory-scale", type=int, default=0,
+                   help="also run on the corpus repeated this many times (0: skip)")
     p.add_argument("--workdir", default=None, help="default: a temp dir, removed afterwards")
     args = p.parse_args(argv)
-    if args.corpus_mb < 20:
-        print("note: the issue asks for a corpus of at least 20 MB", file=sys.stderr)
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as work:
         corpus = os.path.join(work, "corpus.jsonl")
         docs, nbytes = make_corpus(corpus, args.corpus_mb)
-        print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB; cores: {os.cpu_count()}")
-        if args.tokenizer_type is None:
-            model = train_sentencepiece(TrainTokenizerConfig(
-                input=[corpus], model_prefix=os.path.join(work, "sp"), vocab_size=3000,
-                max_sentences=200_000, model_type=args.sp_model_type))
-            tok_type, tok_model = "SentencePieceTokenizer", model
-        else:
-            tok_type, tok_model = args.tokenizer_type, args.tokenizer_model
-        tokenizer = build_tokenizer(tok_type, tok_model)
-        kind = f" ({args.sp_model_type})" if args.tokenizer_type is None else ""
-        print(f"tokenizer: {tok_type}{kind} vocab {tokenizer.vocab_size}")
+        hf = train_hf_bpe(corpus, os.path.join(work, "hf"), args.hf_vocab)
+        sp = train_sentencepiece(TrainTokenizerConfig(
+            input=[corpus], model_prefix=os.path.join(work, "sp"), vocab_size=args.sp_vocab,
+            max_sentences=100_000, model_type="bpe"))
+        kinds = {f"HF BPE {args.hf_vocab}": ("HuggingFaceTokenizer", hf),
+                 f"SP BPE {args.sp_vocab}": ("SentencePieceTokenizer", sp)}
+        flags = {name: ["--tokenizer-type", kind, "--tokenizer-model", model]
+                 for name, (kind, model) in kinds.items()}
+        with open(corpus, encoding="utf-8") as f:
+            texts = [json.loads(line)["text"] for line in f]
+        encoders = {name: library_encoder(*kind) for name, kind in kinds.items()}
+        print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB; cores: {os.cpu_count()}; "
+              f"load average before: {load()}")
 
-        def run_naive() -> str:
-            prefix = os.path.join(work, "naive")
-            naive_loop(corpus, prefix, tokenizer)
-            return prefix
+        encode_s = {name: [] for name in kinds}
+        encode_cpu = {name: [] for name in kinds}
+        floor = {(name, w): [] for name in kinds for w in args.workers}
+        wall = {(name, w): [] for name in kinds for w in args.workers}
+        cpu = {(name, w): [] for name in kinds for w in args.workers}
+        outputs = {name: [] for name in kinds}
+        for _ in range(args.repeats):  # interleaved: a busy spell hits every configuration
+            for name in kinds:
+                seconds, cpu_s = time_encode(encoders[name], texts)
+                encode_s[name].append(seconds)
+                encode_cpu[name].append(cpu_s)
+                for w in args.workers:
+                    floor[name, w].append(encode_s[name][-1] if w == 1 else
+                                          time_parallel_encode(*kinds[name], texts, w))
+                    out = os.path.join(work, f"out{len(outputs[name])}_{kinds[name][0]}")
+                    seconds, cpu_s = run_tool(["--input", corpus, "--output-prefix", out,
+                                               *flags[name], "--workers", str(w),
+                                               "--append-eod", "--log-interval", "1000000000"])
+                    wall[name, w].append(seconds)
+                    outputs[name].append(out + "_text_document")
+                    cpu[name, w].append(cpu_s)
+        del texts
 
-        def run_tool(workers: int) -> str:
-            out = os.path.join(work, f"w{workers}")
-            run_preprocess(PreprocessConfig(
-                input=[corpus], output_prefix=out, tokenizer_type=tok_type,
-                tokenizer_model=tok_model, workers=workers, append_eod=True, overwrite=True,
-                log_interval=10**9))
-            return out + "_text_document"
-
-        runs = {"naive": run_naive, **{f"{w} worker(s)": (lambda w=w: run_tool(w))
-                                       for w in args.workers}}
-        best = {name: float("inf") for name in runs}
-        prefixes = {}
-        run_naive()  # warm-up: page cache, megatron-core import, tokenizer
-        for _ in range(args.repeats):
-            for name, fn in runs.items():
-                start = time.perf_counter()
-                prefixes[name] = fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-
-        ref = prefixes["naive"]
-        for name, prefix in prefixes.items():
-            for ext in (".bin", ".idx"):
-                if not filecmp.cmp(ref + ext, prefix + ext, shallow=False):
-                    print(f"MISMATCH: {name} output differs from the naive loop's", file=sys.stderr)
-                    return 1
-        print("outputs: byte-identical across all runs")
-        print(f"{'run':<14}{'seconds':>9}{'docs/s':>10}{'MB/s':>8}{'vs naive':>10}")
-        for name, seconds in best.items():
-            print(f"{name:<14}{seconds:>9.2f}{docs / seconds:>10.0f}{nbytes / 1e6 / seconds:>8.2f}"
-                  f"{best['naive'] / seconds:>9.2f}x")
-        if 1 in args.workers:
-            one = best["1 worker(s)"]
-            print(f"1 worker vs naive loop: {best['naive'] / one:.2f}x (target >= 1.3x)")
+        for name in kinds:
+            first, *others = outputs[name]
+            for prefix in others:
+                for ext in (".bin", ".idx"):
+                    if not filecmp.cmp(first + ext, prefix + ext, shallow=False):
+                        print(f"MISMATCH: {prefix}{ext} differs from {first}{ext}")
+                        return 1
+        print(f"outputs: byte-identical across workers and repeats; median of {args.repeats} "
+              f"(min-max)")
+        print(f"{'tokenizer':<14}{'workers':>8}  {'limit s':<20}{'tool wall s':<20}"
+              f"{'ratio':<22}{'floor s':<20}{'tool / floor':<14}{'tool CPU s (x encode CPU)'}")
+        for name in kinds:
             for w in args.workers:
-                if w > 1:
-                    print(f"{w} workers vs 1 worker: {one / best[f'{w} worker(s)']:.2f}x"
-                          + (" (target >= 1.7x)" if w == 2 else ""))
+                limits = [s / w for s in encode_s[name]]
+                ratios = [t / statistics.median(limits) for t in wall[name, w]]
+                to_floor = statistics.median(wall[name, w]) / statistics.median(floor[name, w])
+                extra_cpu = statistics.median(cpu[name, w]) / statistics.median(encode_cpu[name])
+                print(f"{name:<14}{w:>8}  {spread(limits):<20}{spread(wall[name, w]):<20}"
+                      f"{spread(ratios) + 'x':<22}{spread(floor[name, w]):<20}"
+                      f"{f'{to_floor:.2f}x':<14}{spread(cpu[name, w])} ({extra_cpu:.2f}x)")
+        print(f"load average after: {load()}")
+        startup(work, {"ByteTokenizer": ["--tokenizer-type", "ByteTokenizer"], **flags})
         if args.memory_scale > 1:
-            memory_check(work, corpus, nbytes, args.memory_scale, tok_type, tok_model)
+            memory_check(work, corpus, nbytes, args.memory_scale, next(iter(flags.values())))
     return 0
 
 

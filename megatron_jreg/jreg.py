@@ -83,14 +83,22 @@ def jump_rates(psi: Union[Sequence[float], torch.Tensor]) -> Dict[int, float]:
     return dict(sorted(rates.items()))
 
 
-def _softmax_weights(num_layers: int, alpha: float) -> torch.Tensor:
-    logits = torch.arange(1, num_layers + 1, dtype=torch.float64) * alpha
+def _stable_softmax(rates: torch.Tensor, alpha: float) -> torch.Tensor:
+    """softmax(alpha * rates) computed as softmax(alpha * (rates - ref)), ref the entry the
+    sign of alpha makes largest: every logit is <= 0, so no finite alpha overflows to NaN
+    (1e308 * l would be inf, and inf - inf is NaN); huge |alpha| gives the one-hot limit."""
+    ref = rates.max() if alpha >= 0 else rates.min()
+    logits = (rates - ref) * alpha
     return torch.softmax(logits, dim=0)
 
 
+def _softmax_weights(num_layers: int, alpha: float) -> torch.Tensor:
+    return _stable_softmax(torch.arange(1, num_layers + 1, dtype=torch.float64), alpha)
+
+
 def _power_weights(num_layers: int, alpha: float) -> torch.Tensor:
-    w = (torch.arange(1, num_layers + 1, dtype=torch.float64) / num_layers) ** alpha
-    return w / w.sum()
+    # (l/L)^alpha / sum = softmax(alpha * log l): the same weights without overflow
+    return _stable_softmax(torch.log(torch.arange(1, num_layers + 1, dtype=torch.float64)), alpha)
 
 
 def _final_weights(num_layers: int, alpha: float) -> torch.Tensor:

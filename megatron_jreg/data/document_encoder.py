@@ -13,13 +13,12 @@ import re
 import signal
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy
 
 from megatron_jreg.data.parent_death import die_with_parent
 from megatron_jreg.data.text_sources import Chunk
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.tokenizers import build_tokenizer, pack
 
 # Skip reasons, as counted and printed with --skip-invalid.
 MALFORMED_JSON = "malformed JSON"
@@ -67,7 +66,7 @@ class EncoderSpec:
 class EncodedKey:
     """One JSON key's documents from one chunk, ready to append to its dataset."""
 
-    tokens: bytes
+    tokens: numpy.ndarray
     """All token ids, concatenated, in the dataset's dtype."""
     sequence_lengths: numpy.ndarray
     """int32 tokens per sequence (one sequence per document unless splitting sentences)."""
@@ -257,31 +256,28 @@ class DocumentEncoder:
 
     def _encode_batch(self, texts: list[str]) -> EncodedKey:
         tok = self.tokenizer
-        eod = [tok.eod] if self.spec.append_eod else []
         if self._splitter is None:
-            # One call per chunk: the tokenizer's batch path skips per-document call overhead.
-            docs = tok.encode_batch(texts)
-            if eod:
-                for ids in docs:
-                    ids.append(tok.eod)
-            lengths = numpy.fromiter(map(len, docs), numpy.int32, count=len(docs))
-            per_doc = None
-            flat = docs
-        else:
-            # Megatron-LM's rule: sentences that encode to nothing are dropped, and EOD
-            # joins the document's last sentence.
-            flat, counts = [], []
-            for text in texts:
-                sentences = [s for s in map(tok.encode, self._splitter.split(text)) if s]
-                if sentences and eod:
-                    sentences[-1].append(tok.eod)
-                flat.extend(sentences)
-                counts.append(len(sentences))
-            lengths = numpy.fromiter(map(len, flat), numpy.int32, count=len(flat))
-            per_doc = numpy.asarray(counts, dtype=numpy.int32)
-        total = int(lengths.sum())
-        tokens = numpy.fromiter(chain.from_iterable(flat), self.dtype, count=total)
-        return EncodedKey(tokens.tobytes(), lengths, per_doc)
+            # One call per chunk, as arrays: the tokenizer's batch path skips per-document
+            # call overhead, and arrays skip a Python int per token where the library can.
+            ids, lengths = tok.encode_packed(texts)
+            ids = ids.astype(self.dtype, copy=False)
+            if self.spec.append_eod:
+                ends = numpy.cumsum(lengths, dtype=numpy.int64)
+                ids = numpy.insert(ids, ends, numpy.array(tok.eod, self.dtype))
+                lengths = lengths + numpy.int32(1)
+            return EncodedKey(ids, lengths, None)
+        # Megatron-LM's rule: sentences that encode to nothing are dropped, and EOD joins
+        # the document's last sentence.
+        flat, counts = [], []
+        for text in texts:
+            sentences = [s for s in map(tok.encode, self._splitter.split(text)) if s]
+            if sentences and self.spec.append_eod:
+                sentences[-1].append(tok.eod)
+            flat.extend(sentences)
+            counts.append(len(sentences))
+        ids, lengths = pack(flat)
+        return EncodedKey(ids.astype(self.dtype, copy=False), lengths,
+                          numpy.asarray(counts, dtype=numpy.int32))
 
     def encode_chunk(self, chunk: Chunk, kind: str) -> EncodedChunk:
         result = EncodedChunk()
@@ -325,7 +321,7 @@ class DocumentEncoder:
             return result
         for encoded in keys:
             result.keys.append(encoded)
-            result.tokens += len(encoded.tokens) // numpy.dtype(self.dtype).itemsize
+            result.tokens += encoded.tokens.size
         result.documents = len(good)
         return result
 
@@ -339,10 +335,12 @@ class DocumentEncoder:
 _ENCODER = None  # a DocumentEncoder, or sft_encoder.SFTEncoder
 
 
-def init_worker(spec, parent_pid: int) -> None:
+def init_worker(spec, parent_pid: int, encoder=None) -> None:
     """Pool initializer: build the tokenizer once per worker process.
 
-    ``parent_pid`` is the process that owns the pool: the worker dies with it.
+    ``parent_pid`` is the process that owns the pool: the worker dies with it. ``encoder``
+    is the parent's, already built for ``spec``: a forked worker inherits it instead of
+    loading the tokenizer again (pass None where workers are spawned: it is not picklable).
     """
     global _ENCODER
     die_with_parent(parent_pid)
@@ -351,7 +349,7 @@ def init_worker(spec, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # One thread per worker: parallelism comes from the worker count.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _ENCODER = spec.build()
+    _ENCODER = encoder if encoder is not None else spec.build()
 
 
 def encode_chunk_in_worker(chunk: Chunk) -> EncodedChunk:

@@ -1,10 +1,20 @@
-"""Writing megatron-core ``.bin``/``.idx`` pairs with flat memory and an atomic commit.
+"""megatron-core's ``.bin``/``.idx`` format, written with numpy alone, flat memory and an
+atomic commit.
 
-``StreamingIndexedDatasetBuilder`` is megatron-core's ``IndexedDatasetBuilder`` with its
-Python lists of sequence lengths and document indices moved to temp files, and its
-finalize streaming them out: stock finalize builds a Python list of every sequence
-pointer, which for a billion-token corpus is gigabytes. The files it writes are
-byte-identical to the stock builder's (tests pin this).
+The format (megatron-core 0.16.1, ``indexed_dataset.py``; a test pins our bytes to its
+``IndexedDatasetBuilder`` and reads them back with its ``IndexedDataset``):
+
+- ``.bin``: every sequence's token ids, concatenated, in the dataset's dtype.
+- ``.idx``: the 9-byte ``MAGIC``, then little-endian version (Q, always 1), dtype code (B),
+  sequence count (Q) and document boundary count (Q): ``HEADER_BYTES`` in all. Then int32
+  tokens per sequence, int64 byte offset of each sequence in the ``.bin``, and int64
+  document boundaries: ``[0, end of document 1, ...]`` in sequences.
+
+Written here, not through megatron-core, because importing megatron-core takes seconds
+(its ``__init__`` pulls torch and the transformer config) and the format is small and fixed.
+
+``IndexedDatasetWriter`` keeps sequence lengths and document boundaries in temp files, not
+in lists, and streams them out at finalize: a billion-token corpus has gigabytes of them.
 
 ``IndexedDatasetOutput`` writes under temp names and renames only a complete pair, so an
 interrupted run never leaves a ``.bin``/``.idx`` pair that looks valid.
@@ -20,20 +30,37 @@ import contextlib
 import os
 import shutil
 import struct
-from typing import Type
 
 import numpy
-import torch
-from megatron.core.datasets.indexed_dataset import (
-    DType,
-    IndexedDatasetBuilder,
-    _IndexReader,
-    _IndexWriter,
-    get_bin_path,
-    get_idx_path,
-)
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequence count, boundary count
+HEADER_BYTES = len(MAGIC) + _HEADER.size
+# megatron-core's DType codes (a test pins them).
+DTYPE_CODES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64,
+               6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}
+_CODE_OF = {numpy.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
 _BLOCK_ITEMS = 1 << 20  # items per read-back block at finalize: 8 MB of int64
+
+
+def bin_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def idx_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def read_header(path: str) -> tuple[int, int, int, int] | None:
+    """(version, dtype code, sequences, document boundaries) of an ``.idx``; None when the
+    file is too short or lacks the magic."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if len(head) < HEADER_BYTES or not head.startswith(MAGIC):
+        return None
+    return _HEADER.unpack(head[len(MAGIC):])
 
 
 @contextlib.contextmanager
@@ -61,20 +88,18 @@ def _close_without_writing(f) -> None:
 class _SpillArray:
     """An append-only array of one dtype kept in a temp file instead of memory."""
 
-    def __init__(self, path: str, dtype: Type[numpy.number]) -> None:
+    def __init__(self, path: str, dtype) -> None:
         self.path = path
         self.dtype = numpy.dtype(dtype)
         self._file = open(path, "w+b")
         self.count = 0
-        self.last = 0
 
-    def extend(self, values: numpy.ndarray) -> None:
+    def extend(self, values) -> None:
         values = numpy.asarray(values, dtype=self.dtype)
         if values.size:
             with _writing(self.path):
                 self._file.write(values.tobytes())
             self.count += values.size
-            self.last = int(values[-1])
 
     def blocks(self):
         """The stored values, in order, a block at a time."""
@@ -96,76 +121,51 @@ class _SpillArray:
             os.unlink(self.path)
 
 
-class _StreamingIndexWriter(_IndexWriter):
-    """megatron-core's index writer (header and dtype code), fed from spill files."""
+def _read_index(path: str, dtype) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """(sequence lengths, document boundaries) of an ``.idx`` of ``dtype``, mapped, not read."""
+    header = read_header(path)
+    if header is None or header[0] != VERSION or header[1] not in DTYPE_CODES:
+        raise ValueError(f"add_index: {path} is not a megatron-core index file")
+    _, code, sequences, documents = header
+    if numpy.dtype(DTYPE_CODES[code]) != numpy.dtype(dtype):
+        raise ValueError(
+            f"add_index: {path!r} holds {numpy.dtype(DTYPE_CODES[code]).name} tokens, this "
+            f"dataset {numpy.dtype(dtype).name}; rebuild it with the same tokenizer"
+        )
 
-    def __exit__(self, exc_type, exc_val, exc_tb):
-        if exc_type is None:
-            return super().__exit__(exc_type, exc_val, exc_tb)
-        _close_without_writing(self.idx_writer)  # failed: the file is deleted, do not flush it
-        return None
+    def mapped(kind, count, offset):
+        # numpy cannot map zero bytes
+        return numpy.memmap(path, kind, "r", offset, (count,)) if count else numpy.zeros(0, kind)
 
-    def write_spilled(self, lengths: _SpillArray, document_indices: _SpillArray) -> None:
-        # Same layout as _IndexWriter.write: counts, lengths, pointers, document indices.
-        self.idx_writer.write(struct.pack("<Q", lengths.count))
-        self.idx_writer.write(struct.pack("<Q", document_indices.count))
-        for block in lengths.blocks():
-            self.idx_writer.write(block.tobytes())
-        itemsize = DType.size(self.dtype)
-        offset = 0
-        for block in lengths.blocks():
-            ends = numpy.cumsum(block, dtype=numpy.int64) * itemsize
-            pointers = numpy.empty_like(ends)
-            pointers[0] = offset
-            pointers[1:] = offset + ends[:-1]
-            offset += int(ends[-1])
-            self.idx_writer.write(pointers.tobytes())
-        for block in document_indices.blocks():
-            self.idx_writer.write(block.tobytes())
+    lengths = mapped(numpy.int32, sequences, HEADER_BYTES)
+    boundaries = mapped(numpy.int64, documents, HEADER_BYTES + sequences * 12)
+    return lengths, boundaries
 
 
-class StreamingIndexedDatasetBuilder(IndexedDatasetBuilder):
-    """``IndexedDatasetBuilder`` whose index grows on disk (``spill_prefix``.*), not in lists.
+class IndexedDatasetWriter:
+    """One ``.bin`` written as it comes, and its ``.idx`` at ``finalize``; the index grows in
+    spill files (``spill_prefix``.*), not in lists.
 
-    Supports the stock API (``add_item``, ``add_document``, ``end_document``, ``add_index``,
-    ``finalize``) plus ``add_encoded`` for a worker's packed batch of documents.
+    The bytes are those of megatron-core's ``IndexedDatasetBuilder`` given the same
+    sequences (``add_item``/``end_document``, ``add_document``, ``add_index``).
     """
 
-    def __init__(self, bin_path: str, dtype: Type[numpy.number], spill_prefix: str) -> None:
-        super().__init__(bin_path, dtype=dtype, multimodal=False)
-        self.bin_path = bin_path
+    def __init__(self, bin_file: str, dtype, spill_prefix: str) -> None:
+        self.bin_path = bin_file
+        self.dtype = numpy.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise ValueError(f"{self.dtype.name} is not a megatron-core token dtype")
+        self.data_file = open(bin_file, "wb")
         self.sequence_lengths = _SpillArray(spill_prefix + ".lengths", numpy.int32)
         self.document_indices = _SpillArray(spill_prefix + ".documents", numpy.int64)
         self.document_indices.extend(numpy.zeros(1, numpy.int64))
-        self._itemsize = numpy.dtype(dtype).itemsize
 
-    def add_item(self, tensor: torch.Tensor, mode: int = 0) -> None:
-        array = numpy.asarray(tensor.numpy(), dtype=self.dtype)
-        with _writing(self.bin_path):
-            self.data_file.write(array.tobytes(order="C"))
-        self.sequence_lengths.extend(numpy.array([array.size], numpy.int32))
-
-    def add_document(self, tensor, lengths, modes=None) -> None:
-        array = numpy.asarray(tensor, dtype=self.dtype)
-        with _writing(self.bin_path):
-            self.data_file.write(array.tobytes(order="C"))
-        self.sequence_lengths.extend(numpy.asarray(lengths, numpy.int32))
-        self.end_document()
-
-    def end_document(self) -> None:
-        self.document_indices.extend(numpy.array([self.sequence_lengths.count], numpy.int64))
-
-    def add_encoded(
-        self,
-        tokens: bytes,
-        sequence_lengths: numpy.ndarray,
-        sequences_per_document: numpy.ndarray | None = None,
-    ) -> None:
-        """Append documents already packed in this builder's dtype.
-
-        ``sequences_per_document`` None means one sequence per document.
+    def add_encoded(self, tokens, sequence_lengths: numpy.ndarray,
+                    sequences_per_document: numpy.ndarray | None = None) -> None:
+        """Append documents: ``tokens`` (bytes or an array) already in this dataset's dtype,
+        int32 ``sequence_lengths``, and ``sequences_per_document`` (None: one sequence each).
         """
-        if len(tokens) != int(sequence_lengths.sum()) * self._itemsize:
+        if memoryview(tokens).nbytes != int(sequence_lengths.sum()) * self.dtype.itemsize:
             raise ValueError("add_encoded: token bytes do not match the sequence lengths")
         with _writing(self.bin_path):
             self.data_file.write(tokens)
@@ -177,26 +177,47 @@ class StreamingIndexedDatasetBuilder(IndexedDatasetBuilder):
             ends = start + numpy.cumsum(sequences_per_document, dtype=numpy.int64)
         self.document_indices.extend(ends)
 
-    def add_index(self, path_prefix: str) -> None:
-        index = _IndexReader(get_idx_path(path_prefix), multimodal=False)
-        if index.dtype != self.dtype:
-            raise ValueError(
-                f"add_index: {path_prefix!r} holds {index.dtype.__name__} tokens, this dataset "
-                f"{numpy.dtype(self.dtype).name}; rebuild it with the same tokenizer"
-            )
+    def add_index(self, prefix: str) -> None:
+        """Append a whole dataset of the same dtype (how partitions are merged)."""
+        lengths, boundaries = _read_index(idx_path(prefix), self.dtype)
         offset = self.sequence_lengths.count
-        self.sequence_lengths.extend(index.sequence_lengths)
-        self.document_indices.extend(offset + index.document_indices[1:])
-        del index
-        with open(get_bin_path(path_prefix), "rb") as f, _writing(self.bin_path):
+        for start in range(0, len(lengths), _BLOCK_ITEMS):
+            self.sequence_lengths.extend(lengths[start:start + _BLOCK_ITEMS])
+        for start in range(1, len(boundaries), _BLOCK_ITEMS):
+            self.document_indices.extend(offset + boundaries[start:start + _BLOCK_ITEMS])
+        del lengths, boundaries  # unmap before the next file
+        with open(bin_path(prefix), "rb") as f, _writing(self.bin_path):
             shutil.copyfileobj(f, self.data_file, 1 << 22)
 
-    def finalize(self, idx_path: str) -> None:
+    def finalize(self, idx_file: str) -> None:
         with _writing(self.bin_path):
             self.data_file.close()
-        with _writing(idx_path), _StreamingIndexWriter(idx_path, self.dtype) as writer:
-            writer.write_spilled(self.sequence_lengths, self.document_indices)
+        with _writing(idx_file):
+            f = open(idx_file, "wb")
+            try:
+                self._write_index(f)
+            except BaseException:
+                _close_without_writing(f)  # failed: the file is deleted, do not flush it
+                raise
+            f.close()
         self.discard_spill()
+
+    def _write_index(self, f) -> None:
+        lengths, boundaries = self.sequence_lengths, self.document_indices
+        f.write(MAGIC + _HEADER.pack(VERSION, _CODE_OF[self.dtype], lengths.count,
+                                     boundaries.count))
+        for block in lengths.blocks():
+            f.write(block.tobytes())
+        offset = 0
+        for block in lengths.blocks():  # byte offsets: the running sum of the lengths
+            ends = numpy.cumsum(block, dtype=numpy.int64) * self.dtype.itemsize
+            pointers = numpy.empty_like(ends)
+            pointers[0] = offset
+            pointers[1:] = offset + ends[:-1]
+            offset += int(ends[-1])
+            f.write(pointers.tobytes())
+        for block in boundaries.blocks():
+            f.write(block.tobytes())
 
     def discard_spill(self) -> None:
         """Delete the spill files and close the ``.bin`` (finalize does this; call it on
@@ -210,29 +231,28 @@ class StreamingIndexedDatasetBuilder(IndexedDatasetBuilder):
 class IndexedDatasetOutput:
     """One ``<prefix>.bin``/``.idx`` pair, written under temp names, renamed when complete."""
 
-    def __init__(self, prefix: str, dtype: Type[numpy.number]) -> None:
+    def __init__(self, prefix: str, dtype) -> None:
         self.prefix = prefix
         tag = f".tmp-{os.getpid()}"
-        self._bin_tmp = get_bin_path(prefix) + tag
-        self._idx_tmp = get_idx_path(prefix) + tag
-        self.builder = StreamingIndexedDatasetBuilder(self._bin_tmp, dtype, prefix + tag)
+        self._bin_tmp = bin_path(prefix) + tag
+        self._idx_tmp = idx_path(prefix) + tag
+        self.writer = IndexedDatasetWriter(self._bin_tmp, dtype, prefix + tag)
         self._done = False
 
     def commit(self) -> None:
         """Finalize, then rename: a stale .idx goes first so no old/new mix is ever valid."""
-        self.builder.finalize(self._idx_tmp)
-        idx_path, bin_path = get_idx_path(self.prefix), get_bin_path(self.prefix)
-        if os.path.exists(idx_path):
-            os.unlink(idx_path)
-        os.replace(self._bin_tmp, bin_path)
-        os.replace(self._idx_tmp, idx_path)
+        self.writer.finalize(self._idx_tmp)
+        if os.path.exists(idx_path(self.prefix)):
+            os.unlink(idx_path(self.prefix))
+        os.replace(self._bin_tmp, bin_path(self.prefix))
+        os.replace(self._idx_tmp, idx_path(self.prefix))
         self._done = True
 
     def abort(self) -> None:
         """Remove every temp file, writing nothing; safe to call twice or after commit."""
         if self._done:
             return
-        self.builder.discard_spill()
+        self.writer.discard_spill()
         for path in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(path):
                 os.unlink(path)

@@ -19,11 +19,12 @@ import shutil
 import signal
 import sys
 import time
-import warnings
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
+from megatron_jreg.atomic_write import check_output_dir
 from megatron_jreg.data.document_encoder import encode_chunk_in_worker, init_worker
+from megatron_jreg.data.indexed_writer import IndexedDatasetOutput
 from megatron_jreg.data.parent_death import die_with_parent
 from megatron_jreg.data.preprocess_config import (
     _NO_ROOM,
@@ -54,13 +55,10 @@ def _mp_context() -> multiprocessing.context.BaseContext:
 
 def _check_outputs(config: PreprocessConfig) -> None:
     out_dir = os.path.dirname(os.path.abspath(config.output_prefix))
-    if not os.path.isdir(out_dir):
-        raise PreprocessError(
-            f"--output-prefix {config.output_prefix!r}: directory {out_dir!r} does not exist; "
-            f"create it first"
-        )
-    if not os.access(out_dir, os.W_OK):
-        raise PreprocessError(f"--output-prefix: directory {out_dir!r} is not writable")
+    try:  # made when missing, and proved writable, before any input is read
+        check_output_dir(out_dir, "--output-prefix", config.output_prefix)
+    except InputError as e:
+        raise PreprocessError(str(e)) from None
     if config.overwrite:
         return
     for path in config.output_paths():
@@ -100,14 +98,6 @@ def _refuse_empty(config: PreprocessConfig, segments: list[Segment], stats: RunS
     )
 
 
-def _import_writer():
-    """The writer pulls in megatron-core (seconds); imported only once work is under way."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-        from megatron_jreg.data import indexed_writer
-    return indexed_writer
-
-
 def _encode_stream(
     segments: list[Segment],
     config: PreprocessConfig,
@@ -117,11 +107,13 @@ def _encode_stream(
     workers: int,
     progress: Progress,
     final: bool = True,
+    built=None,
 ) -> RunStats:
     """Tokenise ``segments`` in order into committed datasets at ``prefixes`` (one dtype each).
 
     ``final`` False (a partition's partial datasets) leaves the no-documents check and stale
-    metadata to the caller (a partition may be empty when the whole input is not).
+    metadata to the caller (a partition may be empty when the whole input is not). ``built``:
+    the encoder of ``spec``, for forked workers to inherit (None: each worker builds its own).
     """
     stats = RunStats()
     outputs = []
@@ -136,11 +128,8 @@ def _encode_stream(
             raise PreprocessError(
                 f"{path}:{first_line + line}: {message}; fix it or pass --skip-invalid"
             )
-        if not outputs:  # first result: workers are busy while megatron-core imports
-            writer = _import_writer()
-            outputs.extend(writer.IndexedDatasetOutput(p, d) for p, d in zip(prefixes, dtypes))
         for output, encoded in zip(outputs, result.keys):
-            output.builder.add_encoded(
+            output.writer.add_encoded(
                 encoded.tokens, encoded.sequence_lengths, encoded.sequences_per_document
             )
         stats.documents += result.documents
@@ -155,10 +144,13 @@ def _encode_stream(
     # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies (OOM killer) breaks
     # the executor with an error instead of leaving the parent waiting forever.
     executor = ProcessPoolExecutor(
-        workers, mp_context=_mp_context(), initializer=init_worker, initargs=(spec, os.getpid())
+        workers, mp_context=_mp_context(), initializer=init_worker,
+        initargs=(spec, os.getpid(), built),
     )
     try:
         try:
+            for prefix, dtype in zip(prefixes, dtypes):
+                outputs.append(IndexedDatasetOutput(prefix, dtype))
             for segment in segments:
                 for chunk in iter_chunks(segment, config.chunk_bytes, config.read_keys):
                     future = executor.submit(encode_chunk_in_worker, chunk)
@@ -173,9 +165,6 @@ def _encode_stream(
         if final:
             _refuse_empty(config, segments, stats)
             _drop_stale_metadata(config)
-        if not outputs:  # empty input (--allow-empty): still write valid, empty datasets
-            writer = _import_writer()
-            outputs.extend(writer.IndexedDatasetOutput(p, d) for p, d in zip(prefixes, dtypes))
         for output in outputs:
             output.commit()
     except BaseException:
@@ -186,7 +175,7 @@ def _encode_stream(
 
 
 def _run_partition(index, segments, config, spec, prefixes, dtypes, workers, parent_pid,
-                   conn) -> None:
+                   conn, built) -> None:
     """Child process body: one partition into committed partial datasets; reports back."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _raise_terminated)
@@ -194,7 +183,7 @@ def _run_partition(index, segments, config, spec, prefixes, dtypes, workers, par
         progress = Progress(config.log_interval, stream=_NotATty(sys.stderr),
                             label=f"[partition {index}] ")
         stats = _encode_stream(segments, config, spec, prefixes, dtypes, workers, progress,
-                               final=False)
+                               final=False, built=built)
         conn.send(("ok", stats))
     except (PreprocessError, InputError) as e:
         conn.send(("error", str(e)))
@@ -227,9 +216,8 @@ class _NotATty:
         self._stream.flush()
 
 
-def _encode_partitioned(config, spec, segments, dtypes, progress) -> RunStats:
+def _encode_partitioned(config, spec, segments, dtypes, progress, built) -> RunStats:
     groups = split_into_partitions(segments, config.partitions)
-    writer = _import_writer()  # once here, not once per forked partition
     workers = max(1, config.workers // len(groups))
     tmp_dir = f"{config.output_prefix}_partitions.tmp-{os.getpid()}"
     os.mkdir(tmp_dir)
@@ -241,7 +229,8 @@ def _encode_partitioned(config, spec, segments, dtypes, progress) -> RunStats:
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_run_partition,
-                args=(i, group, config, spec, part_prefixes, dtypes, workers, os.getpid(), send),
+                args=(i, group, config, spec, part_prefixes, dtypes, workers, os.getpid(), send,
+                      built),
             )
             proc.start()
             send.close()
@@ -268,10 +257,10 @@ def _encode_partitioned(config, spec, segments, dtypes, progress) -> RunStats:
         _refuse_empty(config, segments, stats)
         _drop_stale_metadata(config)
         for k, prefix in enumerate(config.output_prefixes()):
-            output = writer.IndexedDatasetOutput(prefix, dtypes[k])
+            output = IndexedDatasetOutput(prefix, dtypes[k])
             try:
                 for _, _, part_prefixes in procs:
-                    output.builder.add_index(part_prefixes[k])
+                    output.writer.add_index(part_prefixes[k])
                 output.commit()
             except BaseException:
                 output.abort()
@@ -288,25 +277,26 @@ def _encode_partitioned(config, spec, segments, dtypes, progress) -> RunStats:
 def run_preprocess(config: PreprocessConfig) -> RunStats:
     """Validate everything cheap first, then tokenise; raises PreprocessError on user errors."""
     start = time.perf_counter()
+    _check_outputs(config)
     try:
         segments = resolve_inputs(config.input, config.input_format)
     except InputError as e:
         raise PreprocessError(str(e)) from None
     try:
-        # Built here too (not only in workers) so a bad tokenizer, chat template or missing
-        # nltk fails once, clearly, instead of in every worker.
+        # Built here first so a bad tokenizer, chat template or missing nltk fails once,
+        # clearly, instead of in every worker; forked workers then inherit it.
         spec = config.encoder_spec()
         encoder = spec.build()
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         raise PreprocessError(str(e)) from None
-    _check_outputs(config)
+    built = encoder if _mp_context().get_start_method() == "fork" else None
     progress = Progress(config.log_interval)
     try:
         if config.partitions > 1:
-            stats = _encode_partitioned(config, spec, segments, encoder.dtypes, progress)
+            stats = _encode_partitioned(config, spec, segments, encoder.dtypes, progress, built)
         else:
             stats = _encode_stream(segments, config, spec, config.output_prefixes(),
-                                   encoder.dtypes, config.workers, progress)
+                                   encoder.dtypes, config.workers, progress, built=built)
         if config.sft:
             write_metadata(config.output_prefixes()[0], sft_metadata(spec, encoder, stats))
     except InputError as e:

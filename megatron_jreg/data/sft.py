@@ -9,32 +9,24 @@ For ``--output-prefix OUT`` the dataset prefix is ``P = OUT_sft_document``:
 - ``P.json``: metadata: the chat template (name and jinja text), the tokenizer, its EOD id
   and the counts of the run.
 
-The reader uses numpy on the documented format, not megatron-core: importing it costs
-seconds and it cannot tell a mask that does not belong to its tokens.
+The reader uses numpy on the format ``indexed_writer`` documents, not megatron-core:
+importing it costs seconds and it cannot tell a mask that does not belong to its tokens.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 
 import numpy
 
 from megatron_jreg.atomic_write import write_text_atomic
+from megatron_jreg.data.indexed_writer import DTYPE_CODES, HEADER_BYTES, VERSION, read_header
 from megatron_jreg.errors import InputError
 
 FORMAT = "megatron-jreg sft 1"
 MASK_SUFFIX = "_loss_mask"
 _REBUILD = "rebuild it with tools/preprocess_data.py --sft"
-
-# megatron-core's .idx: magic, version (Q), dtype code (B), sequence count (Q), document
-# boundary count (Q); then int32 lengths, int64 byte pointers, int64 document boundaries.
-# The codes are megatron-core's DType values (a test pins them).
-_MAGIC = b"MMIDIDX\x00\x00"
-_HEADER = len(_MAGIC) + struct.calcsize("<QBQQ")
-_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64,
-           6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}
 
 
 def sft_prefixes(output_prefix: str) -> list[str]:
@@ -64,19 +56,18 @@ class _Index:
 
     def __init__(self, prefix: str) -> None:
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-        with open(idx_path, "rb") as f:
-            head = f.read(_HEADER)
-        if len(head) < _HEADER or not head.startswith(_MAGIC):
+        header = read_header(idx_path)
+        if header is None:
             raise InputError(f"{idx_path} is not a megatron-core index file; {_REBUILD}")
-        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(_MAGIC):])
-        expected = _HEADER + sequences * 12 + documents * 8
-        if version != 1 or code not in _DTYPES or os.path.getsize(idx_path) != expected:
+        version, code, sequences, documents = header
+        expected = HEADER_BYTES + sequences * 12 + documents * 8
+        if version != VERSION or code not in DTYPE_CODES or os.path.getsize(idx_path) != expected:
             raise InputError(f"{idx_path} is truncated or damaged (version {version}, dtype "
                              f"code {code}, {sequences} sequences); {_REBUILD}")
-        self.dtype = numpy.dtype(_DTYPES[code])
-        self.lengths = numpy.fromfile(idx_path, numpy.int32, sequences, offset=_HEADER)
+        self.dtype = numpy.dtype(DTYPE_CODES[code])
+        self.lengths = numpy.fromfile(idx_path, numpy.int32, sequences, offset=HEADER_BYTES)
         self.pointers = numpy.fromfile(idx_path, numpy.int64, sequences,
-                                       offset=_HEADER + sequences * 4)
+                                       offset=HEADER_BYTES + sequences * 4)
         self.tokens = int(self.lengths.sum(dtype=numpy.int64))
         size = os.path.getsize(bin_path)
         if size != self.tokens * self.dtype.itemsize:

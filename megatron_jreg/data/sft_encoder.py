@@ -165,8 +165,8 @@ class SFTEncoder:
             lengths.append(len(ids))
         sizes = numpy.asarray(lengths, dtype=numpy.int32)
         result.keys = [
-            EncodedKey(numpy.asarray(tokens, dtype=self.dtype).tobytes(), sizes, None),
-            EncodedKey(numpy.asarray(masks, dtype=numpy.uint8).tobytes(), sizes, None),
+            EncodedKey(numpy.asarray(tokens, dtype=self.dtype), sizes, None),
+            EncodedKey(numpy.asarray(masks, dtype=numpy.uint8), sizes, None),
         ]
         result.documents = len(lengths)
         result.tokens = len(tokens)

@@ -1,7 +1,8 @@
 """The one tokenizer interface used by preprocessing, the trainer and eval_jump.
 
 Every tokenizer exposes ``vocab_size``, ``eod``, ``encode(text)``, ``encode_batch(texts)``,
-``decode(ids)`` and a JSON-able ``unique_identifiers`` dict. That is all megatron-core's
+``encode_packed(texts)`` (the batch as numpy arrays, for preprocessing), ``decode(ids)`` and
+a JSON-able ``unique_identifiers`` dict. That is all megatron-core's
 ``GPTDataset`` reads from ``config.tokenizer`` (it folds ``unique_identifiers`` into its cache
 hash), so these objects are passed to it directly.
 
@@ -17,13 +18,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from itertools import chain
 from typing import Sequence
+
+import numpy
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer")
 
 # Special-token names that end a document, most specific first. Used only when a bare
 # tokenizer.json has no tokenizer_config.json beside it to name the EOS token.
 _KNOWN_EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+
+
+def pack(docs: Sequence[Sequence[int]]) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Lists of ids as two int32 arrays: every id, concatenated, and each list's length."""
+    lengths = numpy.fromiter(map(len, docs), numpy.int32, count=len(docs))
+    ids = numpy.fromiter(chain.from_iterable(docs), numpy.int32, count=int(lengths.sum()))
+    return ids, lengths
 
 
 def file_sha256(path: str) -> str:
@@ -66,6 +77,12 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
+    def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``encode_batch`` as (ids concatenated, ids per text); no Python int per byte."""
+        raw = [t.encode("utf-8") for t in texts]
+        lengths = numpy.fromiter(map(len, raw), numpy.int32, count=len(raw))
+        return numpy.frombuffer(b"".join(raw), numpy.uint8), lengths
+
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < self.NUM_BYTES).decode("utf-8", errors="replace")
 
@@ -94,6 +111,7 @@ class SentencePieceTokenizer:
                 f"SentencePieceTokenizer: {model_path!r} has no EOS piece to mark document ends; "
                 f"retrain it with eos_id set (tools/train_tokenizer.py does)"
             )
+        self._numpy_out = _sentencepiece_has_numpy(self._sp)
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         self.eos = self.eod
@@ -112,8 +130,27 @@ class SentencePieceTokenizer:
         # own thread pool would oversubscribe the cores they use.
         return self._sp.Encode(list(texts), num_threads=1)
 
+    def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``encode_batch`` as (ids concatenated, ids per text)."""
+        if not self._numpy_out:
+            return pack(self.encode_batch(texts))
+        # Arrays straight from C++: no Python int per token.
+        arrays = self._sp.Encode(list(texts), num_threads=1, out_type="numpy")
+        lengths = numpy.fromiter(map(len, arrays), numpy.int32, count=len(arrays))
+        ids = numpy.concatenate(arrays) if arrays else numpy.zeros(0, numpy.int32)
+        return ids, lengths
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.DecodeIds(list(ids))
+
+
+def _sentencepiece_has_numpy(sp) -> bool:
+    """Whether this sentencepiece encodes to numpy arrays (older releases do not)."""
+    try:
+        sp.Encode([""], num_threads=1, out_type="numpy")
+    except (ValueError, TypeError, RuntimeError):
+        return False
+    return True
 
 
 def _hf_eos_token(tokenizer_dir: str | None, special_tokens: dict[str, int], path: str) -> str:
@@ -185,6 +222,10 @@ class HuggingFaceTokenizer:
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets nobody reads here.
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``encode_batch`` as (ids concatenated, ids per text)."""
+        return pack(self.encode_batch(texts))  # the library gives ids only as lists
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)

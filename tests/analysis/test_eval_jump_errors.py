@@ -19,10 +19,13 @@ def run_error(capsys, argv):
         rc = main([str(a) for a in argv] + ["--no-progress"])
     except SystemExit as e:  # argparse's own usage errors
         rc = e.code
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err
     assert rc == 2, err
     assert "Traceback" not in err
-    return err.splitlines()[-1]
+    # the whole of stderr is one line: no usage block, warning or second line before or after
+    assert err.endswith("\n") and err.count("\n") == 1, repr(err)
+    assert err.startswith("eval_jump: error: "), repr(err)
+    return err.rstrip("\n")
 
 
 @pytest.fixture
@@ -196,6 +199,5 @@ def test_subprocess_error_is_one_line(tmp_path, text):
     )
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith(
-        "eval_jump: error: --hf-model"
-    )
+    assert proc.stderr.endswith("\n") and proc.stderr.count("\n") == 1, repr(proc.stderr)
+    assert proc.stderr.startswith("eval_jump: error: --hf-model")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -58,6 +60,58 @@ def run_json(tmp_path, *args, name="out.json"):
     rc = main([*map(str, args), "--json", str(out), "--no-progress"])
     assert rc == 0
     return json.loads(out.read_text())
+
+
+def document_lengths(model_dir, documents):
+    """Tokens per document as the model's tokenizer gives them (<s> included)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [len(tokenizer(doc)["input_ids"]) for doc in documents]
+
+
+def progress_counts(stderr, label, total=None):
+    """The token counts a tqdm bar drew on stderr, in order (``N/total`` with a total)."""
+    from tqdm import tqdm
+
+    if total is None:
+        found = re.findall(rf"{re.escape(label)}: (\S+)tok \[", stderr)
+    else:
+        found = re.findall(
+            rf"{re.escape(label)}: +\d+%\|[^|]*\| (\S+)/{re.escape(tqdm.format_sizeof(total))} \[",
+            stderr,
+        )
+    assert found, stderr
+    return found
+
+
+def expected_progress(lengths, batch_size):
+    """0, then the real tokens counted after each batch, as tqdm's unit_scale prints them."""
+    from tqdm import tqdm
+
+    sums, total = [0], 0
+    for start in range(0, len(lengths), batch_size):
+        total += sum(lengths[start : start + batch_size])
+        sums.append(total)
+    return [tqdm.format_sizeof(n) for n in sums]
+
+
+@pytest.fixture(scope="module")
+def other_hf_model(tiny_hf_model, tmp_path_factory):
+    """The fixture's model, last MLP weakened (a smaller jump) and layer 1's attention
+    output strengthened (a larger Psi_1); the same tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("hf_other") / "other-llama"
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_model, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.mul_(0.1)
+        model.model.layers[0].self_attn.o_proj.weight.mul_(3.0)
+    model.save_pretrained(str(path))
+    for name in os.listdir(tiny_hf_model):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tiny_hf_model, name), path / name)
+    return str(path)
 
 
 @pytest.mark.parametrize("include_final_norm", [False, True])
@@ -192,14 +246,14 @@ def test_jsonl_and_indexed_dataset_inputs_agree_with_text(
     assert indexed["displacement"] == pytest.approx(text["displacement"], abs=1e-12)
 
 
-def test_two_models_compare_csv_and_plot(tiny_hf_model, eval_text, tmp_path):
+def test_two_models_compare_csv_and_plot(tiny_hf_model, other_hf_model, eval_text, tmp_path, capsys):
     out = tmp_path / "both.json"
     csv_path, png = tmp_path / "both.csv", tmp_path / "both.png"
     rc = main(
         [
             "--hf-model",
             tiny_hf_model,
-            tiny_hf_model,
+            other_hf_model,
             "--label",
             "a",
             "--label",
@@ -226,9 +280,63 @@ def test_two_models_compare_csv_and_plot(tiny_hf_model, eval_text, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]  # temp files renamed away
 
+    # The Delta table: A is the first model, B the second, Delta_l = Psi_l(B) - Psi_l(A).
+    psi_a, psi_b = reports[0]["displacement"], reports[1]["displacement"]
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("A: a   B: b   Delta_l = Psi_l(B) - Psi_l(A)")
+    assert lines[start + 1].split() == ["layer", "Psi_l(A)", "Psi_l(B)", "Delta_l"]
+    rows = [line.split() for line in lines[start + 2 : start + 2 + 3]]
+    more = []
+    for layer, (row, pa, pb) in enumerate(zip(rows, psi_a, psi_b), start=1):
+        delta = pb - pa
+        assert row[:3] == [str(layer), f"{pa:.6f}", f"{pb:.6f}"], row
+        assert float(row[3]) == pytest.approx(delta, abs=5e-7 + 1e-12), (layer, row, delta)
+        assert row[3] == f"{delta:+.6f}"
+        assert (row[4:] == ["B", "moves", "more"]) is (pb > pa)
+        if pb > pa:
+            more.append(str(layer))
+    assert lines[start + 5] == (
+        f"layers where B moves more than A: {', '.join(more) if more else 'none'}"
+    )
+    assert max(abs(pb - pa) for pa, pb in zip(psi_a, psi_b)) > 1e-3  # two different models
+    za, zb = reports[0]["jump_rate"]["L"], reports[1]["jump_rate"]["L"]
+    assert lines[start + 6] == f"zeta_L: A {za:.4f}   B {zb:.4f}"
 
-def test_subprocess_prints_table(tiny_hf_model, eval_text, tmp_path):
+
+def test_progress_bar_counts_real_tokens_up_to_max_tokens(
+    tiny_hf_model, eval_text, eval_documents, tmp_path, capsys, monkeypatch
+):
+    """With --max-tokens the bar's total is the cap and it ends at N/N, N = the report's tokens."""
+    import tqdm as tqdm_module
+
+    class EveryUpdate(tqdm_module.tqdm):  # draw on every update, however fast
+        def __init__(self, *args, **kwargs):
+            kwargs.update(mininterval=0, miniters=1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm_module, "tqdm", EveryUpdate)
+    out = tmp_path / "progress.json"
+    argv = ["--hf-model", tiny_hf_model, "--text-file", eval_text, "--batch-size", "3",
+            "--max-tokens", "40", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 40
+    lengths, cut = [], 0
+    for n in document_lengths(tiny_hf_model, eval_documents):  # the documents under the cap
+        lengths.append(min(n, 40 - cut))
+        cut += lengths[-1]
+        if cut == 40:
+            break
+    label = os.path.basename(tiny_hf_model)
+    counts = progress_counts(capsys.readouterr().err, label, total=40)
+    assert counts == expected_progress(lengths, 3)  # each batch adds its unpadded tokens
+    assert counts[-1] == "40.0"  # ends at 40.0/40.0
+
+
+def test_subprocess_prints_table(tiny_hf_model, eval_text, eval_documents, tmp_path):
     out = tmp_path / "sub.json"
+    # tqdm reads TQDM_* defaults from the environment: draw every update, however fast
+    env = dict(os.environ, TQDM_MININTERVAL="0", TQDM_MINITERS="1")
     proc = subprocess.run(
         [
             sys.executable,
@@ -243,10 +351,21 @@ def test_subprocess_prints_table(tiny_hf_model, eval_text, tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     assert "layer" in proc.stdout and "Psi_l" in proc.stdout and "zeta_L =" in proc.stdout
-    assert "tok" in proc.stderr  # the progress bar goes to stderr
     report = json.loads(out.read_text())
+    # the progress bar goes to stderr and counts the real (unpadded) tokens of each batch
+    # of 8 documents (the default), up to the report's token count
+    import tqdm.utils
+
+    lengths = document_lengths(tiny_hf_model, eval_documents)
+    assert sum(lengths) == report["tokens"]
+    counts = progress_counts(proc.stderr, os.path.basename(tiny_hf_model))
+    if hasattr(tqdm.utils, "envwrap"):  # tqdm >= 4.66 reads TQDM_*; older ones draw what they like
+        assert counts == expected_progress(lengths, 8)
+        assert counts[-1] == tqdm.tqdm.format_sizeof(report["tokens"])
+    assert "tok/s" not in proc.stdout  # the bar stays off stdout
     for layer, psi in enumerate(report["displacement"], start=1):
         assert f"{layer:>5}  {psi:10.6f}" in proc.stdout

@@ -166,15 +166,77 @@ def run_compare_seeds(*args):
                           text=True, timeout=120)
 
 
-def test_compare_seeds_tool(tmp_path):
+def _long_rows():
+    """{task: [(seed, baseline, jreg)]} of LONG, parsed here, not by the package."""
+    rows = {}
+    for line in LONG.strip().splitlines()[1:]:
+        seed, task, base, jreg = line.split(",")
+        rows.setdefault(task, []).append((seed, float(base), float(jreg)))
+    return rows
+
+
+def _independent_test(diffs, confidence):
+    """The one-sided t-test of mean(diffs) > 0 with the statistics module and scipy."""
+    import statistics
+
+    n = len(diffs)
+    mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
+    se = sd / math.sqrt(n)
+    expected = {"n": n, "df": n - 1, "mean_difference": mean, "std_difference": sd,
+                "t": mean / se, "confidence": confidence}
+    try:
+        from scipy.stats import t as student_t
+    except ImportError:  # p and the bound need the t distribution; the rest is checked
+        return expected
+    expected["p_value"] = float(student_t.sf(mean / se, n - 1))
+    expected["lower_bound"] = mean - float(student_t.ppf(confidence, n - 1)) * se
+    return expected
+
+
+def _expected_results(confidence):
+    rows = _long_rows()
+    expected = {task: _independent_test([j - b for _, b, j in r], confidence)
+                for task, r in rows.items()}
+    # the per-seed average over tasks, then the same test on its differences
+    seeds = sorted({seed for r in rows.values() for seed, _, _ in r})
+    by_seed = {task: {seed: (b, j) for seed, b, j in r} for task, r in rows.items()}
+    base = [sum(by_seed[t][s][0] for t in rows) / len(rows) for s in seeds]
+    jreg = [sum(by_seed[t][s][1] for t in rows) / len(rows) for s in seeds]
+    expected["average"] = _independent_test([j - b for b, j in zip(base, jreg)], confidence)
+    return expected
+
+
+@pytest.mark.parametrize("flags, confidence, backend", [
+    ([], 0.95, "scipy" if "scipy" in _backends() else "exact"),
+    (["--backend", "exact", "--confidence", "0.9"], 0.9, "exact"),
+], ids=["default", "exact_90"])
+def test_compare_seeds_tool(tmp_path, flags, confidence, backend):
     path = tmp_path / "scores.csv"
     path.write_text(LONG)
     out = tmp_path / "r.json"
-    proc = run_compare_seeds(path, "--json", out)
+    proc = run_compare_seeds(path, "--json", out, *flags)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].split()[:3] == ["task", "n", "mean"]
     assert "average" in proc.stdout
-    assert set(json.loads(out.read_text())) == {"boolq", "piqa", "average"}
+    results = json.loads(out.read_text())
+    assert list(results) == ["boolq", "piqa", "average"]
+    expected = _expected_results(confidence)
+    for task, want in expected.items():
+        got = results[task]
+        assert set(got) == {"n", "mean_difference", "std_difference", "t", "df", "p_value",
+                            "lower_bound", "confidence", "backend"}, task
+        assert got["backend"] == backend
+        assert (got["n"], got["df"]) == (want["n"], want["df"]) == (3, 2), task
+        for key in ("mean_difference", "std_difference", "t", "p_value", "lower_bound"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (task, key)
+        assert got["confidence"] == confidence
+        # the printed row holds the same numbers, rounded as the table prints them
+        row = next(line.split() for line in proc.stdout.splitlines() if line.split()[:1] == [task])
+        assert row[1:] == [str(got["n"]), f"{got['mean_difference']:+.4f}", f"{got['t']:.3f}",
+                           str(got["df"]), f"{got['p_value']:.6f}", f"{got['lower_bound']:+.4f}"]
+    if flags:
+        return
     proc = run_compare_seeds(tmp_path / "none.csv")
     assert (
         proc.returncode == 2

@@ -76,7 +76,7 @@ def test_text_format_blank_line_is_an_empty_document(tmp_path, capsys):
         ("empty glob", "matches no files"),
         ("tokenizer file", "not a file"),
         ("bad tokenizer", "cannot load"),
-        ("output dir", "does not exist; create it first"),
+        ("output dir", "cannot create directory"),
         ("output exists", "already exists; pass --overwrite"),
         ("bad flag value", "--workers must be at least 1"),
     ],
@@ -98,7 +98,7 @@ def test_usage_errors_exit_2(tmp_path, capsys, case, message):
         args = argv(data, prefix)[:4] + ["--tokenizer-type", "SentencePieceTokenizer",
                                          "--tokenizer-model", str(bad)]
     elif case == "output dir":
-        args[3] = str(tmp_path / "missing" / "out")
+        args[3] = str(tmp_path / "d.jsonl" / "out")  # a file where a directory must go
     elif case == "output exists":
         assert main(args) == 0
         capsys.readouterr()

@@ -116,7 +116,7 @@ def test_abort_deletes_without_writing(tmp_path, monkeypatch):
     tokens = numpy.arange(3000, dtype=numpy.uint16).tobytes()
     with pytest.raises(OSError) as e:
         for _ in range(10):
-            output.builder.add_encoded(tokens, numpy.array([1000, 2000], numpy.int32))
+            output.writer.add_encoded(tokens, numpy.array([1000, 2000], numpy.int32))
     assert e.value.errno == errno.ENOSPC and e.value.filename.startswith(str(tmp_path))
     writes = disk.writes_after_full
     output.abort()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatron_jreg.data.preprocess import main
-from megatron_jreg.data.tokenizers import ByteTokenizer
+from megatron_jreg.data.tokenizers import ByteTokenizer, pack
 from preprocess_helpers import make_documents, output_files, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,17 +57,18 @@ def test_lone_surrogate_is_skipped_and_counted(tmp_path, capsys, workers):
     assert len(IndexedDataset(prefix + "_text_document")) == 3
 
 
-def _refuse_boom(texts):
+def _refuse_boom(self, texts):
+    """``ByteTokenizer.encode_packed``, the call preprocessing makes, refusing "BOOM"."""
     if any("BOOM" in t for t in texts):
         raise ValueError("this tokenizer cannot take BOOM")
-    return [list(t.encode("utf-8")) for t in texts]
+    return pack([list(t.encode("utf-8")) for t in texts])
 
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_text_the_tokenizer_rejects_is_a_bad_line(tmp_path, capsys, monkeypatch, skip):
     # Any exception from the tokenizer on one document: the line, not a worker traceback.
     # Workers are forked, so they see the patched tokenizer.
-    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda self, texts: _refuse_boom(texts))
+    monkeypatch.setattr(ByteTokenizer, "encode_packed", _refuse_boom)
     lines = [GOOD] * 12 + ['{"text": "BOOM goes the line"}'] + [GOOD] * 3
     data = write_jsonl(tmp_path / "d.jsonl", lines)
     prefix = str(tmp_path / "out")
@@ -85,7 +86,7 @@ def test_text_the_tokenizer_rejects_is_a_bad_line(tmp_path, capsys, monkeypatch,
 
 
 def test_several_rejected_lines_in_one_chunk_are_all_skipped(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda self, texts: _refuse_boom(texts))
+    monkeypatch.setattr(ByteTokenizer, "encode_packed", _refuse_boom)
     boom = '{"text": "BOOM"}'
     data = write_jsonl(tmp_path / "d.jsonl", [GOOD, boom, GOOD, boom, boom, GOOD])
     assert main(argv(data, str(tmp_path / "out"), "--skip-invalid")) == 0
@@ -95,7 +96,7 @@ def test_several_rejected_lines_in_one_chunk_are_all_skipped(tmp_path, capsys, m
 
 def test_earliest_bad_line_wins_over_a_later_parse_error(tmp_path, capsys, monkeypatch):
     # An unencodable line before a malformed one in the same chunk is the one reported.
-    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda self, texts: _refuse_boom(texts))
+    monkeypatch.setattr(ByteTokenizer, "encode_packed", _refuse_boom)
     data = write_jsonl(tmp_path / "d.jsonl", [GOOD, '{"text": "BOOM"}', '{"text": "unterminated'])
     assert main(argv(data, str(tmp_path / "out"))) == 2
     assert f"{data}:2: " in one_error_line(capsys)

@@ -62,44 +62,6 @@ def test_workers_and_partitions_give_identical_bytes(tmp_path):
     assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]
 
 
-def test_writer_bytes_match_stock_megatron_builder(tmp_path):
-    """The streaming builder writes what megatron-core's own IndexedDatasetBuilder writes."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    from megatron_jreg.data.indexed_writer import StreamingIndexedDatasetBuilder
-
-    rng = numpy.random.default_rng(0)
-    docs = [rng.integers(0, 1000, rng.integers(1, 50)) for _ in range(30)]
-
-    def fill(builder, prefix):
-        for i, d in enumerate(docs):
-            if i % 3 == 0:  # a multi-sentence document
-                builder.add_document(torch.from_numpy(d), [len(d) // 2, len(d) - len(d) // 2])
-            else:
-                builder.add_item(torch.from_numpy(d))
-                builder.end_document()
-        builder.finalize(prefix + ".idx")
-
-    fill(IndexedDatasetBuilder(str(tmp_path / "stock.bin"), dtype=numpy.uint16),
-         str(tmp_path / "stock"))
-    fill(StreamingIndexedDatasetBuilder(str(tmp_path / "ours.bin"), numpy.uint16,
-                                        str(tmp_path / "spill")), str(tmp_path / "ours"))
-    for ext in (".bin", ".idx"):
-        assert filecmp.cmp(tmp_path / f"stock{ext}", tmp_path / f"ours{ext}", shallow=False)
-    # add_index (partition merging) matches too.
-    stock = IndexedDatasetBuilder(str(tmp_path / "m1.bin"), dtype=numpy.uint16)
-    ours = StreamingIndexedDatasetBuilder(str(tmp_path / "m2.bin"), numpy.uint16,
-                                          str(tmp_path / "spill2"))
-    for b in (stock, ours):
-        b.add_index(str(tmp_path / "stock"))
-        b.add_index(str(tmp_path / "ours"))
-    stock.finalize(str(tmp_path / "m1.idx"))
-    ours.finalize(str(tmp_path / "m2.idx"))
-    for ext in (".bin", ".idx"):
-        assert filecmp.cmp(tmp_path / f"m1{ext}", tmp_path / f"m2{ext}", shallow=False)
-    assert not list(tmp_path.glob("spill*"))
-
-
 def test_json_keys_text_gzip_directory_and_glob(tmp_path):
     docs = make_documents(20, seed=2)
     records = [{"text": t, "title": t[:20]} for t in docs]

@@ -26,6 +26,21 @@ def test_interface(tokenizer_args):
     assert tok.encode_batch(SENTENCES) == [tok.encode(t) for t in SENTENCES]
 
 
+@pytest.mark.parametrize("tokenizer_args", KINDS, indirect=True)
+def test_encode_packed_is_encode_batch_as_arrays(tokenizer_args):
+    tok = build_tokenizer(**tokenizer_args[1])
+    texts = SENTENCES + ["", " "]
+    paths = [True, False] if hasattr(tok, "_numpy_out") else [None]
+    for numpy_out in paths:  # sentencepiece: its numpy output, and lists where it has none
+        if numpy_out is not None:
+            tok._numpy_out = numpy_out
+        ids, lengths = tok.encode_packed(texts)
+        assert lengths.dtype == numpy.int32
+        assert lengths.tolist() == [len(tok.encode(t)) for t in texts]
+        assert ids.tolist() == [i for t in texts for i in tok.encode(t)]
+        assert tok.encode_packed([])[0].size == 0
+
+
 def test_byte_tokenizer_padding_and_ids():
     tok = build_tokenizer("ByteTokenizer", vocab_size=512)
     assert tok.vocab_size == 512 and tok.eod == 256

@@ -477,15 +477,6 @@ def test_reader_errors_name_the_file_and_the_fix(tmp_path, capsys):
     assert ds[-1]["tokens"].tolist() == ds[3]["tokens"].tolist()
 
 
-def test_reader_dtype_codes_are_megatron_cores():
-    from megatron.core.datasets.indexed_dataset import DType
-
-    from megatron_jreg.data import sft
-
-    assert {d.value: numpy.dtype(getattr(numpy, d.name)) for d in DType} == {
-        k: numpy.dtype(v) for k, v in sft._DTYPES.items()}
-
-
 def test_rerun_with_overwrite_replaces_the_metadata(tmp_path, capsys):
     args = ("--tokenizer-type", "ByteTokenizer", "--overwrite")
     assert run_sft(tmp_path, CONVERSATIONS, *args)[0] == 0

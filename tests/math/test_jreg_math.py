@@ -166,6 +166,54 @@ def test_power_and_final_weights():
     assert layer_weights(5, 1.0, kind="final").tolist() == [0, 0, 0, 0, 1]
 
 
+def _expected_weights(kind, num_layers, alpha):
+    """docs/design.md's formulas in plain Python floats, normalised to sum 1."""
+    layers = range(1, num_layers + 1)
+    if kind == "softmax":  # w_l ∝ exp(alpha l), shifted by the largest exponent
+        top = max(alpha * l for l in layers)
+        raw = [math.exp(alpha * l - top) for l in layers]
+    elif kind == "power":  # w_l ∝ (l / L)^alpha
+        raw = [(l / num_layers) ** alpha for l in layers]
+    else:  # final: w_L = 1, every other layer 0, whatever alpha
+        raw = [0.0] * (num_layers - 1) + [1.0]
+    total = math.fsum(raw)
+    return [r / total for r in raw]
+
+
+@pytest.mark.parametrize("kind", ["softmax", "power", "final"])
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 7, 16, 30])
+@pytest.mark.parametrize("alpha", [-1.5, 0.0, 0.3, 1.0, 2.5, 7.0])
+def test_weights_follow_the_design_formulas(kind, num_layers, alpha):
+    """--jreg-weighting softmax|power|final at any --jreg-alpha: fp32, L entries, sum 1."""
+    w = layer_weights(num_layers, alpha, kind=kind)
+    assert w.dtype == torch.float32 and w.shape == (num_layers,)
+    expected = _expected_weights(kind, num_layers, alpha)
+    assert w.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert float(w.double().sum()) == pytest.approx(1.0, abs=1e-6)
+    assert bool((w >= 0).all())
+    if kind == "final" or num_layers == 1:
+        assert w.tolist() == [0.0] * (num_layers - 1) + [1.0]
+    elif alpha == 0.0:  # both depth weightings are uniform at alpha 0
+        assert w.tolist() == pytest.approx([1.0 / num_layers] * num_layers, rel=1e-6)
+    elif kind in ("softmax", "power"):  # alpha > 0 favours deep layers, alpha < 0 shallow ones
+        diffs = (w[1:].double() - w[:-1].double()).tolist()  # fp32 may underflow to 0
+        sign = 1 if alpha > 0 else -1
+        assert all(sign * d >= 0 for d in diffs) and sign * (w[-1] - w[0]) > 0
+
+
+def test_power_and_softmax_ratios_are_the_formulas():
+    """The ratios, which no normalisation can change: w_l / w_L."""
+    for num_layers, alpha in ((5, 0.5), (12, 2.0), (9, -1.0)):
+        w = layer_weights(num_layers, alpha, kind="power").double()
+        for l in range(1, num_layers + 1):
+            assert float(w[l - 1] / w[-1]) == pytest.approx((l / num_layers) ** alpha, rel=1e-6)
+        w = layer_weights(num_layers, alpha, kind="softmax").double()
+        for l in range(1, num_layers + 1):
+            assert float(w[l - 1] / w[-1]) == pytest.approx(
+                math.exp(alpha * (l - num_layers)), rel=1e-6
+            )
+
+
 def test_large_alpha_concentrates_on_last_layer():
     w = layer_weights(30, 50.0)
     assert float(w[-1]) == pytest.approx(1.0, abs=1e-6)
@@ -228,3 +276,15 @@ def test_regularizer_of_logged_values_is_a_double_sum():
     assert r == pytest.approx(float(regularizer(torch.tensor(psi), w)), rel=1e-6)
     with pytest.raises(ValueError, match="2 displacements for 3 weights"):
         regularizer([0.1, 0.2], w)
+
+
+@pytest.mark.parametrize("kind, alpha, one_hot_at", [("power", -250.0, 0), ("power", 1e5, -1),
+                                                     ("softmax", 1e308, -1),
+                                                     ("softmax", -1e308, 0)])
+def test_extreme_finite_alpha_gives_the_one_hot_limit_not_nan(kind, alpha, one_hot_at):
+    """(l/L)^alpha and exp(alpha l) overflow for large |alpha|; the weights must still be the
+    limit (all weight on the first or last layer), never NaN (a NaN weight makes the loss NaN)."""
+    w = layer_weights(30, alpha, kind)
+    expected = torch.zeros(30)
+    expected[one_hot_at] = 1.0
+    assert torch.isfinite(w).all() and torch.equal(w.float(), expected)
