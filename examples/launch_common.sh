@@ -3,6 +3,9 @@
 # Environment (all optional):
 #   GPUS_PER_NODE  processes per node (default: all visible GPUs, 1 on a CPU machine)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node torchrun rendezvous
+#   RDZV_ENDPOINT, RDZV_ID   multi-node c10d rendezvous instead (host:port, a job id): every
+#                  node runs the same command and torchrun numbers the nodes (Slurm:
+#                  examples/slurm/pretrain_3b_jreg.sbatch)
 #   DATA_PATH      prefix(es) from tools/preprocess_data.py, optionally weighted ("0.7 a 0.3 b")
 #   TOKENIZER_TYPE, TOKENIZER_MODEL   the tokenizer the data was made with
 #   RUN_DIR        where checkpoints, TensorBoard logs and metrics go
@@ -21,7 +24,10 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 
 launcher() {
-  if [ "$NNODES" -gt 1 ]; then
+  if [ "$NNODES" -gt 1 ] && [ -n "${RDZV_ENDPOINT:-}" ]; then
+    echo "torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE --rdzv_backend c10d \
+      --rdzv_endpoint $RDZV_ENDPOINT --rdzv_id ${RDZV_ID:?set RDZV_ID with RDZV_ENDPOINT}"
+  elif [ "$NNODES" -gt 1 ]; then
     echo "torchrun --nnodes $NNODES --node_rank $NODE_RANK --nproc_per_node $GPUS_PER_NODE \
       --master_addr ${MASTER_ADDR:?set MASTER_ADDR for multi-node runs} --master_port ${MASTER_PORT:-29500}"
   elif [ "$GPUS_PER_NODE" -gt 1 ]; then

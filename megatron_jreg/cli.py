@@ -3,7 +3,10 @@
 Precedence: dataclass defaults < ``--model-preset`` sizes < ``--config FILE.yaml`` < flags.
 A field's flag is its metadata ``flag`` (Megatron-LM's name) or ``--field-name``; a field
 with metadata ``cli=False`` (state the program sets, such as the built vocabulary size) has
-no flag but is kept in the saved YAML.
+no flag but is kept in the saved YAML. Metadata ``const`` makes the flag a switch that
+stores that value (Megatron-LM's store_true/store_false flags, e.g. ``--disable-bias-linear``
+storing False), ``switches`` maps more flags to the value each stores, ``aliases`` gives
+other spellings. No flag may be abbreviated.
 
 The tools (``tools/*.py``) get their flags the same way from their config dataclasses
 (``tool_parser``): a field without a default is a required flag, a ``bool`` field that
@@ -201,16 +204,26 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
             metavar = field.name.upper()
             help_text = field.metadata.get("help", "").replace("%", "%%")  # argparse formats it
             kind, is_list = _base_type(hints[field.name])
-            if kind is bool and flag.startswith("--no-"):  # already a negation: a plain switch
+            for switch, const in field.metadata.get("switches", {}).items():
+                # another flag that stores one value (Megatron-LM's older spellings)
+                group.add_argument(switch, dest=dest, action="store_const", const=const,
+                                   help=f"same as {flag} {const}")
+            if "const" in field.metadata:  # a switch storing one value (Megatron-LM's store_true)
+                group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
+                                   action="store_const", const=field.metadata["const"],
+                                   help=help_text)
+            elif kind is bool and flag.startswith("--no-"):  # already a negation: a plain switch
                 group.add_argument(flag, dest=dest, action="store_const", const=True, help=help_text)
             elif kind is bool:  # --flag / --no-flag
                 group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
                                    action=argparse.BooleanOptionalAction, help=help_text)
             elif is_list or field.metadata.get("nargs"):
-                group.add_argument(flag, dest=dest, nargs=field.metadata.get("nargs", "+"), type=kind,
+                group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
+                                   nargs=field.metadata.get("nargs", "+"), type=kind,
                                    help=help_text, metavar=metavar)
             else:
-                group.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=metavar,
+                group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest, type=kind,
+                                   help=help_text, metavar=metavar,
                                    choices=field.metadata.get("choices"))
     return parser
 
@@ -243,10 +256,13 @@ def _from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
 
 
 def parse(sections: Sections, argv: Sequence[str] | None = None, description: str = "",
-          build: Mapping[str, Any] | None = None) -> Dict[str, Any]:
+          build: Mapping[str, Any] | None = None,
+          given: Dict[str, Dict[str, Any]] | None = None) -> Dict[str, Any]:
     """Parse flags (and ``--config``) into one config object per section.
 
     ``build`` may map a section to a callable(values) that constructs it (presets).
+    ``given``, when a dict, receives the settings as given (flags over YAML, before any
+    default), per section: what a caller needs to tell "set" from "left at its default".
     Dataclass validation errors become argparse errors: one line, exit code 2.
     """
     parser = build_parser(sections, description)
@@ -258,6 +274,8 @@ def parse(sections: Sections, argv: Sequence[str] | None = None, description: st
         for dest, value in args.items():
             section, name = dest.split(".", 1)
             values[section][name] = value
+        if given is not None:
+            given.update({section: dict(v) for section, v in values.items()})
         configs = {}
         for section, cls in sections.items():
             maker = (build or {}).get(section, lambda v, cls=cls: cls(**v))

@@ -1,7 +1,9 @@
 """Model, parallelism and JREG configuration: one small validated dataclass per concern.
 
 Field metadata ``flag`` names the Megatron-LM command-line flag a field answers to; the
-trainer's argument parser is generated from these dataclasses.
+trainer's argument parser is generated from these dataclasses. Architecture flags mean
+what they mean in Megatron-LM; a model the JREG trainer cannot build yet is refused by
+name (never replaced by another). Presets are named bundles of the same flags.
 """
 
 from __future__ import annotations
@@ -11,24 +13,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_jreg import cli
 from megatron_jreg.jreg import WEIGHTINGS
+from megatron_jreg.model.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
 
-# Llama-style presets. Heads, FFN size, query groups and sequence length are ours (the paper
-# gives layers and hidden size): head dim 64 at 170m, 128 at 1b/3b; FFN = 8/3 * hidden
-# rounded up to a multiple of 256; sequence 2048. Parameter counts at a 32000-token vocab:
-# 170m -> 134M, 1b -> 0.95B, 3b -> 3.6B (3.4B without the untied output layer).
-PRESETS = {
-    "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                 ffn_hidden_size=192, seq_length=128),
-    "170m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=12,
-                 ffn_hidden_size=2048, seq_length=2048),
-    "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
-               ffn_hidden_size=5632, seq_length=2048),
-    "3b": dict(num_layers=30, hidden_size=3072, num_attention_heads=24, num_query_groups=8,
-               ffn_hidden_size=8192, seq_length=2048),
-}
-
-
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
@@ -65,7 +54,8 @@ class ModelConfig:
     """A Llama-form GPT: RMSNorm, SwiGLU, RoPE, no linear biases, untied embeddings."""
 
     model_preset: Optional[str] = field(default=None, metadata=_flag(
-        "--model-preset", "tiny, 170m, 1b or 3b; explicit size flags override it"))
+        "--model-preset", "tiny, 170m, 1b or 3b: a bundle of the architecture flags "
+        "(docs/megatron_lm_flags.md lists them); explicit flags override it"))
     num_layers: int = field(default=4, metadata=_flag("--num-layers", "Transformer layers L"))
     hidden_size: int = field(default=64, metadata=_flag("--hidden-size", "hidden size"))
     num_attention_heads: int = field(default=4, metadata=_flag(
@@ -93,6 +83,37 @@ class ModelConfig:
     hidden_dropout: float = field(default=0.0, metadata=_flag("--hidden-dropout", "dropout"))
     attention_dropout: float = field(default=0.0, metadata=_flag(
         "--attention-dropout", "attention dropout"))
+    swiglu: bool = field(default=True, metadata=_flag(
+        "--swiglu", "SwiGLU MLP (Megatron-LM's default without it: GeLU, not supported yet)",
+        const=True))
+    normalization: str = field(default="RMSNorm", metadata=_flag(
+        "--normalization", "RMSNorm (LayerNorm, Megatron-LM's default: not supported yet)",
+        choices=("LayerNorm", "RMSNorm")))
+    position_embedding_type: str = field(default="rope", metadata=_flag(
+        "--position-embedding-type", "rope (Megatron-LM's default learned_absolute and the "
+        "others: not supported yet)", choices=("learned_absolute", "rope", "mrope", "relative",
+                                               "none"),
+        switches={"--use-rotary-position-embeddings": "rope"}))
+    untie_embeddings_and_output_weights: bool = field(default=True, metadata=_flag(
+        "--untie-embeddings-and-output-weights", "separate output layer (Megatron-LM's default "
+        "without it: tied to the embedding, not supported yet)", const=True))
+    add_bias_linear: bool = field(default=False, metadata=_flag(
+        "--disable-bias-linear", "no biases in the linear layers (Megatron-LM's default without "
+        "it: biases, not supported yet)", const=False))
+    group_query_attention: bool = field(default=True, metadata=_flag(
+        "--group-query-attention", "use --num-query-groups (as in Megatron-LM, without this "
+        "flag the attention has one group per head)", const=True))
+    kv_channels: Optional[int] = field(default=None, metadata=_flag(
+        "--kv-channels", "head dim; only hidden size / heads (the default) is supported"))
+    rotary_percent: float = field(default=1.0, metadata=_flag(
+        "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported"))
+    attention_backend: str = field(default="auto", metadata=_flag(
+        "--attention-backend", "attention kernel of Transformer Engine: auto, flash, fused, "
+        "unfused or local (megatron's own); the local implementation always runs megatron's",
+        choices=ATTENTION_BACKENDS))
+    attention_softmax_in_fp32: bool = field(default=True, metadata=_flag(
+        "--attention-softmax-in-fp32", "attention softmax in fp32 under bf16/fp16 (Megatron-LM's "
+        "default without it: in the training dtype)", const=True))
     bf16: bool = field(default=False, metadata=_flag("--bf16", "bf16 params and activations"))
     fp16: bool = field(default=False, metadata=_flag("--fp16", "fp16 with dynamic loss scaling"))
     transformer_impl: str = field(default="auto", metadata=_flag(
@@ -129,10 +150,39 @@ class ModelConfig:
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
                              f"{self.make_vocab_size_divisible_by}")
+        self._check_architecture()
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
             raise ValueError(
                 f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
                 f"{self.seq_length}")
+
+    def _check_architecture(self) -> None:
+        """Refuse, in one line naming the flags, every part of a model JREG cannot build
+        yet: the trainer never builds another model than the flags describe."""
+        missing = [(not self.swiglu, "a GeLU MLP (add --swiglu)"),
+                   (self.normalization != "RMSNorm",
+                    f"{self.normalization} (pass --normalization RMSNorm)"),
+                   (self.position_embedding_type != "rope",
+                    f"{self.position_embedding_type} positions (pass --position-embedding-type rope)"),
+                   (self.add_bias_linear, "biases in the linear layers (add --disable-bias-linear)"),
+                   (not self.untie_embeddings_and_output_weights,
+                    "an output layer tied to the embedding (add --untie-embeddings-and-output-weights)")]
+        missing = [text for bad, text in missing if bad]
+        if missing:
+            raise ValueError(
+                "this model is not supported yet: " + "; ".join(missing) + ". Megatron-LM "
+                "builds that model from these flags, and JREG trains Llama-form models only "
+                "for now; pass the flags named here, or use --model-preset")
+        if self.rotary_percent != 1.0:
+            raise ValueError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
+                             "rotates the whole head); pass --rotary-percent 1.0")
+        head_dim = self.hidden_size // self.num_attention_heads
+        if self.kv_channels not in (None, head_dim):
+            raise ValueError(f"--kv-channels {self.kv_channels}: not supported yet; the head dim "
+                             f"is --hidden-size / --num-attention-heads = {head_dim}")
+        if self.attention_backend == "local" and self.transformer_impl == "transformer_engine":
+            raise ValueError("--attention-backend local needs --transformer-impl local "
+                             "(as in Megatron-LM)")
 
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "ModelConfig":
@@ -140,9 +190,29 @@ class ModelConfig:
             raise ValueError(f"--model-preset {preset!r}: choose one of {sorted(PRESETS)}")
         return cls(model_preset=preset, **{**PRESETS[preset], **overrides})
 
+    @classmethod
+    def from_values(cls, values: dict) -> "ModelConfig":
+        """The model of some settings as given (flags over YAML): a preset's bundle under
+        them, else Megatron-LM's defaults under a Megatron-LM sizing (see SIZING)."""
+        values = dict(values)
+        preset = values.pop("model_preset", None)
+        if preset:
+            return cls.from_preset(preset, **values)
+        if any(name in values for name in SIZING):
+            defaults = dict(MEGATRON_LM_MODEL_DEFAULTS)
+            if values.get("swiglu", defaults["swiglu"]):  # Megatron-LM's FFN size for SwiGLU
+                hidden = values.get("hidden_size", cls.__dataclass_fields__["hidden_size"].default)
+                defaults["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
+            values = {**defaults, **values}
+        return cls(**values)
+
     @property
     def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
+        """Key/value groups: --num-query-groups under --group-query-attention, as in
+        Megatron-LM (which ignores --num-query-groups without it), else one per head."""
+        if self.group_query_attention and self.num_query_groups:
+            return self.num_query_groups
+        return self.num_attention_heads
 
     @property
     def ffn_size(self) -> int:
@@ -176,8 +246,22 @@ class ParallelConfig:
         "--pipeline-model-parallel-size", "pipeline stages"))
     num_layers_per_virtual_pipeline_stage: Optional[int] = field(default=None, metadata=_flag(
         "--num-layers-per-virtual-pipeline-stage", "layers per model chunk (interleaved pipeline)"))
+    virtual_pipeline_model_parallel_size: Optional[int] = field(default=None, metadata=_flag(
+        "--num-virtual-stages-per-pipeline-rank", "model chunks per pipeline rank (interleaved "
+        "pipeline); the other way to set --num-layers-per-virtual-pipeline-stage",
+        aliases=["--virtual-pipeline-model-parallel-size"]))
     sequence_parallel: bool = field(default=False, metadata=_flag(
-        "--sequence-parallel", "split norms/dropout activations over TP ranks along the sequence"))
+        "--sequence-parallel", "split norms/dropout activations over TP ranks along the "
+        "sequence (turned off at TP 1, as in Megatron-LM)"))
+    overlap_grad_reduce: bool = field(default=False, metadata=_flag(
+        "--overlap-grad-reduce", "overlap the data-parallel gradient reduction with backward",
+        const=True))
+    overlap_param_gather: bool = field(default=False, metadata=_flag(
+        "--overlap-param-gather", "overlap the distributed optimizer's parameter all-gather with "
+        "the next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)",
+        const=True))
+    distributed_timeout_minutes: int = field(default=30, metadata=_flag(
+        "--distributed-timeout-minutes", "timeout of the process groups (Megatron-LM's default: 10)"))
     context_parallel_size: int = field(default=1, metadata=_flag(
         "--context-parallel-size", "context-parallel ranks: not supported with JREG yet"))
     expert_model_parallel_size: int = field(default=1, metadata=_flag(
@@ -191,6 +275,9 @@ class ParallelConfig:
     recompute_modules: Optional[list] = field(default=None, metadata=_flag(
         "--recompute-modules", "selective recompute modules, e.g. core_attn mlp layernorm",
         nargs="+"))
+    recompute_activations: bool = field(default=False, metadata=_flag(
+        "--recompute-activations", "= --recompute-granularity selective (as in Megatron-LM)",
+        const=True))
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -206,7 +293,9 @@ class ParallelConfig:
                 f"--expert-model-parallel-size {self.expert_model_parallel_size}: not supported "
                 "with JREG yet: the JREG layer measures dense Transformer layers only")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+            self.sequence_parallel = False  # Megatron-LM's rule; the trainer says so in a line
+        if self.recompute_activations:
+            self.recompute_granularity = "selective"  # Megatron-LM's meaning of the flag
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(
                 f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
@@ -220,7 +309,18 @@ class ParallelConfig:
         if num_layers % pp:
             raise ValueError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-        per_vp = self.num_layers_per_virtual_pipeline_stage
+        per_vp, stages = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_model_parallel_size
+        if per_vp is not None and stages is not None:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage and "
+                             "--num-virtual-stages-per-pipeline-rank: pass one (as in Megatron-LM)")
+        if stages is not None:
+            if stages < 1 or (num_layers // pp) % stages:
+                raise ValueError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide the "
+                                 f"{num_layers // pp} layers of each pipeline stage")
+            if stages > 1 and pp < 2:
+                raise ValueError("--num-virtual-stages-per-pipeline-rank needs pipeline "
+                                 "parallelism (PP > 1)")
+            return stages if stages > 1 else None
         if per_vp is None:
             return None
         if pp < 2:
@@ -253,6 +353,16 @@ class JregConfig:
             raise ValueError(f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
         if self.impl not in ("auto", "fused", "torch"):
             raise ValueError(f"--jreg-impl {self.impl!r}: choose auto, fused or torch")
+
+
+def _preset_values(preset: str) -> dict:
+    """A preset's bundle read by the model flags' own parser: the preset is those flags."""
+    parsed = vars(cli.build_parser({"model": ModelConfig}).parse_args(preset_flags(preset)))
+    return {dest.split(".", 1)[1]: value for dest, value in parsed.items()}
+
+
+# {preset: {field: value}} of every preset's bundle
+PRESETS = {name: _preset_values(name) for name in PRESET_FLAGS}
 
 
 def to_dict(config) -> dict:

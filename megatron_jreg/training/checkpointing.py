@@ -142,13 +142,7 @@ class Checkpointer:
         if load_optim:
             resumed = iteration, int(state.get("consumed_samples", 0))
             if mode == "checkpoint":  # the saved run config records the schedule that runs
-                sch = scheduler
-                o.lr, o.min_lr, o.lr_decay_style = sch.max_lr, sch.min_lr, sch.lr_decay_style
-                o.lr_warmup_iters, o.lr_decay_iters = sch.lr_warmup_steps // g, sch.lr_decay_steps // g
-                o.weight_decay = sch.start_wd
-                if sch.wsd_decay_steps:
-                    o.lr_wsd_decay_iters = sch.wsd_decay_steps // g
-                    o.lr_wsd_decay_style = sch.lr_wsd_decay_style
+                o.keep_schedule(scheduler, g)
         if weights_only:
             print_rank_0(f"fine-tuning from {flag} {root} iteration {iteration}: weights only; "
                          "iteration 0 with a fresh optimizer, schedule and random state")

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS
+from megatron_jreg.data.tokenizers import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
 from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig, _flag
+from megatron_jreg.training.megatron_lm import MegatronLMConfig
+
+# data.tokenizers' types and Megatron-LM's others (the trainer builds both kinds)
+TOKENIZER_TYPES = tuple(dict.fromkeys(BASE_TOKENIZER_TYPES + MEGATRON_LM_TOKENIZERS))
 
 
 @dataclass(kw_only=True)
@@ -15,12 +21,22 @@ class OptimConfig:
     lr: float = field(default=3e-4, metadata=_flag("--lr", "peak learning rate"))
     min_lr: float = field(default=0.0, metadata=_flag("--min-lr", "final learning rate"))
     lr_warmup_iters: int = field(default=0, metadata=_flag("--lr-warmup-iters", "linear warmup steps"))
+    lr_warmup_samples: int = field(default=0, metadata=_flag(
+        "--lr-warmup-samples", "linear warmup, in samples"))
+    lr_warmup_fraction: Optional[float] = field(default=None, metadata=_flag(
+        "--lr-warmup-fraction", "linear warmup as a fraction of the decay length"))
+    lr_warmup_init: float = field(default=0.0, metadata=_flag(
+        "--lr-warmup-init", "learning rate at the start of the warmup"))
     lr_decay_iters: Optional[int] = field(default=None, metadata=_flag(
         "--lr-decay-iters", "steps of decay; default --train-iters"))
+    lr_decay_samples: Optional[int] = field(default=None, metadata=_flag(
+        "--lr-decay-samples", "samples of decay; default --train-samples"))
     lr_decay_style: str = field(default="cosine", metadata=_flag(
         "--lr-decay-style", "cosine, linear, constant or WSD"))
     lr_wsd_decay_iters: Optional[int] = field(default=None, metadata=_flag(
         "--lr-wsd-decay-iters", "WSD: steps of the final decay; default 10% of decay"))
+    lr_wsd_decay_samples: Optional[int] = field(default=None, metadata=_flag(
+        "--lr-wsd-decay-samples", "WSD: samples of the final decay"))
     lr_wsd_decay_style: str = field(default="linear", metadata=_flag(
         "--lr-wsd-decay-style", "WSD: exponential, linear, cosine or minus_sqrt"))
     weight_decay: float = field(default=0.1, metadata=_flag("--weight-decay", "AdamW weight decay"))
@@ -47,11 +63,53 @@ class OptimConfig:
                 f"--lr-decay-style {self.lr_decay_style!r}: choose cosine, linear, constant or WSD")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
-        if self.lr_warmup_iters < 0:
-            raise ValueError("--lr-warmup-iters must be >= 0")
+        if min(self.lr_warmup_iters, self.lr_warmup_samples, self.lr_warmup_fraction or 0) < 0:
+            raise ValueError("--lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction "
+                             "must be >= 0")
+        warmups = [name for name, value in (("--lr-warmup-iters", self.lr_warmup_iters),
+                                            ("--lr-warmup-samples", self.lr_warmup_samples),
+                                            ("--lr-warmup-fraction", self.lr_warmup_fraction))
+                   if value]
+        if len(warmups) > 1:  # Megatron-LM takes one of them
+            raise ValueError(f"{' and '.join(warmups)}: pass one warmup length")
+        for unit in ("decay", "wsd_decay"):
+            if (getattr(self, f"lr_{unit}_iters") is not None
+                    and getattr(self, f"lr_{unit}_samples") is not None):
+                flag = unit.replace("_", "-")
+                raise ValueError(f"--lr-{flag}-iters and --lr-{flag}-samples: pass one")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
                              "contradict each other; pass one")
+
+    def schedule_samples(self, train_samples: int, global_batch: int) -> dict:
+        """The schedule's lengths in samples, by Megatron-LM's rule (its
+        get_optimizer_param_scheduler): iteration flags times the global batch, sample
+        flags as given, a warmup fraction of the decay length."""
+        decay = (self.lr_decay_samples if self.lr_decay_samples is not None
+                 else self.lr_decay_iters * global_batch if self.lr_decay_iters is not None
+                 else train_samples)
+        warmup = (self.lr_warmup_fraction * decay if self.lr_warmup_fraction is not None
+                  else self.lr_warmup_samples or self.lr_warmup_iters * global_batch)
+        wsd = (self.lr_wsd_decay_samples if self.lr_wsd_decay_samples is not None
+               else (self.lr_wsd_decay_iters or max(1, decay // global_batch // 10)) * global_batch)
+        return {"warmup": warmup, "decay": decay, "wsd": wsd}
+
+    def keep_schedule(self, scheduler, global_batch: int) -> None:
+        """Record the schedule a resumed run keeps (--use-checkpoint-opt-param-scheduler),
+        so the saved run config says what runs: in steps when whole, else in samples."""
+        def split(samples) -> tuple:  # (steps, None) or (None, samples)
+            whole = float(samples) % global_batch == 0
+            return (int(samples) // global_batch, None) if whole else (None, int(samples))
+
+        self.lr, self.min_lr = scheduler.max_lr, scheduler.min_lr
+        self.lr_decay_style, self.weight_decay = scheduler.lr_decay_style, scheduler.start_wd
+        iters, samples = split(scheduler.lr_warmup_steps)
+        self.lr_warmup_iters, self.lr_warmup_samples = iters or 0, samples or 0
+        self.lr_warmup_fraction = None
+        self.lr_decay_iters, self.lr_decay_samples = split(scheduler.lr_decay_steps)
+        if scheduler.wsd_decay_steps:
+            self.lr_wsd_decay_iters, self.lr_wsd_decay_samples = split(scheduler.wsd_decay_steps)
+            self.lr_wsd_decay_style = scheduler.lr_wsd_decay_style
 
     def scheduler_mode(self) -> str:
         """How a resumed schedule is reconciled with the flags (checkpoint.dist_checkpoint.load_scheduler)."""
@@ -67,13 +125,25 @@ class TrainingConfig:
     micro_batch_size: int = field(default=4, metadata=_flag("--micro-batch-size", "sequences per micro-batch"))
     global_batch_size: int = field(default=16, metadata=_flag(
         "--global-batch-size", "sequences per step over all data-parallel ranks"))
-    train_iters: int = field(default=100, metadata=_flag("--train-iters", "optimizer steps"))
+    train_iters: Optional[int] = field(default=None, metadata=_flag(
+        "--train-iters", "optimizer steps; default 100, or --train-samples / --global-batch-size"))
+    train_samples: Optional[int] = field(default=None, metadata=_flag(
+        "--train-samples", "samples to train on: --train-samples / --global-batch-size steps "
+        "(a partial last batch is dropped, as in Megatron-LM)"))
+    rampup_batch_size: Optional[list] = field(default=None, metadata=_flag(
+        "--rampup-batch-size", "batch-size ramp-up: not supported yet", nargs=3))
     eval_interval: int = field(default=50, metadata=_flag(
         "--eval-interval", "steps between validation runs (0 = never)"))
     eval_iters: int = field(default=4, metadata=_flag("--eval-iters", "validation batches per run"))
     seed: int = field(default=1234, metadata=_flag("--seed", "seed of init, data order and dropout"))
     exit_signal_handler: bool = field(default=True, metadata=_flag(
-        "--exit-signal-handler", "on SIGTERM/SIGINT save a checkpoint and exit cleanly"))
+        "--exit-signal-handler", "on SIGTERM/SIGINT (and --exit-signal) save a checkpoint and "
+        "exit cleanly"))
+    exit_signal: str = field(default="SIGTERM", metadata=_flag(
+        "--exit-signal", "one more signal that saves and exits (e.g. SIGUSR1 from Slurm's "
+        "--signal)", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")))
+    exit_duration_in_mins: Optional[float] = field(default=None, metadata=_flag(
+        "--exit-duration-in-mins", "save and exit once the run has lasted this long"))
     exit_on_nan: bool = field(default=True, metadata=_flag(
         "--exit-on-nan", "stop with exit code 3, before any save, at a step whose loss, JREG "
         "penalty or gradient norm is NaN/inf (--no-exit-on-nan skips such steps: no update)"))
@@ -84,9 +154,21 @@ class TrainingConfig:
         "whole global batch (default: the mean of each micro-batch's token mean); on with --sft"))
 
     def __post_init__(self):
+        if self.rampup_batch_size:
+            raise ValueError("--rampup-batch-size: not supported yet (the global batch is "
+                             "constant); drop it")
+        if self.train_samples is not None:
+            steps = self.train_samples // max(self.global_batch_size, 1)
+            if self.train_iters is not None and self.train_iters != steps:
+                raise ValueError("--train-iters and --train-samples: pass one (as in Megatron-LM)")
+            self.train_iters = steps
+        elif self.train_iters is None:
+            self.train_iters = 100
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1"
+                                 + (" (--train-samples gives no full batch)"
+                                    if name == "train_iters" and self.train_samples else ""))
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"--global-batch-size {self.global_batch_size} is not divisible by "
@@ -104,14 +186,40 @@ class DataConfig:
     data_cache_path: Optional[str] = field(default=None, metadata=_flag(
         "--data-cache-path", "where sample indices are cached; default beside the data"))
     tokenizer_type: str = field(default="ByteTokenizer", metadata=_flag(
-        "--tokenizer-type", "SentencePieceTokenizer, HuggingFaceTokenizer or ByteTokenizer"))
+        "--tokenizer-type", ", ".join(TOKENIZER_TYPES)))
     tokenizer_model: Optional[str] = field(default=None, metadata=_flag(
         "--tokenizer-model", "tokenizer file or directory"))
+    vocab_file: Optional[str] = field(default=None, metadata=_flag(
+        "--vocab-file", "GPT2BPETokenizer: vocab.json"))
+    merge_file: Optional[str] = field(default=None, metadata=_flag(
+        "--merge-file", "GPT2BPETokenizer: merges.txt"))
+    dataloader_type: str = field(default="single", metadata=_flag(
+        "--dataloader-type", "single (in order) or cyclic (Megatron-LM's shuffled order, reshuffled "
+        "each epoch)"))
+    eod_mask_loss: bool = field(default=False, metadata=_flag(
+        "--eod-mask-loss", "no loss on predicting the end-of-document token", const=True))
+    reset_position_ids: bool = field(default=False, metadata=_flag(
+        "--reset-position-ids", "restart position ids after each end of document", const=True))
+    reset_attention_mask: bool = field(default=False, metadata=_flag(
+        "--reset-attention-mask", "attention blocked across documents: not supported yet",
+        const=True))
     sft: bool = field(default=False, metadata=_flag(
         "--sft", "supervised fine-tuning on chat data from preprocess_data.py --sft: one "
         "conversation per sample, padded, loss on assistant tokens only"))
 
     def __post_init__(self):
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of "
+                             f"{', '.join(TOKENIZER_TYPES)}")
+        if self.dataloader_type not in ("single", "cyclic"):
+            raise ValueError(f"--dataloader-type {self.dataloader_type!r}: single or cyclic "
+                             "(external is not supported)")
+        if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
+            raise ValueError("--vocab-file and --merge-file are GPT2BPETokenizer's files; pass "
+                             "--tokenizer-type GPT2BPETokenizer (or drop them)")
+        if self.reset_attention_mask:
+            raise ValueError("--reset-attention-mask: not supported yet (attention is causal "
+                             "over the whole sample); drop it")
         if not self.data_path:
             raise ValueError("--data-path is missing; pass the prefix tools/preprocess_data.py wrote "
                              "(e.g. data/demo_text_document)")
@@ -177,13 +285,8 @@ SECTIONS = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "megatron_lm": MegatronLMConfig,
 }
 
-
-def build_model_config(values: dict) -> ModelConfig:
-    values = dict(values)
-    preset = values.pop("model_preset", None)
-    return ModelConfig.from_preset(preset, **values) if preset else ModelConfig(**values)
-
-
-BUILDERS = {"model": build_model_config}
+# presets, and Megatron-LM's architecture defaults under a Megatron-LM sizing
+BUILDERS = {"model": ModelConfig.from_values}

@@ -27,6 +27,7 @@ from megatron_jreg.training.config import (
     OptimConfig,
     TrainingConfig,
 )
+from megatron_jreg.training.megatron_lm import MegatronLMConfig
 
 DESCRIPTION = "Pretrain a Llama model with JREG on megatron-core"
 
@@ -43,6 +44,10 @@ class ExperimentConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    megatron_lm: MegatronLMConfig
+    # the settings as given per section (flags over YAML), to tell them from defaults: the
+    # Megatron-LM notes say what became of a given flag. Not saved.
+    given: Dict[str, dict] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     # ---- construction and YAML ----------------------------------------------------------
     @classmethod
@@ -52,7 +57,11 @@ class ExperimentConfig:
     @classmethod
     def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "ExperimentConfig":
         """Flags (and ``--config FILE.yaml``); a bad flag exits 2 with a one-line message."""
-        return cls.from_sections(cli.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS))
+        given: Dict[str, dict] = {}
+        experiment = cls.from_sections(cli.parse(SECTIONS, argv, description=DESCRIPTION,
+                                                 build=BUILDERS, given=given))
+        experiment.given = given
+        return experiment
 
     @classmethod
     def from_yaml(cls, text: str) -> "ExperimentConfig":
@@ -95,7 +104,10 @@ class ExperimentConfig:
         """The datasets' config (its construction checks ``--split``)."""
         return GPTDataConfig(data_path=list(self.data.data_path), split=self.data.split,
                              seq_length=self.model.seq_length, seed=self.training.seed,
-                             cache_dir=self.data.data_cache_path)
+                             cache_dir=self.data.data_cache_path,
+                             eod_mask_loss=self.data.eod_mask_loss,
+                             reset_position_ids=self.data.reset_position_ids,
+                             num_dataset_builder_threads=self.megatron_lm.num_dataset_builder_threads)
 
     # ---- checks -------------------------------------------------------------------------
     def validate(self, world_size: Optional[int] = None,
@@ -107,10 +119,7 @@ class ExperimentConfig:
         """
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         self._check_layout(world)
-        decay = self.optim.lr_decay_iters or self.training.train_iters
-        if self.optim.lr_warmup_iters >= decay:
-            raise ValueError(f"--lr-warmup-iters {self.optim.lr_warmup_iters} must be below the "
-                             f"decay length {decay} (--lr-decay-iters, default --train-iters)")
+        self._check_schedule()
         if (self.checkpoint.load and not self.checkpoint.pretrained_checkpoint
                 and not os.path.isdir(self.checkpoint.load)):
             raise ValueError(f"--load {self.checkpoint.load!r} does not exist")
@@ -132,6 +141,25 @@ class ExperimentConfig:
             raise ValueError(
                 f"--vocab-size {vocab} is smaller than the tokenizer's "
                 f"{tokenizer_vocab_size}; drop --vocab-size to use the tokenizer's")
+
+    def _check_schedule(self) -> None:
+        o, t = self.optim, self.training
+        g = t.global_batch_size
+        lengths = o.schedule_samples(t.train_samples or t.train_iters * g, g)
+        if lengths["warmup"] >= lengths["decay"]:
+            warmup = (f"--lr-warmup-fraction {o.lr_warmup_fraction}" if o.lr_warmup_fraction
+                      else f"--lr-warmup-samples {o.lr_warmup_samples}" if o.lr_warmup_samples
+                      else f"--lr-warmup-iters {o.lr_warmup_iters}")
+            decay = (lengths["decay"] // g if o.lr_decay_samples is None and not t.train_samples
+                     else f"{lengths['decay']} samples")
+            raise ValueError(f"{warmup} must be below the decay length {decay} (--lr-decay-iters "
+                             "or --lr-decay-samples, default the training length)")
+        if o.lr_warmup_init > o.lr:
+            raise ValueError(f"--lr-warmup-init {o.lr_warmup_init} must not exceed --lr {o.lr}")
+        p = self.parallel
+        if p.overlap_param_gather and not (o.use_distributed_optimizer and p.overlap_grad_reduce):
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and "
+                             "--overlap-grad-reduce (as in Megatron-LM)")
 
     def _check_finetune(self) -> None:
         c = self.checkpoint

@@ -24,17 +24,19 @@ def build_optimizer(model, config, model_cfg, o):
 
 
 def build_scheduler(optimizer, o, train_cfg) -> OptimizerParamScheduler:
-    """megatron's OptimizerParamScheduler in its sample units (steps x global batch)."""
+    """megatron's OptimizerParamScheduler in its sample units, with Megatron-LM's lengths
+    (``OptimConfig.schedule_samples``: iterations x global batch, or samples as given)."""
     g = train_cfg.global_batch_size
-    decay_iters = o.lr_decay_iters or train_cfg.train_iters
-    wsd = o.lr_wsd_decay_iters or max(1, decay_iters // 10)
+    train_samples = train_cfg.train_samples or train_cfg.train_iters * g
+    lengths = o.schedule_samples(train_samples, g)
+    wsd = o.lr_decay_style == "WSD"
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters * g, lr_decay_steps=decay_iters * g,
+        optimizer, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=lengths["warmup"], lr_decay_steps=lengths["decay"],
         lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=train_cfg.train_iters * g, wd_incr_style="constant",
-        wsd_decay_steps=wsd * g if o.lr_decay_style == "WSD" else None,
-        lr_wsd_decay_style=o.lr_wsd_decay_style if o.lr_decay_style == "WSD" else None,
+        wd_incr_steps=train_samples, wd_incr_style="constant",
+        wsd_decay_steps=lengths["wsd"] if wsd else None,
+        lr_wsd_decay_style=o.lr_wsd_decay_style if wsd else None,
     )
 
 

@@ -8,6 +8,7 @@ optimizer and schedule (``optimizer``), one step's forward/backward (``step``), 
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from typing import Dict, List, Optional
@@ -15,17 +16,15 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.atomic_write import check_output_dir, check_output_path
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
 from megatron_jreg.data.batches import rank_microbatches
 from megatron_jreg.data.gpt_datasets import build_gpt_datasets
+from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
 from megatron_jreg.data.sft_samples import build_sft_samples
 from megatron_jreg.data.tokenizers import build_tokenizer
 from megatron_jreg.distributed.setup import (
@@ -39,6 +38,7 @@ from megatron_jreg.model.builder import build_model, transformer_config
 from megatron_jreg.model.config import resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
+from megatron_jreg.training import data_parallel
 from megatron_jreg.training.checkpointing import Checkpointer
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.metrics import (
@@ -51,7 +51,9 @@ from megatron_jreg.training.metrics import (
     model_flops_per_token,
     validation_summary,
 )
+from megatron_jreg.training.megatron_lm import notes
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
+from megatron_jreg.training.sample_order import CyclicOrder
 from megatron_jreg.training.signals import SignalFlag
 from megatron_jreg.errors import InputError
 from megatron_jreg.training.step import forward_backward
@@ -66,20 +68,23 @@ class Trainer:
         self.skipped_steps = 0
         self.checkpoints = Checkpointer(experiment)
         self.metrics = MetricsLogger()
+        self.started = time.time()  # --exit-duration-in-mins counts from here
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
+        self.tokenizer = self._build_tokenizer()
         cfg.validate(tokenizer_vocab_size=self.tokenizer.vocab_size)
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = self.tokenizer.vocab_size
-        initialize_distributed()
+        initialize_distributed(cfg.parallel.distributed_timeout_minutes)
         self.device = torch.device("cpu") if use_cpu() else torch.device("cuda", torch.cuda.current_device())
         self._check_outputs()
         self.checkpoints.take_save_lock()
         impl, why = resolve_transformer_impl(cfg.model.transformer_impl)
         print_rank_0(f"transformer implementation: {impl} ({why})")
+        for line in notes(cfg, cfg.given, impl, self.device.type):  # Megatron-LM flags
+            print_rank_0(line)
         cfg.model.transformer_impl = impl  # the saved run config records what ran
         self.checkpoints.resolve_padded_vocab()
         initialize_model_parallel(cfg.model, cfg.parallel)
@@ -96,7 +101,19 @@ class Trainer:
                 self.iteration, self.consumed_samples = resumed
         self.metrics = build_metrics_logger(cfg.logging, self.train_cfg.train_iters, dist.get_rank(),
                                             cfg.to_dict())
-        self.signals = SignalFlag(self.train_cfg.exit_signal_handler)
+        self.signals = SignalFlag(self.train_cfg.exit_signal_handler,
+                                  extra=(getattr(signal, self.train_cfg.exit_signal),))
+
+    def _build_tokenizer(self):
+        data, model = self.cfg.data, self.cfg.model
+        if data.tokenizer_type not in MEGATRON_LM_TOKENIZERS:
+            return build_tokenizer(data.tokenizer_type, data.tokenizer_model)
+        tokenizer = build_megatron_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                                             model.vocab_size, data.vocab_file, data.merge_file)
+        if data.tokenizer_type == "NullTokenizer":
+            # --vocab-size counts the ids before the end-of-document id (Megatron-LM's rule)
+            model.vocab_size = tokenizer.vocab_size
+        return tokenizer
 
     def _check_outputs(self) -> None:
         """Before any work: rank 0 makes the missing output directories, then every rank
@@ -129,6 +146,10 @@ class Trainer:
     def _build_model_and_optimizer(self) -> None:
         cfg = self.cfg
         config = transformer_config(cfg.model, cfg.parallel)
+        # Megatron-LM's attention settings, read when the attention modules are built
+        # (model.builder's TransformerConfig does not take them from the model config)
+        config.attention_softmax_in_fp32 = cfg.model.attention_softmax_in_fp32
+        config.attention_backend = AttnBackend[cfg.model.attention_backend]
         self.tracker = JregTracker(cfg.jreg, cfg.model.num_layers,
                                    sequence_parallel=cfg.parallel.sequence_parallel)
         chunks = build_model(cfg.model, cfg.parallel, self.tracker, config)
@@ -138,21 +159,11 @@ class Trainer:
         layout_invariant_init(chunks, self.train_cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
         if cfg.model.bf16 or cfg.model.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=cfg.model.bf16 or cfg.model.fp16,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
-        )
-        self.model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-                      for i, chunk in enumerate(chunks)]
+        self.model = data_parallel.wrap(chunks, config, cfg)
         self.optimizer = build_optimizer(self.model, config, cfg.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.train_cfg)
         config.grad_scale_func = self.optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
-        if len(self.model) > 1:
-            config.no_sync_func = [m.no_sync for m in self.model]
-        else:
-            config.no_sync_func = self.model[0].no_sync
         self.num_params = sum(p.numel() for m in self.model for p in m.parameters())
 
     def _build_data(self) -> None:
@@ -177,6 +188,8 @@ class Trainer:
                 None)
         if self.valid_ds is None and evals:
             print_rank_0("warning: the --split gives no validation data; validation is off")
+        if self.cfg.data.dataloader_type == "cyclic":
+            self.train_ds = CyclicOrder(self.train_ds, t.micro_batch_size, self.dp_size)
 
     def _batches(self, dataset, start: int) -> List[Dict[str, torch.Tensor]]:
         return rank_microbatches(dataset, start, self.train_cfg.micro_batch_size,
@@ -226,6 +239,7 @@ class Trainer:
         t = self.train_cfg
         if self.valid_ds is None:
             return None
+        data_parallel.sync_params(self.model)
         for chunk in self.model:
             chunk.eval()
         losses, psis = [], []
@@ -260,6 +274,7 @@ class Trainer:
 
     # ---- loop -----------------------------------------------------------------------------
     def save(self) -> None:
+        data_parallel.sync_params(self.model)
         self.checkpoints.save(self.iteration, self.model, self.optimizer, self.scheduler,
                               self.consumed_samples)
 
@@ -288,8 +303,10 @@ class Trainer:
             if interval and self.iteration % interval == 0:
                 self.save()
                 last_saved = self.iteration
-            if self.signals.any_rank(self.device):
-                print_rank_0(f"signal received: saving at iteration {self.iteration} and exiting")
+            if self.signals.any_rank(self.device, also=self._time_is_up()):
+                why = "signal received" if self.signals.received else (
+                    f"--exit-duration-in-mins {t.exit_duration_in_mins} reached")
+                print_rank_0(f"{why}: saving at iteration {self.iteration} and exiting")
                 if last_saved != self.iteration:
                     self.save()
                 return 0
@@ -308,6 +325,10 @@ class Trainer:
             summary += f", last lm loss {last['lm_loss']:.6f}, last jreg penalty {last['penalty']:.6f}"
         print_rank_0(summary)
         return 0
+
+    def _time_is_up(self) -> bool:
+        limit = self.train_cfg.exit_duration_in_mins
+        return limit is not None and (time.time() - self.started) / 60 > limit
 
     def close(self) -> None:
         self.checkpoints.close()

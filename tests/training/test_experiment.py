@@ -17,7 +17,7 @@ def test_yaml_round_trip(demo_data):
     again = ExperimentConfig.from_yaml(exp.to_yaml())
     assert again == exp
     assert list(exp.sections()) == ["model", "parallel", "jreg", "optim", "training", "data",
-                                    "checkpoint", "logging"]
+                                    "checkpoint", "logging", "megatron_lm"]
 
 
 def test_valid_demo_run_passes(demo_data):

@@ -1,0 +1,235 @@
+"""Megatron-LM's flags that need no setting of their own here: the table, in one place.
+
+Each row is one flag and what becomes of it:
+
+- ``ACCEPTED``: already what happens here (a fusion that is off, a log value that is
+  always shown); nothing is printed.
+- ``NOTED``: accepted; when given, the trainer prints one line saying what happens
+  instead (an implementation the device or this trainer does not have).
+- ``REFUSED``: changes the math and is not supported: a run that gives it stops before
+  any work with one line naming the flag and why.
+
+Flags with a setting of their own (architecture, schedule, data, overlap) live in their
+config sections; ``SECTION_FLAGS`` lists them for the docs. The rows become the fields
+of :class:`MegatronLMConfig`, so the trainer's parser (generated from the config
+dataclasses) takes them like any other flag. Adding a flag is adding a row.
+
+:func:`notes` gives the printed lines of a run, from its config and the flags it was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, NamedTuple, Optional
+
+ACCEPTED, NOTED, REFUSED = "accepted", "accepted with a printed line", "refused"
+
+
+class Row(NamedTuple):
+    flag: str
+    status: str
+    why: str
+    kind: type = bool  # bool: a switch; else the value's type
+    default: object = False
+    choices: Optional[tuple] = None
+    allowed: tuple = ()  # values that are accepted silently although the row is NOTED/REFUSED
+    nargs: Optional[object] = None
+
+
+TABLE = [
+    # ---- model ----------------------------------------------------------------------------
+    Row("--use-mcore-models", ACCEPTED, "megatron-core models are the only models here"),
+    Row("--no-masked-softmax-fusion", ACCEPTED, "the masked softmax is never fused here"),
+    Row("--no-bias-swiglu-fusion", ACCEPTED, "the linear layers have no biases to fuse"),
+    Row("--no-bias-gelu-fusion", ACCEPTED, "there is no GeLU MLP here"),
+    Row("--no-bias-dropout-fusion", ACCEPTED, "the linear layers have no biases to fuse (a "
+        "fused dropout-add is the same math)"),
+    Row("--no-rope-fusion", ACCEPTED, "RoPE is never fused here"),
+    Row("--no-persist-layer-norm", ACCEPTED, "the persistent layer-norm kernel is never used"),
+    Row("--no-gradient-accumulation-fusion", ACCEPTED,
+        "gradient accumulation is never fused into the weight-gradient GEMM here"),
+    Row("--no-position-embedding", ACCEPTED, "RoPE models have no position embedding"),
+    Row("--use-flash-attn", NOTED, "ignored, as Megatron-LM 0.16 ignores it for megatron-core "
+        "models: --attention-backend picks the attention kernel"),
+    Row("--cross-entropy-loss-fusion", NOTED, "the LM loss is megatron-core's unfused "
+        "vocab-parallel cross entropy (the same loss)"),
+    Row("--apply-layernorm-1p", REFUSED, "zero-centred norm weights are not supported yet"),
+    Row("--qk-layernorm", REFUSED, "query/key norms are not supported yet"),
+    Row("--add-qkv-bias", REFUSED, "biases in the linear layers are not supported yet"),
+    Row("--openai-gelu", REFUSED, "a GeLU MLP is not supported yet"),
+    Row("--squared-relu", REFUSED, "a squared-ReLU MLP is not supported yet"),
+    Row("--quick-geglu", REFUSED, "a GeGLU MLP is not supported yet"),
+    Row("--rotary-interleaved", REFUSED, "interleaved RoPE is not supported yet"),
+    Row("--use-rope-scaling", REFUSED, "Llama 3.1 RoPE scaling is not supported yet"),
+    Row("--rotary-seq-len-interpolation-factor", REFUSED,
+        "RoPE interpolation is not supported yet", int, None),
+    Row("--apply-residual-connection-post-layernorm", REFUSED,
+        "post-norm residuals are not supported yet"),
+    Row("--fp32-residual-connection", REFUSED, "an fp32 residual stream is not supported yet"),
+    Row("--init-method-xavier-uniform", REFUSED, "only the normal init (--init-method-std) is "
+        "supported: every weight is drawn layout-invariantly"),
+    Row("--multi-latent-attention", REFUSED, "multi-latent attention is not supported yet"),
+    Row("--use-legacy-models", REFUSED, "only megatron-core models are built"),
+    Row("--fp8-format", REFUSED, "FP8 training is not supported yet", str, None),
+    # ---- optimizer and precision -----------------------------------------------------------
+    Row("--optimizer", REFUSED, "only Adam (AdamW, decoupled weight decay) is supported", str,
+        "adam", ("adam", "sgd", "muon", "dist_muon"), ("adam",)),
+    Row("--decoupled-lr", REFUSED, "a separate embedding/output learning rate is not "
+        "supported yet", float, None),
+    Row("--decoupled-min-lr", REFUSED, "a separate embedding/output learning rate is not "
+        "supported yet", float, None),
+    Row("--weight-decay-incr-style", REFUSED, "the weight decay is constant here", str,
+        "constant", ("constant", "linear", "cosine"), ("constant",)),
+    Row("--loss-scale", REFUSED, "static loss scaling is not supported; fp16 uses dynamic "
+        "scaling (--initial-loss-scale)", float, None),
+    Row("--grad-reduce-in-bf16", REFUSED, "gradients are reduced in fp32 under bf16 here"),
+    Row("--accumulate-allreduce-grads-in-fp32", ACCEPTED,
+        "bf16/fp16 gradients are always accumulated and reduced in fp32 here"),
+    # ---- distributed ----------------------------------------------------------------------
+    Row("--distributed-backend", NOTED, "the backend follows the device: NCCL on GPUs, gloo "
+        "on CPUs", str, "nccl", ("nccl", "gloo")),
+    Row("--use-torch-fsdp2", REFUSED, "FSDP is not supported yet; use "
+        "--use-distributed-optimizer"),
+    Row("--use-megatron-fsdp", REFUSED, "FSDP is not supported yet; use "
+        "--use-distributed-optimizer"),
+    Row("--tp-comm-overlap", NOTED, "TP communication is not overlapped (it needs Transformer "
+        "Engine's userbuffers)"),
+    # ---- data -----------------------------------------------------------------------------
+    Row("--num-workers", NOTED, "batches are read in the training process (no DataLoader "
+        "workers)", int, 2),
+    Row("--no-create-attention-mask-in-dataloader", ACCEPTED,
+        "the trainer builds the causal mask itself"),
+    Row("--no-mmap-bin-files", NOTED, "the .bin files are memory-mapped"),
+    Row("--num-dataset-builder-threads", ACCEPTED, "passed to megatron-core's dataset builder",
+        int, 1),
+    Row("--mock-data", REFUSED, "needs real data: build some with tools/preprocess_data.py "
+        "(tools/make_demo_corpus.py makes a corpus)"),
+    # ---- logging --------------------------------------------------------------------------
+    Row("--log-throughput", ACCEPTED, "every log line shows tokens/s (and TFLOP/s per GPU)"),
+    Row("--timing-log-level", NOTED, "there are no timers here; the log line gives tokens/s",
+        int, 0, (0, 1, 2), (0,)),
+    Row("--tensorboard-log-interval", NOTED, "TensorBoard gets a point every --log-interval "
+        "steps", int, 1, None, (1,)),
+    Row("--tensorboard-queue-size", ACCEPTED, "TensorBoard's writer keeps its default queue",
+        int, 1000),
+    Row("--log-timers-to-tensorboard", NOTED, "there are no timers to log"),
+    Row("--log-validation-ppl-to-tensorboard", NOTED, "validation perplexity is printed and "
+        "validation loss goes to TensorBoard"),
+    Row("--log-memory-to-tensorboard", ACCEPTED, "memory goes to TensorBoard on every log step"),
+    Row("--log-params-norm", NOTED, "the parameter norm is not computed"),
+    Row("--log-num-zeros-in-grad", NOTED, "zeros in the gradient are not counted"),
+    Row("--profile", NOTED, "no profiler is started"),
+    Row("--profile-step-start", ACCEPTED, "used with --profile only", int, 10),
+    Row("--profile-step-end", ACCEPTED, "used with --profile only", int, 12),
+    Row("--manual-gc", NOTED, "Python's garbage collector runs as usual"),
+    Row("--manual-gc-interval", ACCEPTED, "used with --manual-gc only", int, 0),
+    Row("--empty-unused-memory-level", NOTED, "PyTorch's cached memory is not emptied between "
+        "steps", int, 0, (0, 1, 2), (0,)),
+    # ---- checkpoints ----------------------------------------------------------------------
+    Row("--use-checkpoint-args", REFUSED, "pass the model flags (or --model-preset); the "
+        "trainer checks them against the checkpoint"),
+    Row("--async-save", NOTED, "checkpoints are saved synchronously"),
+    Row("--exit-on-missing-checkpoint", ACCEPTED, "always so here: a --load that holds no "
+        "checkpoint stops the run before any work (unless --pretrained-checkpoint is given)"),
+]
+
+# Megatron-LM flags with a setting of their own, by section (for the docs and their test):
+# they are read as Megatron-LM reads them; where the value cannot be supported, the
+# section's own check refuses it by name.
+SECTION_FLAGS: Dict[str, List[str]] = {
+    "model": ["--swiglu", "--normalization", "--position-embedding-type",
+              "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
+              "--disable-bias-linear", "--group-query-attention", "--num-query-groups",
+              "--kv-channels", "--rotary-base", "--rotary-percent", "--norm-epsilon",
+              "--init-method-std", "--attention-dropout", "--hidden-dropout",
+              "--max-position-embeddings", "--make-vocab-size-divisible-by", "--attention-backend",
+              "--attention-softmax-in-fp32", "--transformer-impl", "--bf16", "--fp16",
+              "--num-experts"],
+    "parallel": ["--context-parallel-size", "--overlap-grad-reduce", "--overlap-param-gather",
+                 "--recompute-activations", "--virtual-pipeline-model-parallel-size",
+                 "--num-virtual-stages-per-pipeline-rank",
+                 "--num-layers-per-virtual-pipeline-stage", "--sequence-parallel",
+                 "--distributed-timeout-minutes", "--expert-model-parallel-size"],
+    "optim": ["--lr-warmup-fraction", "--lr-warmup-samples", "--lr-warmup-init",
+              "--lr-decay-samples", "--lr-wsd-decay-samples"],
+    "training": ["--train-samples", "--rampup-batch-size", "--exit-signal",
+                 "--exit-duration-in-mins", "--eval-iters"],
+    "data": ["--dataloader-type", "--tokenizer-type", "--vocab-file", "--merge-file",
+             "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"],
+    "checkpoint": ["--save-interval"],
+}
+
+
+def _name(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _field(row: Row):
+    meta = {"flag": row.flag, "help": f"Megatron-LM flag, {row.status}: {row.why}"}
+    if row.kind is bool:
+        meta["const"] = True
+    if row.choices:
+        meta["choices"] = row.choices
+    if row.nargs:
+        meta["nargs"] = row.nargs
+    kind = bool if row.kind is bool else Optional[row.kind]
+    return _name(row.flag), kind, dataclasses.field(default=row.default, metadata=meta)
+
+
+def _given(row: Row, value) -> bool:
+    """The flag was given a value that is not silently accepted."""
+    return value != row.default and value not in row.allowed
+
+
+def _refuse(self) -> None:
+    for row in TABLE:
+        if row.status == REFUSED and _given(row, getattr(self, _name(row.flag))):
+            value = getattr(self, _name(row.flag))
+            shown = row.flag if row.kind is bool else f"{row.flag} {value}"
+            raise ValueError(f"{shown}: not supported: {row.why}")
+
+
+MegatronLMConfig = dataclasses.make_dataclass(
+    "MegatronLMConfig", [_field(row) for row in TABLE], kw_only=True,
+    namespace={"__post_init__": _refuse, "__doc__": "Megatron-LM flags: see TABLE."})
+MegatronLMConfig.__module__ = __name__
+
+
+def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, device: str) -> List[str]:
+    """The lines the trainer prints for this run's Megatron-LM flags.
+
+    given: the settings as given per section (``cli.parse``'s ``given``); impl: the resolved
+    transformer implementation; device: "cuda" or "cpu".
+    """
+    out = []
+    compat, given_here = experiment.megatron_lm, given.get("megatron_lm", {})
+    backend = "nccl" if device == "cuda" else "gloo"
+    for row in TABLE:
+        name = _name(row.flag)
+        value = getattr(compat, name)
+        if row.status != NOTED or name not in given_here or value in row.allowed:
+            continue
+        if row.flag == "--distributed-backend" and value == backend:
+            continue
+        out.append(f"{row.flag}{'' if row.kind is bool else f' {value}'}: {row.why}")
+    model, parallel = experiment.model, experiment.parallel
+    if given.get("parallel", {}).get("sequence_parallel") and parallel.tensor_model_parallel_size == 1:
+        out.append("--sequence-parallel: turned off at --tensor-model-parallel-size 1, as in "
+                   "Megatron-LM")
+    groups = given.get("model", {}).get("num_query_groups")
+    if groups and not model.group_query_attention and groups != model.num_attention_heads:
+        out.append(f"--num-query-groups {groups}: ignored without --group-query-attention, as in "
+                   f"Megatron-LM: the attention has {model.num_attention_heads} groups, one per head")
+    if impl == "local" and model.attention_backend in ("flash", "fused"):
+        out.append(f"--attention-backend {model.attention_backend}: the local implementation runs "
+                   "megatron-core's own attention (Transformer Engine has the other kernels)")
+    tp = parallel.tensor_model_parallel_size
+    if model.padded_vocab is None and model.vocab_size and tp > 1:
+        multiple = model.make_vocab_size_divisible_by
+        ours = -(-model.vocab_size // multiple) * multiple
+        theirs = -(-model.vocab_size // (multiple * tp)) * multiple * tp
+        if ours != theirs:
+            out.append(f"vocabulary padded to {ours} rows, the same under every TP; Megatron-LM "
+                       f"pads to {theirs} at TP {tp} (pass --make-vocab-size-divisible-by "
+                       f"{multiple * tp} for its model)")
+    return out
