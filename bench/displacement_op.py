@@ -1,11 +1,22 @@
-"""Time of the per-token displacement op, fused kernel vs PyTorch reference, forward and
-forward+backward, measured in one run; on CUDA also the achieved bandwidth.
+"""Time of the fused displacement op against a plain copy of the bytes it must move, and
+against the PyTorch reference; on CUDA also GB/s against the device's peak.
 
-    python bench/displacement_op.py                          # CPU, fp32, [2048, 4, 3072]
-    python bench/displacement_op.py --device cuda --dtype bf16
+    python bench/displacement_op.py                              # CPU: fp32 and bf16, three shapes
+    python bench/displacement_op.py --device cuda --dtype bf16   # GPU: GB/s vs peak (gpu_checks)
 
-Bytes moved (the floor): forward reads a and b; backward reads a and b and writes both
-gradients. Per-token outputs (psi, 3 saved scalars, the incoming gradient) are counted too.
+What the op must move, n = tokens * hidden elements of e bytes:
+
+- forward: read a and b (2 n e bytes). Its copy: a into a reused buffer (n e read, n e
+  written: the same 2 n e bytes).
+- backward: read a and b, write two new gradients (4 n e bytes). Its copy: a.clone() and
+  b.clone() (the same bytes, into new tensors as the op's, so on CPU both pay the first
+  touch of fresh pages).
+
+Per-token values (psi, 3 saved scalars, the incoming gradient: 16 bytes a token) are left
+out: under 1% of the bytes at h >= 1024. "op/copy" is the op's time as a multiple of its
+copy's: 1.0x is as fast as a copy of the same bytes. Each round times every candidate
+once, in an order rotated per round, so load from other work lands on all of them alike;
+a figure is the median over rounds with [min-max], a ratio the median of per-round ratios.
 """
 
 from __future__ import annotations
@@ -24,6 +35,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_jreg.ops import fused_available, token_displacement  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# [s, b, h]: 4096, 8192 and 16384 tokens at the hidden sizes of the 170m (768 is below
+# the range asked for, so 1024), 1b and 3b presets
+SHAPES = [(4096, 1, 1024), (2048, 4, 2048), (2048, 8, 3072)]
+CPU_TARGET = 1.5  # fwd+bwd within 1.5x a copy of the same bytes on CPU
+
+# HBM bandwidth from the vendors' data sheets, GB/s, by device name. Order matters: the
+# first name contained in torch.cuda.get_device_name wins (GH200 before H200).
+PEAK_GBS = [
+    ("GH200", 4000), ("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350),
+    ("H800", 3350), ("B200", 8000), ("B100", 8000), ("A100-SXM4-80GB", 2039),
+    ("A100 80GB PCIe", 1935), ("A100", 1555), ("A800", 2039), ("L40S", 864), ("L40", 864),
+    ("A10", 600), ("L4", 300), ("V100", 900),
+]
 
 
 def _sync(device: torch.device) -> None:
@@ -31,111 +55,185 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
+def _once(fn, device: torch.device, reps: int) -> float:
+    """Seconds per call of ``fn``, over ``reps`` calls in a row."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
         fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return (time.perf_counter() - t0) / reps
 
 
-def peak_bandwidth_gbs(device: torch.device) -> float | None:
-    """The device's theoretical DRAM bandwidth from its memory clock and bus width."""
+def interleaved(candidates: dict, device: torch.device, rounds: int, warmup: int, reps: int) -> dict:
+    """{name: [seconds per round]}: warm-up calls, then ``rounds`` rounds of one timing of
+    each candidate, the order rotated by one each round."""
+    names = list(candidates)
+    for name in names:
+        for _ in range(warmup):
+            candidates[name]()
+    _sync(device)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_once(candidates[name], device, reps))
+    return times
+
+
+def spread(values, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    """'median [min-max]' of values * scale."""
+    v = [x * scale for x in values]
+    return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}-{fmt.format(max(v))}]"
+
+
+def ratios(num, den):
+    return [x / y for x, y in zip(num, den)]
+
+
+def peak_bandwidth(device: torch.device):
+    """(GB/s, where it came from) of the device's DRAM, or (None, why not)."""
+    name = torch.cuda.get_device_name(device)
+    for key, gbs in PEAK_GBS:
+        if key in name:
+            return float(gbs), f"data sheet, {key}"
     props = torch.cuda.get_device_properties(device)
     clock_khz = getattr(props, "memory_clock_rate", None)
     bus_bits = getattr(props, "memory_bus_width", None)
-    if not clock_khz or not bus_bits:
-        return None
-    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate
+    if clock_khz and bus_bits:  # double data rate
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "memory clock x bus width"
+    return None, f"{name!r} not in the table"
 
 
-def copy_bandwidth_gbs(device: torch.device, nbytes: int, warmup: int, iters: int) -> float:
-    """What a device-to-device copy achieves: the practical ceiling for a streaming op."""
+def copy_bandwidth_gbs(device: torch.device, nbytes: int, rounds: int) -> float:
+    """What a large device-to-device copy achieves (read + written bytes): the practical peak."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = _time(lambda: dst.copy_(src), device, warmup, iters)
-    return 2 * nbytes / seconds / 1e9
+    times = interleaved({"copy": lambda: dst.copy_(src)}, device, rounds, 2, 5)["copy"]
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def bench_shape(shape, dtype, device, args, reference: bool) -> dict:
+    s, b, h = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(s, b, h, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    y = (x.detach() + 0.3 * torch.randn(s, b, h, device=device, dtype=dtype, generator=gen)).requires_grad_(True)
+    grad = torch.rand(s, b, device=device, dtype=torch.float32, generator=gen)
+    a, bb = x.detach(), y.detach()
+    _, stats = torch.ops.megatron_jreg.token_displacement_fwd(a, bb)
+    buffer = torch.empty_like(a)
+
+    def fwdbwd(impl):
+        psi = token_displacement(x, y, impl=impl)
+        torch.autograd.grad(psi, (x, y), grad)
+
+    candidates = {
+        "fwd op": lambda: torch.ops.megatron_jreg.token_displacement_fwd(a, bb),
+        "fwd copy": lambda: buffer.copy_(a),
+        "bwd op": lambda: torch.ops.megatron_jreg.token_displacement_bwd(grad, a, bb, stats),
+        "bwd copy": lambda: (a.clone(), bb.clone()),
+        "fwd+bwd op": lambda: fwdbwd("fused"),
+    }
+    if reference:
+        candidates["fwd+bwd torch"] = lambda: fwdbwd("torch")
+    reps = 1 if device.type == "cpu" else args.reps
+    t = interleaved(candidates, device, args.iters, args.warmup, reps)
+    t["fwd+bwd copy"] = [f + g for f, g in zip(t["fwd copy"], t["bwd copy"])]
+    n = a.numel() * a.element_size()
+    return {"times": t, "bytes": {"fwd": 2 * n, "bwd": 4 * n, "fwd+bwd": 6 * n}}
+
+
+def print_rows(shape, dtype_name, result) -> list:
+    """Prints one shape's lines; returns its fwd+bwd op/copy ratios."""
+    s, b, h = shape
+    t, nbytes = result["times"], result["bytes"]
+    head = f"{dtype_name} {s * b}x{h}"
+    for i, phase in enumerate(("fwd", "bwd", "fwd+bwd")):
+        op, copy = t[f"{phase} op"], t[f"{phase} copy"]
+        gbs = nbytes[phase] / statistics.median(op) / 1e9
+        print(f"  {head if i == 0 else '':15s} {phase:7s}  op {spread(op, 1e3):>23s} ms  "
+              f"copy {spread(copy, 1e3):>23s} ms  op/copy {spread(ratios(op, copy)):>18s}x  "
+              f"{gbs:6.1f} GB/s")
+    if "fwd+bwd torch" in t:
+        ratio = statistics.median(ratios(t["fwd+bwd op"], t["fwd+bwd torch"]))
+        print(f"  {'':15s} ratio fused/reference: forward+backward {ratio:.3f} (speed-up {1 / ratio:.2f}x; "
+              f"the PyTorch reference takes {spread(t['fwd+bwd torch'], 1e3)} ms)")
+    return ratios(t["fwd+bwd op"], t["fwd+bwd copy"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
-    parser.add_argument("--shape", type=int, nargs=3, default=[2048, 4, 3072], metavar=("S", "B", "H"))
-    parser.add_argument("--iters", type=int, default=None, help="timed calls (default 5 on CPU, 50 on CUDA)")
+    parser.add_argument("--dtype", nargs="+", default=None, choices=sorted(DTYPES),
+                        help="default: fp32 and bf16 on CPU, bf16 on CUDA")
+    parser.add_argument("--shape", type=int, nargs=3, default=None, metavar=("S", "B", "H"),
+                        help=f"one [s, b, h] instead of {SHAPES}")
+    parser.add_argument("--iters", type=int, default=None, help="timed rounds (default 7 on CPU, 20 on CUDA)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=10, help="CUDA: calls per timing (launch cost amortised)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
     args = parser.parse_args()
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("displacement_op: --device cuda skipped, no CUDA device visible")
+        return
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype or ("fp32" if device.type == "cpu" else "bf16")]
-    iters = args.iters or (5 if device.type == "cpu" else 50)
+    dtypes = args.dtype or (["fp32", "bf16"] if device.type == "cpu" else ["bf16"])
+    args.iters = args.iters or (7 if device.type == "cpu" else 20)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not fused_available(device):
         raise SystemExit(f"the fused kernel is not built for {device.type}; reinstall the package")
+    shapes = [tuple(args.shape)] if args.shape else SHAPES
 
-    s, b, h = args.shape
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(s, b, h, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-    y = (x.detach() + 0.3 * torch.randn(s, b, h, device=device, dtype=dtype, generator=gen)).requires_grad_(True)
-    grad = torch.rand(s, b, device=device, dtype=torch.float32, generator=gen)
+    where = (f"cpu ({torch.get_num_threads()} threads)" if device.type == "cpu"
+             else torch.cuda.get_device_name(device))
+    load = os.getloadavg()[0]
+    print(f"token_displacement on {where}: the fused op vs a plain copy of the bytes it must move "
+          f"(see --help); median [min-max] of {args.iters} interleaved rounds; load average "
+          f"{load:.2f} at start")
+    print(f"  {'dtype tokens x h':15s} phase    time of the op, of the copy, their per-round ratio, the op's GB/s")
+    worst, largest = {}, {}
+    for dtype_name in dtypes:
+        for k, shape in enumerate(shapes):
+            # the reference is ten times slower on CPU: timed at the first shape only
+            result = bench_shape(shape, DTYPES[dtype_name], device, args,
+                                 reference=not args.no_reference and k == 0)
+            fwdbwd = print_rows(shape, dtype_name, result)
+            worst[(dtype_name, shape)] = statistics.median(fwdbwd)
+            largest[dtype_name] = result
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    if device.type == "cpu":
+        over = [f"{d} {s}" for (d, s), r in worst.items() if r > CPU_TARGET]
+        print(f"target fwd+bwd <= {CPU_TARGET}x the copy: "
+              + ("met at every shape" if not over else f"NOT met at {', '.join(over)}")
+              + f" (median op/copy {min(worst.values()):.2f}x to {max(worst.values()):.2f}x)")
+        return
 
-    def forward(impl):
-        with torch.no_grad():
-            token_displacement(x, y, impl=impl)
+    peak, source = peak_bandwidth(device)
+    print_bandwidth(largest, peak, source, copy_bandwidth_gbs(device, 1 << 30, args.iters))
 
-    def forward_backward(impl):
-        psi = token_displacement(x, y, impl=impl)
-        torch.autograd.grad(psi, (x, y), grad)
 
-    elem = x.element_size()
-    tokens, n = s * b, s * b * h
-    fwd_bytes = 2 * n * elem + tokens * 4 * (1 + 3)
-    bwd_bytes = 4 * n * elem + tokens * 4 * (1 + 3)
-
-    where = f"{device.type} ({torch.get_num_threads()} threads)" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"token_displacement  [s={s}, b={b}, h={h}] {str(dtype).replace('torch.', '')} on {where}, median of {iters}")
-    results = {}
-    for impl in ("fused", "torch"):
-        results[impl] = (
-            _time(lambda: forward(impl), device, args.warmup, iters),
-            _time(lambda: forward_backward(impl), device, args.warmup, iters),
-        )
-        fwd, fwdbwd = results[impl]
-        line = f"  {impl:6s} forward {fwd * 1e3:9.2f} ms   forward+backward {fwdbwd * 1e3:9.2f} ms"
-        line += f"   ({fwd_bytes / fwd / 1e9:7.1f} GB/s fwd, {(fwd_bytes + bwd_bytes) / fwdbwd / 1e9:7.1f} GB/s fwd+bwd)"
-        print(line)
-    ratio_fwd = results["fused"][0] / results["torch"][0]
-    ratio = results["fused"][1] / results["torch"][1]
-    print(f"  ratio fused/reference: forward {ratio_fwd:.3f}, forward+backward {ratio:.3f} "
-          f"(speed-up {1 / ratio:.2f}x)")
-
-    if device.type == "cuda":
-        fused_fwd, fused_fwdbwd = results["fused"]
-        bwd = max(fused_fwdbwd - fused_fwd, 1e-12)
-        achieved = {"forward": fwd_bytes / fused_fwd / 1e9, "backward": bwd_bytes / bwd / 1e9}
-        peak = peak_bandwidth_gbs(device)
-        copy = copy_bandwidth_gbs(device, 2 * n * elem, args.warmup, iters)
-        for phase, gbs in achieved.items():
-            line = f"  fused {phase:8s} {gbs:8.1f} GB/s"
+def print_bandwidth(largest: dict, peak, source: str, copy: float) -> None:
+    """The fused op's GB/s at the largest shape of each dtype, against the device's peak and
+    a large device-to-device copy (bench/gpu_checks.py reads these lines)."""
+    for dtype_name, result in largest.items():
+        print(f"  bandwidth of the fused op, {dtype_name} at the largest shape:")
+        for phase, label in (("fwd", "forward"), ("bwd", "backward")):
+            gbs = result["bytes"][phase] / statistics.median(result["times"][f"{phase} op"]) / 1e9
+            line = f"  fused {label:8s} {gbs:8.1f} GB/s"
             if peak:
-                line += f" = {100 * gbs / peak:5.1f}% of peak {peak:.0f} GB/s"
-            line += f", {100 * gbs / copy:5.1f}% of a device copy ({copy:.0f} GB/s)"
+                line += f" = {100 * gbs / peak:.1f}% of peak {peak:.0f} GB/s ({source})"
+            else:
+                line += f" (peak unknown: {source})"
+            line += f", {100 * gbs / copy:.1f}% of a 1 GiB device copy ({copy:.0f} GB/s)"
             print(line)
-
 
 if __name__ == "__main__":
     main()

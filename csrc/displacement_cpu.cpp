@@ -1,5 +1,6 @@
-// CPU kernel: OpenMP over tokens (at::parallel_for, torch's thread count), SIMD partial
-// sums over the hidden dimension, fp32 accumulation (fp64 for fp64 input).
+// CPU kernel: OpenMP over tokens (at::parallel_for, torch's thread count), SIMD over the
+// hidden dimension in both passes (bf16 converted in vector registers), fp32 accumulation
+// (fp64 for fp64 input).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -14,13 +15,22 @@
 #include "displacement.h"
 #include "displacement_ops.h"
 
+// No FMA contraction: a*b - c*d is then rounded the same way in every clone (AVX-512 has
+// scalar FMA, the default build none), so results do not depend on the machine.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace megatron_jreg {
 namespace {
 
-// Partial sums in 32-byte SIMD vectors (GCC/Clang vector extensions: 8 fp32 or 4 fp64 lanes),
-// which stay in registers; on x86-64 the row function is also cloned for AVX2/AVX-512 and
-// picked at load time, so one build runs everywhere. Two levels (lanes within a block of
-// kBlock elements, then blocks) keep the fp32 rounding error near pairwise summation.
+// Both passes work in 32-byte SIMD vectors (GCC/Clang vector extensions: 8 fp32 or 4 fp64
+// lanes), which stay in registers; on x86-64 the row functions are also cloned for
+// AVX2/AVX-512 and picked at load time, so one build runs everywhere. Two levels of partial
+// sums (lanes within a block of kBlock elements, then blocks) keep the fp32 rounding error
+// near pairwise summation.
 constexpr int64_t kBlock = 256;
 
 template <typename acc_t>
@@ -28,19 +38,47 @@ struct Simd {
   using type [[gnu::vector_size(32)]] = acc_t;
   static constexpr int64_t kLanes = 32 / sizeof(acc_t);
 };
+using U16x8 [[gnu::vector_size(16)]] = uint16_t;  // bf16 bits, one per fp32 lane
+using U32x8 [[gnu::vector_size(32)]] = uint32_t;  // the fp32 bits
 
+// kLanes elements of p as a vector of acc_t. GCC turns the loop into vector widening
+// (bf16: one zero-extend and a shift per vector).
 template <typename scalar_t, typename acc_t>
 [[gnu::always_inline]] inline typename Simd<acc_t>::type load(const scalar_t* p) {
-  constexpr int64_t kLanes = Simd<acc_t>::kLanes;
-  typename Simd<acc_t>::type v;
+  using S = Simd<acc_t>;
+  typename S::type v;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     std::memcpy(&v, p, sizeof(v));
   } else {
-    acc_t tmp[kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) tmp[j] = static_cast<acc_t>(p[j]);
+    acc_t tmp[S::kLanes];
+    for (int64_t j = 0; j < S::kLanes; ++j) tmp[j] = static_cast<acc_t>(p[j]);
     std::memcpy(&v, tmp, sizeof(v));
   }
   return v;
+}
+
+// Writes a vector of acc_t to kLanes elements of p. bf16 rounds to nearest even with NaN
+// to 0x7FC0, bit for bit c10::BFloat16(float), in vector registers: c10's scalar
+// conversion (a branch on NaN) kept the loop scalar, slower than fp32 at half the bytes.
+template <typename scalar_t, typename acc_t>
+[[gnu::always_inline]] inline void store(scalar_t* p, typename Simd<acc_t>::type v) {
+  using S = Simd<acc_t>;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    std::memcpy(p, &v, sizeof(v));
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    static_assert(std::is_same_v<acc_t, float>);
+    U32x8 bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const U32x8 rounded = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
+    const U32x8 is_nan = (U32x8)(v != v);  // all ones where NaN; a select GCC and Clang both take
+    const U32x8 out = (rounded & ~is_nan) | (0x7FC0u & is_nan);
+    const U16x8 narrow = __builtin_convertvector(out, U16x8);
+    std::memcpy(p, &narrow, sizeof(narrow));
+  } else {
+    acc_t tmp[S::kLanes];
+    std::memcpy(tmp, &v, sizeof(v));
+    for (int64_t j = 0; j < S::kLanes; ++j) p[j] = static_cast<scalar_t>(tmp[j]);
+  }
 }
 
 template <typename acc_t>
@@ -100,17 +138,50 @@ template <typename scalar_t, typename acc_t>
 #define JREG_CPU_CLONES
 #endif
 
+// One row of the backward: ga = inv*b - ka*a, gb = inv*a - kb*b (inv, ka, kb already carry
+// the upstream gradient). Two products then a difference, in every clone and the tail.
+template <typename scalar_t, typename acc_t>
+[[gnu::always_inline]] inline void grad_row_impl(const scalar_t* a, const scalar_t* b, acc_t inv, acc_t ka,
+                                                 acc_t kb, scalar_t* ga, scalar_t* gb, int64_t hidden) {
+  using V = typename Simd<acc_t>::type;
+  constexpr int64_t kLanes = Simd<acc_t>::kLanes;
+  const V vinv = V{} + inv, vka = V{} + ka, vkb = V{} + kb;
+  const int64_t body = hidden - hidden % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes) {
+    const V x = load<scalar_t, acc_t>(a + i);
+    const V y = load<scalar_t, acc_t>(b + i);
+    store<scalar_t, acc_t>(ga + i, vinv * y - vka * x);
+    store<scalar_t, acc_t>(gb + i, vinv * x - vkb * y);
+  }
+  for (int64_t i = body; i < hidden; ++i) {
+    const acc_t x = static_cast<acc_t>(a[i]);
+    const acc_t y = static_cast<acc_t>(b[i]);
+    ga[i] = static_cast<scalar_t>(inv * y - ka * x);
+    gb[i] = static_cast<scalar_t>(inv * x - kb * y);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define JREG_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define JREG_CPU_CLONES
+#endif
+
 // One non-template function per input dtype: function multiversioning needs plain functions.
-#define JREG_ROW_SUMS(scalar_t, acc_t)                                                     \
+#define JREG_ROW_FUNCTIONS(scalar_t, acc_t)                                                \
   JREG_CPU_CLONES void row_sums(const scalar_t* a, const scalar_t* b, int64_t hidden,      \
                                 acc_t* out) {                                              \
     row_sums_impl<scalar_t, acc_t>(a, b, hidden, out);                                     \
+  }                                                                                        \
+  JREG_CPU_CLONES void grad_row(const scalar_t* a, const scalar_t* b, acc_t inv, acc_t ka, \
+                                acc_t kb, scalar_t* ga, scalar_t* gb, int64_t hidden) {    \
+    grad_row_impl<scalar_t, acc_t>(a, b, inv, ka, kb, ga, gb, hidden);                     \
   }
-JREG_ROW_SUMS(float, float)
-JREG_ROW_SUMS(double, double)
-JREG_ROW_SUMS(c10::BFloat16, float)
-JREG_ROW_SUMS(c10::Half, float)
-#undef JREG_ROW_SUMS
+JREG_ROW_FUNCTIONS(float, float)
+JREG_ROW_FUNCTIONS(double, double)
+JREG_ROW_FUNCTIONS(c10::BFloat16, float)
+JREG_ROW_FUNCTIONS(c10::Half, float)
+#undef JREG_ROW_FUNCTIONS
 
 // Tokens per parallel chunk: about 32K elements of work, at least one token.
 int64_t grain_size(int64_t hidden) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, hidden)); }
@@ -155,14 +226,7 @@ void backward_kernel(const at::Tensor& grad_psi, const at::Tensor& a, const at::
       const acc_t gcos = acc_t(-0.5) * pg[t];  // dpsi/dcos = -1/2
       const acc_t* s = pstats + t * kStats;
       const acc_t inv = gcos * s[0], ka = gcos * s[1], kb = gcos * s[2];
-      const scalar_t* ra = pa + t * hidden;
-      const scalar_t* rb = pb + t * hidden;
-      for (int64_t i = 0; i < hidden; ++i) {
-        const acc_t x = static_cast<acc_t>(ra[i]);
-        const acc_t y = static_cast<acc_t>(rb[i]);
-        rga[i] = static_cast<scalar_t>(inv * y - ka * x);
-        rgb[i] = static_cast<scalar_t>(inv * x - kb * y);
-      }
+      grad_row(pa + t * hidden, pb + t * hidden, inv, ka, kb, rga, rgb, hidden);
     }
   });
 }
