@@ -12,20 +12,25 @@ step of each and ``--warmup`` untimed rounds, each of ``--timed-steps`` rounds r
 step of every variant, in an order that changes per round so that each variant follows
 each other one equally often (a Williams Latin square): load from other work lands on all
 of them alike. Step time is the median over rounds with [min-max]; "x off" is the ratio of
-medians, with the range of the per-round ratios.
+medians, with the range of the per-round ratios; "fastest" is the ratio of the fastest
+steps (the least disturbed by other work).
 
 On CPU glibc hands freed memory back to the system and the next step faults it in again,
-page by page; how much it hands back depends on the heap's layout, not on the work (a
-lambda = 0 step, which adds almost nothing, faulted twice as many pages as JREG off in one
-run). The timing process therefore asks glibc to keep freed memory, as the caching
-allocator does on GPU (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``;
-``--system-malloc`` leaves glibc as it is). Page faults per step are printed either way.
+page by page; how much depends on the heap's layout, not on the work (in one run a
+lambda = 0 step, which adds almost no work, faulted 754K pages against 468K for JREG off).
+The timing process therefore asks glibc to keep freed memory, as the caching allocator does
+on GPU (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``; ``--system-malloc`` leaves
+glibc as it is). Page faults per step are printed, and the process's CPU time per step
+beside the step time: on a machine shared with other work it moves less. ``--threads 1``
+steadies both there (no thread waits at a barrier for a core another job holds).
 
-Memory: each variant in a fresh process of its own, with the system allocator: build, one
-warm-up step, one measured step. "saved" is the bytes of distinct storages autograd keeps
-for backward during a step, exact on any device. On CPU "peak" is the process's resident
-set high water mark during the step (reset through /proc/self/clear_refs) and "step" that
-peak minus the resident set just before; on CUDA both come from the caching allocator.
+Memory: "saved" is the bytes of distinct storages autograd keeps for backward during a
+step, exact on any device. On CPU each variant runs in a fresh process of its own, with the
+system allocator (build, one warm-up step, one measured step): "peak" is the process's
+resident set high water mark during the step (reset through /proc/self/clear_refs) and
+"step" that peak minus the resident set just before. On CUDA both come from the caching
+allocator's allocated bytes, measured per variant in the timing process (what ran before
+does not change them).
 """
 
 from __future__ import annotations
@@ -126,33 +131,36 @@ def _model(args, tracker, device):
     return chunks, step
 
 
-def memory_child(args) -> dict:
-    """One variant in a fresh process: MiB figures of one step after a warm-up."""
-    import one_device_model
-
-    device = one_device_model.start(args.device)
+def _memory(step, device) -> dict:
+    """MiB figures of one call of ``step`` (a warmed-up training step)."""
     import torch
 
-    tracker = _tracker(args.variant, args.layers)
-    _, step = _model(args, tracker, device)
-    step(tracker)  # warm-up: gradient buffers, allocator pools, lazy init
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        step(tracker)
+        step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        unit = "allocated"
     else:
         _reset_rss_peak()
         before = _status_kib("VmRSS") * 1024
-        step(tracker)
+        step()
         peak = _status_kib("VmHWM") * 1024
-        unit = "rss"
-    saved = _saved_for_backward_bytes(lambda: step(tracker))
+    saved = _saved_for_backward_bytes(step)
     mib = 1024 * 1024
-    return {"unit": unit, "peak_mib": peak / mib, "saved_mib": saved / mib, "step_mib": (peak - before) / mib}
+    return {"peak_mib": peak / mib, "saved_mib": saved / mib, "step_mib": (peak - before) / mib}
+
+
+def memory_child(args) -> dict:
+    """CPU: one variant in a fresh process (the resident set depends on what ran before)."""
+    import one_device_model
+
+    device = one_device_model.start(args.device)
+    tracker = _tracker(args.variant, args.layers)
+    _, step = _model(args, tracker, device)
+    step(tracker)  # warm-up: gradient buffers, allocator pools, lazy init
+    return _memory(lambda: step(tracker), device)
 
 
 def timing_child(args) -> dict:
@@ -185,6 +193,9 @@ def timing_child(args) -> dict:
         return seconds, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, result
 
     results = {v: run(v)[-1] for v in VARIANTS}  # warm-up: one step of each
+    memory = None
+    if device.type == "cuda":  # allocated bytes do not depend on what ran before
+        memory = {v: _memory(lambda v=v: run(v), device) for v in VARIANTS}
     times, cpu, faults = ({v: [] for v in VARIANTS} for _ in range(3))
     orders = williams_orders(len(VARIANTS))
     for r in range(args.warmup + args.timed_steps):
@@ -195,7 +206,7 @@ def timing_child(args) -> dict:
                 times[v].append(seconds)
                 cpu[v].append(cpu_seconds)
                 faults[v].append(page_faults)
-    return {"times": times, "cpu": cpu, "faults": faults, "threads": torch.get_num_threads(),
+    return {"times": times, "cpu": cpu, "faults": faults, "threads": torch.get_num_threads(), "memory": memory,
             "results": {v: {"lm_loss": r["lm_loss"], "R": r.get("R")} for v, r in results.items()}}
 
 
@@ -228,20 +239,22 @@ def report(args, memory, timing, load_start, load_end) -> None:
           + (f" ({setup})" if setup else "")
           + f"; {args.timed_steps} interleaved rounds after {args.warmup} untimed")
     print(f"  load average (1, 5, 15 min): {loads[0]} at start, {loads[1]} at end")
-    print("  step time: median [min-max] over rounds; x off: ratio of medians [per-round min-max]"
-          + ("; CPU: the process's CPU time per step, the same way; page faults per step (median)"
-             if on_cpu else ""))
+    print("  step time: median [min-max] over rounds; x off: ratio of medians [per-round min-max]; "
+          "fastest: ratio of the fastest steps" + ("; CPU: the process's CPU time per step, the same "
+                                                   "way; page faults per step (median)" if on_cpu else ""))
     wall_off, cpu_off = statistics.median(times["off"]), statistics.median(cpu["off"])
     for v in VARIANTS:
         wall = statistics.median(times[v])
         line = (f"  JREG {v:7s}  step time {wall:7.3f} s ({wall / wall_off:5.3f}x off)  "
-                f"{_spread(times[v])} s  {_spread(ratios(times[v], times['off']))}x")
+                f"{_spread(times[v])} s  {_spread(ratios(times[v], times['off']))}x  "
+                f"fastest {min(times[v]) / min(times['off']):5.3f}x")
         if on_cpu:
             line += (f"   CPU {statistics.median(cpu[v]):7.3f} s ({statistics.median(cpu[v]) / cpu_off:5.3f}x) "
                      f"{_spread(ratios(cpu[v], cpu['off']))}x  {statistics.median(faults[v]):7.0f} faults")
         r = timing["results"][v]
         print(line + f"  loss {r['lm_loss']:.4f}" + (f"  R {r['R']:.4f}" if r["R"] is not None else ""))
-    print(f"  memory, each variant in a fresh process: saved for backward (exact); {what}")
+    where = "each variant in a fresh process" if on_cpu else "the timing process"
+    print(f"  memory, {where}: saved for backward (exact); {what}")
     base = memory["off"]
     for v in VARIANTS:
         m = memory[v]
@@ -250,7 +263,8 @@ def report(args, memory, timing, load_start, load_end) -> None:
               f"   peak {m['peak_mib']:9.1f} MiB   step {m['step_mib']:9.1f} MiB   "
               f"vs off {extra:+8.1f} MiB ({100 * extra / base['peak_mib']:+6.2f}% of peak)")
     fused = statistics.median(times["fused"]) / wall_off
-    line = f"  fused vs off: step time {fused:.3f}x ({'met' if fused <= TARGET else 'NOT met'})"
+    line = (f"  fused vs off: step time {fused:.3f}x ({'met' if fused <= TARGET else 'NOT met'}), "
+            f"fastest step {min(times['fused']) / min(times['off']):.3f}x")
     if on_cpu:
         fused_cpu = statistics.median(cpu["fused"]) / cpu_off
         line += f", CPU time {fused_cpu:.3f}x ({'met' if fused_cpu <= TARGET else 'NOT met'})"
@@ -268,8 +282,7 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=11, help="timed rounds, one step of each variant per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU: torch.set_num_threads for the timed steps (1 on a shared machine: "
-                             "no thread waits at a barrier for a core another job holds)")
+                        help="CPU: torch.set_num_threads for the timed steps (1 on a shared machine)")
     parser.add_argument("--system-malloc", action="store_true", help="CPU: time with glibc's own settings")
     parser.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 instead of bf16")
     parser.add_argument("--child", choices=["memory", "timing"], help=argparse.SUPPRESS)
@@ -289,12 +302,12 @@ def main() -> None:
 
     load_start = os.getloadavg()
     argv = sys.argv[1:]
-    # one process at a time: no build or step overlaps another
-    memory = {v: _run_child(["--child", "memory", "--variant", v] + argv) for v in VARIANTS}
     env = None
     if args.device == "cpu" and not args.system_malloc:
         env = dict(os.environ, **KEEP_FREED_MEMORY)
+    # one process at a time: no build or step overlaps another
     timing = _run_child(["--child", "timing"] + argv, env=env)
+    memory = timing["memory"] or {v: _run_child(["--child", "memory", "--variant", v] + argv) for v in VARIANTS}
     report(args, memory, timing, load_start, os.getloadavg())
 
 

@@ -4,10 +4,11 @@ vector; NaN is stored as c10's 0x7FC0."""
 
 import torch
 
-from megatron_jreg.ops import token_displacement  # noqa: F401  (registers the torch.ops)
+from megatron_jreg.ops import fused_available  # also registers torch.ops.megatron_jreg
 
 
 def _fused_grads(a, b, g):
+    assert fused_available("cpu")
     _, stats = torch.ops.megatron_jreg.token_displacement_fwd(a, b)
     ga, gb = torch.ops.megatron_jreg.token_displacement_bwd(g, a, b, stats)
     return ga, gb, stats
