@@ -5,29 +5,13 @@ naming the flag, exit 2, and no model load (no progress bar, no table, no export
 """
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
+from unwritable import unwritable_dir
 
 from checkpoint_runs import REPO, run_env
-
-
-def unwritable_dir(tmp_path):
-    """A directory no process here can create files in: chmod 555 for a normal user; root
-    ignores modes, so for root sysfs, where nobody may create files."""
-    if os.geteuid() != 0:
-        path = tmp_path / "read-only"
-        path.mkdir()
-        path.chmod(0o555)
-        return str(path)
-    try:
-        tempfile.mkstemp(dir="/sys/kernel")
-    except OSError:
-        return "/sys/kernel"
-    pytest.skip("no unwritable directory on this machine")
 
 
 def run_tool(script, argv):

@@ -5,25 +5,11 @@ and nothing read or written."""
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
+from unwritable import unwritable_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def unwritable_dir(tmp_path):
-    """chmod 555 for a normal user; root ignores modes, so for root sysfs."""
-    if os.geteuid() != 0:
-        path = tmp_path / "read-only"
-        path.mkdir()
-        path.chmod(0o555)
-        return str(path)
-    try:
-        tempfile.mkstemp(dir="/sys/kernel")
-    except OSError:
-        return "/sys/kernel"
-    pytest.skip("no unwritable directory on this machine")
 
 
 def tool(script, *argv):

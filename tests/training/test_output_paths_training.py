@@ -2,25 +2,11 @@
 an unwritable one is one line naming the flag, exit 2, before the model is built."""
 
 import os
-import tempfile
 
 import pytest
+from unwritable import unwritable_dir
 
 from conftest import base_args, read_metrics, train
-
-
-def unwritable_dir(tmp_path):
-    """chmod 555 for a normal user; root ignores modes, so for root sysfs."""
-    if os.geteuid() != 0:
-        path = tmp_path / "read-only"
-        path.mkdir()
-        path.chmod(0o555)
-        return str(path)
-    try:
-        tempfile.mkstemp(dir="/sys/kernel")
-    except OSError:
-        return "/sys/kernel"
-    pytest.skip("no unwritable directory on this machine")
 
 
 def test_missing_output_directories_are_made(demo_data, tmp_path):
