@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -213,6 +214,9 @@ def parallel_layout(args: argparse.Namespace) -> ParallelConfig:
         )
     except ValueError as err:
         raise InputError(str(err)) from None
+    if sp and not parallel.sequence_parallel:
+        print("--sequence-parallel: turned off at --tensor-model-parallel-size 1, as in Megatron-LM",
+              file=sys.stderr)
     if world < tp * pp:
         raise InputError(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "

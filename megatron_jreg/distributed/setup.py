@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -39,20 +38,17 @@ def initialize_distributed(timeout_minutes: int = 30) -> None:
         cpu_platform.activate()
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if not cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend="gloo" if cpu else "nccl", timeout=timedelta(minutes=timeout_minutes))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    timeout = timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:
+        # plain `python -m ...`: a world of one, on an in-process store. No port is opened and
+        # no launcher variable is written, so a later torchrun child of this process (or a
+        # second world of one) never inherits a MASTER_PORT that this process still holds.
+        dist.init_process_group(backend="gloo" if cpu else "nccl", store=dist.HashStore(),
+                                rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend="gloo" if cpu else "nccl", timeout=timeout)
 
 
 def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

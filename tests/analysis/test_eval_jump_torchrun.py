@@ -95,10 +95,15 @@ def test_layout_flags_need_torchrun_and_load(trained_checkpoints, uneven_text, c
     code = main(["--load", trained_checkpoints["tp1"], "--text-file", uneven_text,
                  "--tensor-model-parallel-size", "2"])
     assert code == 2 and "needs 2 processes" in capsys.readouterr().err
+    # Megatron-LM's rule: sequence parallelism is off at TP1, said in one line; same numbers
+    code = main(["--load", trained_checkpoints["tp1"], "--text-file", uneven_text])
+    assert code == 0
+    plain = capsys.readouterr().out
     code = main(["--load", trained_checkpoints["tp1"], "--text-file", uneven_text,
                  "--sequence-parallel"])
-    assert code == 2 and "--sequence-parallel needs --tensor-model-parallel-size > 1" in (
-        capsys.readouterr().err)
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out == plain
+    assert "--sequence-parallel: turned off at --tensor-model-parallel-size 1" in captured.err
     code = main(["--reports", "x.json", "--pipeline-model-parallel-size", "2"])
     assert code == 2 and "only apply to --load" in capsys.readouterr().err
 

@@ -101,6 +101,8 @@ def test_gpt_dataset_batches(tmp_path, tokenizer_args):
     pa = run(tmp_path, [a], flags, "--append-eod", name="a") + "_text_document"
     pb = run(tmp_path, [b], flags, "--append-eod", name="b") + "_text_document"
     tok = build_tokenizer(**kwargs)
+    # an earlier in-process test may have left a world of one; building must not start one
+    was_initialized = torch.distributed.is_initialized()
     for data_path in ([pa], ["0.7", pa, "0.3", pb]):
         config = GPTDataConfig(data_path=data_path, split="90,8,2", seq_length=32,
                                cache_dir=str(tmp_path / "cache"), eod_mask_loss=True)
@@ -111,7 +113,7 @@ def test_gpt_dataset_batches(tmp_path, tokenizer_args):
         assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
         # eod_mask_loss: no loss on predicting from an EOD position
         assert (batch["loss_mask"][batch["tokens"] == tok.eod] == 0).all()
-    assert not torch.distributed.is_initialized()
+    assert torch.distributed.is_initialized() == was_initialized
 
     with pytest.raises(FileNotFoundError, match="preprocess_data.py"):
         build_gpt_datasets(GPTDataConfig(data_path=[str(tmp_path / "none")]), tok, 8)

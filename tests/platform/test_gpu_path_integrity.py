@@ -37,7 +37,8 @@ def run_worker(tmp_path, cases):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"out_dir": str(out), "cases": cases}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
-    env.pop("RANK", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", WORKER, str(spec)],
                           env=env, capture_output=True, text=True, timeout=600)

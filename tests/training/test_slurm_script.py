@@ -57,7 +57,8 @@ def env_for(tmp_path, bindir, log, data_prefix, **extra):
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", LAUNCH_LOG=str(log),
                DATA_PATH=data_prefix, TOKENIZER_MODEL="/models/tokenizer.model",
                RUN_DIR=str(tmp_path / "run"))
-    for key in ("EXTRA_ARGS", "GPUS_PER_NODE", "NNODES", "MASTER_ADDR", "RDZV_ENDPOINT", "REPO"):
+    for key in ("EXTRA_ARGS", "GPUS_PER_NODE", "NNODES", "MASTER_ADDR", "MASTER_PORT",
+                "RDZV_ENDPOINT", "REPO"):
         env.pop(key, None)
     env.update(extra)
     return env
