@@ -65,6 +65,7 @@ def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=parallel.virtual_stages(model.num_layers),
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
         create_gloo_process_groups=use_cpu(),
     )
 

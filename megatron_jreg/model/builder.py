@@ -1,8 +1,11 @@
-"""Build megatron-core GPTModel chunks in Llama form with JREG layers.
+"""Build megatron-core GPTModel chunks with JREG layers (Llama form by default; GPT-2,
+Qwen3 and Mixtral forms from the same flags).
 
 The model is the same under every layout: the vocabulary is padded independently of TP,
 and the megatron-core workarounds of :mod:`megatron_jreg.platform.mcore_fixes` and the
-sequence-parallel RMSNorm of :mod:`megatron_jreg.model.norm` apply on every device.
+sequence-parallel norms of :mod:`megatron_jreg.model.norm` apply on every device. The JREG
+layer wraps the family's own layer spec: for a mixture-of-experts model, megatron's
+TransformerLayer around its MoE layer, so Psi_l is the displacement of the whole layer.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_jreg.model.config import ModelConfig, ParallelConfig, resolve_transformer_impl
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
-from megatron_jreg.model.norm import RMSNorm
+from megatron_jreg.model.norm import norm_class
 from megatron_jreg.platform import mcore_fixes
 
 
@@ -37,7 +39,7 @@ def _impl(model: ModelConfig) -> str:
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
-    """megatron's TransformerConfig for a Llama-form model under the given split."""
+    """megatron's TransformerConfig for the model under the given split."""
     vp = parallel.virtual_stages(model.num_layers)
     dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
     te = _impl(model) == "transformer_engine"
@@ -48,12 +50,22 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         num_query_groups=model.query_groups,
         ffn_hidden_size=model.ffn_size,
         kv_channels=model.hidden_size // model.num_attention_heads,
-        normalization="RMSNorm",
+        normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=True,  # SwiGLU
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
+        gated_linear_unit=model.swiglu,  # SwiGLU, else a GeLU MLP
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        attention_softmax_in_fp32=model.attention_softmax_in_fp32,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_ffn_hidden_size=model.moe_ffn_size if model.num_experts else None,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_grouped_gemm=model.moe_grouped_gemm and te,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
@@ -88,30 +100,34 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
 
 
 def jreg_layer_spec(base: ModuleSpec, tracker: Optional[JregTracker]) -> ModuleSpec:
-    """``base`` (a dense TransformerLayer spec) with its layer swapped for the JREG one.
+    """``base`` (a TransformerLayer spec, dense or MoE) with its layer swapped for the JREG one.
 
-    Refuses what JREG does not measure: a layer that is not megatron's TransformerLayer, or
-    a mixture-of-experts MLP.
+    Refuses a layer that is not megatron's TransformerLayer (JREG measures its input and
+    output); the layer's submodules, an MoE MLP included, are kept as they are.
     """
     if not (isinstance(base.module, type) and issubclass(base.module, TransformerLayer)):
         raise ValueError(f"JREG wraps megatron's TransformerLayer; the spec builds {base.module!r}")
-    mlp = getattr(base.submodules, "mlp", None)
-    mlp_module = getattr(mlp, "module", mlp)
-    if isinstance(mlp_module, type) and issubclass(mlp_module, MoELayer):
-        raise ValueError("not supported with JREG yet: a mixture-of-experts layer spec "
-                         "(the JREG layer measures dense Transformer layers only)")
     return ModuleSpec(module=JregTransformerLayer, submodules=base.submodules,
                       params=dict(base.params or {}, jreg_tracker=tracker))
 
 
 def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec:
-    """The Llama layer spec with megatron's TransformerLayer swapped for the JREG one."""
+    """The family's megatron layer spec with its TransformerLayer swapped for the JREG one."""
     if _impl(model) == "transformer_engine":
-        return jreg_layer_spec(get_gpt_layer_with_transformer_engine_spec(), tracker)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return jreg_layer_spec(get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts, moe_grouped_gemm=model.moe_grouped_gemm,
+            qk_layernorm=model.qk_layernorm), tracker)
+    spec = get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=model.qk_layernorm,
+                                    normalization=model.normalization)
     # megatron's local norm (WrappedTorchNorm) refuses sequence parallelism: ours does not
-    spec.submodules.input_layernorm = RMSNorm
-    spec.submodules.pre_mlp_layernorm = RMSNorm
+    norm = norm_class(model.normalization)
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
+    if model.qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = norm
+        attention.k_layernorm = norm
     return jreg_layer_spec(spec, tracker)
 
 
@@ -123,7 +139,7 @@ def block_spec(model: ModelConfig, config: TransformerConfig, tracker: Optional[
     if _impl(model) == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
-        final_norm = RMSNorm
+        final_norm = norm_class(model.normalization)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec(model, tracker)] * layers,
                                       layer_norm=final_norm)
@@ -158,8 +174,8 @@ def build_model(
                 max_sequence_length=model.max_positions,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                share_embeddings_and_output_weights=False,  # Llama: untied
-                position_embedding_type="rope",
+                share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+                position_embedding_type=model.position_embedding_type,
                 rotary_base=model.rotary_base,
                 parallel_output=True,
                 vp_stage=stage,

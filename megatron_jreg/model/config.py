@@ -51,7 +51,10 @@ def _flag(name: str, help_text: str, **extra) -> dict:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A Llama-form GPT: RMSNorm, SwiGLU, RoPE, no linear biases, untied embeddings."""
+    """A GPT as megatron-core builds it from Megatron-LM's flags. The defaults are the Llama
+    form (RMSNorm, SwiGLU, RoPE, no linear biases, untied embeddings); GPT-2 (LayerNorm,
+    GeLU, learned positions, biases, tied embeddings), Qwen3 (query/key norms) and
+    Mixtral (mixture of experts) forms are the same flags set otherwise."""
 
     model_preset: Optional[str] = field(default=None, metadata=_flag(
         "--model-preset", "tiny, 170m, 1b or 3b: a bundle of the architecture flags "
@@ -84,22 +87,28 @@ class ModelConfig:
     attention_dropout: float = field(default=0.0, metadata=_flag(
         "--attention-dropout", "attention dropout"))
     swiglu: bool = field(default=True, metadata=_flag(
-        "--swiglu", "SwiGLU MLP (Megatron-LM's default without it: GeLU, not supported yet)",
+        "--swiglu", "SwiGLU MLP (Megatron-LM's default without it: a GeLU MLP, 4x hidden)",
         const=True))
     normalization: str = field(default="RMSNorm", metadata=_flag(
-        "--normalization", "RMSNorm (LayerNorm, Megatron-LM's default: not supported yet)",
+        "--normalization", "RMSNorm or LayerNorm (Megatron-LM's default)",
         choices=("LayerNorm", "RMSNorm")))
     position_embedding_type: str = field(default="rope", metadata=_flag(
-        "--position-embedding-type", "rope (Megatron-LM's default learned_absolute and the "
-        "others: not supported yet)", choices=("learned_absolute", "rope", "mrope", "relative",
-                                               "none"),
+        "--position-embedding-type", "rope or learned_absolute (Megatron-LM's default); the "
+        "others are not supported yet", choices=("learned_absolute", "rope", "mrope", "relative",
+                                                 "none"),
         switches={"--use-rotary-position-embeddings": "rope"}))
     untie_embeddings_and_output_weights: bool = field(default=True, metadata=_flag(
-        "--untie-embeddings-and-output-weights", "separate output layer (Megatron-LM's default "
-        "without it: tied to the embedding, not supported yet)", const=True))
+        "--untie-embeddings-and-output-weights", "a separate output layer (Megatron-LM's "
+        "default without it: the output layer is the embedding, tied)", const=True))
     add_bias_linear: bool = field(default=False, metadata=_flag(
-        "--disable-bias-linear", "no biases in the linear layers (Megatron-LM's default without "
-        "it: biases, not supported yet)", const=False))
+        "--disable-bias-linear", "no biases in the linear layers (Megatron-LM's default "
+        "without it: biases)", const=False))
+    add_qkv_bias: bool = field(default=False, metadata=_flag(
+        "--add-qkv-bias", "a bias in the query/key/value projection only (Qwen2 style)",
+        const=True))
+    qk_layernorm: bool = field(default=False, metadata=_flag(
+        "--qk-layernorm", "normalise queries and keys per head (Qwen3 style), with "
+        "--normalization's norm", const=True))
     group_query_attention: bool = field(default=True, metadata=_flag(
         "--group-query-attention", "use --num-query-groups (as in Megatron-LM, without this "
         "flag the attention has one group per head)", const=True))
@@ -120,7 +129,23 @@ class ModelConfig:
         "--transformer-impl", "auto (Transformer Engine when it imports, else local), "
         "transformer_engine or local (torch)"))
     num_experts: Optional[int] = field(default=None, metadata=_flag(
-        "--num-experts", "mixture-of-experts layers: not supported with JREG yet"))
+        "--num-experts", "mixture-of-experts MLP with this many experts in every layer "
+        "(megatron-core's MoE layer; JREG measures the whole layer around it)"))
+    moe_router_topk: int = field(default=2, metadata=_flag(
+        "--moe-router-topk", "experts per token"))
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=_flag(
+        "--moe-aux-loss-coeff", "load-balancing loss coefficient"))
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata=_flag(
+        "--moe-router-load-balancing-type", "aux_loss, seq_aux_loss, sinkhorn or none",
+        choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none")))
+    moe_ffn_hidden_size: Optional[int] = field(default=None, metadata=_flag(
+        "--moe-ffn-hidden-size", "each expert's MLP inner size; default --ffn-hidden-size"))
+    moe_token_dispatcher_type: str = field(default="allgather", metadata=_flag(
+        "--moe-token-dispatcher-type", "allgather or alltoall (same math)",
+        choices=("allgather", "alltoall")))
+    moe_grouped_gemm: bool = field(default=False, metadata=_flag(
+        "--moe-grouped-gemm", "the experts as one grouped GEMM (Transformer Engine); the local "
+        "implementation runs them one by one, the same math", const=True))
 
     def __post_init__(self):
         if self.model_preset is not None:
@@ -143,10 +168,14 @@ class ModelConfig:
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of "
                              f"{', '.join(TRANSFORMER_IMPLS)}")
-        if self.num_experts:
-            raise ValueError(
-                f"--num-experts {self.num_experts}: not supported with JREG yet: the JREG layer "
-                "measures dense Transformer layers only; drop --num-experts")
+        if self.num_experts is not None:
+            if self.num_experts < 1:
+                raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"--moe-router-topk {self.moe_router_topk} must be between 1 "
+                                 f"and --num-experts {self.num_experts}")
+            if self.moe_aux_loss_coeff < 0:
+                raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
                              f"{self.make_vocab_size_divisible_by}")
@@ -159,20 +188,10 @@ class ModelConfig:
     def _check_architecture(self) -> None:
         """Refuse, in one line naming the flags, every part of a model JREG cannot build
         yet: the trainer never builds another model than the flags describe."""
-        missing = [(not self.swiglu, "a GeLU MLP (add --swiglu)"),
-                   (self.normalization != "RMSNorm",
-                    f"{self.normalization} (pass --normalization RMSNorm)"),
-                   (self.position_embedding_type != "rope",
-                    f"{self.position_embedding_type} positions (pass --position-embedding-type rope)"),
-                   (self.add_bias_linear, "biases in the linear layers (add --disable-bias-linear)"),
-                   (not self.untie_embeddings_and_output_weights,
-                    "an output layer tied to the embedding (add --untie-embeddings-and-output-weights)")]
-        missing = [text for bad, text in missing if bad]
-        if missing:
+        if self.position_embedding_type not in ("rope", "learned_absolute"):
             raise ValueError(
-                "this model is not supported yet: " + "; ".join(missing) + ". Megatron-LM "
-                "builds that model from these flags, and JREG trains Llama-form models only "
-                "for now; pass the flags named here, or use --model-preset")
+                f"--position-embedding-type {self.position_embedding_type}: not supported yet; "
+                "pass rope or learned_absolute")
         if self.rotary_percent != 1.0:
             raise ValueError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
                              "rotates the whole head); pass --rotary-percent 1.0")
@@ -216,9 +235,38 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
+        """The MLP's inner size: --ffn-hidden-size, else 8/3 hidden rounded up to 256 for
+        SwiGLU and Megatron-LM's 4 x hidden for a GeLU MLP."""
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
+        if not self.swiglu:
+            return 4 * self.hidden_size
         return -(-(8 * self.hidden_size // 3) // 256) * 256
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def family(self) -> str:
+        """llama, gpt2, qwen3 or mixtral: the Hugging Face family the architecture maps to
+        (for the export), or "other" for a mix no family has."""
+        llama = (self.swiglu and self.normalization == "RMSNorm"
+                 and self.position_embedding_type == "rope" and not self.add_bias_linear
+                 and self.untie_embeddings_and_output_weights)
+        if llama and not self.add_qkv_bias:
+            if self.num_experts:
+                return "mixtral" if not self.qk_layernorm else "other"
+            return "qwen3" if self.qk_layernorm else "llama"
+        gpt2 = (not self.swiglu and self.normalization == "LayerNorm"
+                and self.position_embedding_type == "learned_absolute" and self.add_bias_linear
+                and not self.untie_embeddings_and_output_weights and not self.qk_layernorm
+                and not self.num_experts and not self.group_query_attention_used)
+        return "gpt2" if gpt2 else "other"
+
+    @property
+    def group_query_attention_used(self) -> bool:
+        return self.query_groups != self.num_attention_heads
 
     @property
     def max_positions(self) -> int:
@@ -265,7 +313,8 @@ class ParallelConfig:
     context_parallel_size: int = field(default=1, metadata=_flag(
         "--context-parallel-size", "context-parallel ranks: not supported with JREG yet"))
     expert_model_parallel_size: int = field(default=1, metadata=_flag(
-        "--expert-model-parallel-size", "expert-parallel ranks: not supported with JREG yet"))
+        "--expert-model-parallel-size", "expert-parallel ranks (--num-experts models): the "
+        "experts are split over this many data-parallel ranks"))
     recompute_granularity: Optional[str] = field(default=None, metadata=_flag(
         "--recompute-granularity", "full or selective activation recomputation"))
     recompute_method: Optional[str] = field(default=None, metadata=_flag(
@@ -288,10 +337,9 @@ class ParallelConfig:
                 "yet: each layer's displacement is a mean over the whole sequence, which context "
                 "parallelism splits over ranks; use --sequence-parallel with TP, or more data "
                 "parallelism")
-        if self.expert_model_parallel_size != 1:
-            raise ValueError(
-                f"--expert-model-parallel-size {self.expert_model_parallel_size}: not supported "
-                "with JREG yet: the JREG layer measures dense Transformer layers only")
+        if self.expert_model_parallel_size < 1:
+            raise ValueError(f"--expert-model-parallel-size must be >= 1, got "
+                             f"{self.expert_model_parallel_size}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False  # Megatron-LM's rule; the trainer says so in a line
         if self.recompute_activations:

@@ -5,7 +5,8 @@ from other weights than the TP=1 model of the same seed. Here every logical weig
 from a generator seeded by (seed, its dist-checkpointing key, its layer), and each rank
 keeps its slice: TP1, TP2, PP2 and interleaved runs of one seed start identical (needs the
 same padded vocabulary, e.g. an explicit --vocab-size). Megatron's rules are kept: normal
-(0, std) weights, std / sqrt(2 L) for the output projections of attention and MLP, norms 1.
+(0, std) weights, std / sqrt(2 L) for the output projections of attention and MLP (experts
+included), norms 1, biases 0.
 """
 
 from __future__ import annotations
@@ -55,4 +56,11 @@ def layout_invariant_init(model_chunks, seed: int, std: float, num_layers: int) 
             index = tuple(slice(o, o + n) for o, n in zip(item.global_offset[p:], local_shape))
             item.data.copy_(full[index].reshape(item.data.shape))
             count += 1
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        if getattr(module, "share_embeddings_and_output_weights", False):
+            # tied embeddings under PP: the last stage's copy of the embedding was taken at
+            # build time, from megatron's draw; take it again from the one drawn here
+            # (collective over the embedding group: every chunk of every rank calls it)
+            module.setup_embeddings_and_output_layer()
     return count

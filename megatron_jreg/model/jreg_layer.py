@@ -177,8 +177,6 @@ class JregTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         if self.config.context_parallel_size != 1:
             raise ValueError(CONTEXT_PARALLEL_UNSUPPORTED)
-        if self.config.num_moe_experts:
-            raise ValueError("not supported with JREG yet: mixture-of-experts layers")
         self.jreg_tracker = jreg_tracker
 
     def forward(self, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""RMSNorm for the local (non-Transformer-Engine) layer spec, sequence-parallel aware.
+"""RMSNorm and LayerNorm for the local (non-Transformer-Engine) layer spec, sequence-parallel aware.
 
 megatron-core 0.16.1's local spec builds its norms with ``WrappedTorchNorm``
 (``megatron/core/transformer/torch_norm.py:32``), which asserts
@@ -7,15 +7,29 @@ Apex is installed (``transformer/transformer_block.py:63``), which has no RMSNor
 ``--sequence-parallel`` run without Transformer Engine dies at model build on any device.
 
 Sequence parallelism needs nothing from the norm's arithmetic: each TP rank normalises
-its own slice of the sequence. It needs the weight marked ``sequence_parallel`` so that
-``finalize_model_grads`` all-reduces its gradient over the TP group (each rank saw only
-its tokens). :class:`RMSNorm` is swapped in through the layer and block specs
-(``model/builder.py``), on every device.
+its own slice of the sequence. It needs the parameters marked ``sequence_parallel`` so
+that ``finalize_model_grads`` all-reduces their gradients over the TP group (each rank saw
+only its tokens). The norms are swapped in through the layer and block specs
+(``model/builder.py``), on every device. Query/key norms (``--qk-layernorm``) are the same
+classes at head size; megatron all-reduces their gradients over TP by name.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _check(config, zero_centered_gamma: bool, kind: str) -> None:
+    if config.normalization != kind:
+        raise ValueError(f"{kind} built for normalization={config.normalization!r}")
+    if config.layernorm_zero_centered_gamma or zero_centered_gamma:
+        raise ValueError(f"{kind}: zero-centred gamma is not supported")
+
+
+def _mark_sequence_parallel(module: torch.nn.Module, config) -> None:
+    if config.sequence_parallel:
+        for param in module.parameters():
+            param.sequence_parallel = True
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -27,11 +41,24 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
-        if config.normalization != "RMSNorm":
-            raise ValueError(f"RMSNorm built for normalization={config.normalization!r}")
-        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
-            raise ValueError("RMSNorm: zero-centred gamma is not supported")
+        _check(config, zero_centered_gamma, "RMSNorm")
         super().__init__(normalized_shape=hidden_size, eps=eps)
-        if config.sequence_parallel:
-            for param in self.parameters():
-                param.sequence_parallel = True
+        _mark_sequence_parallel(self, config)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` (weight and bias) with megatron's norm constructor; marked for SP.
+
+    Same parameter names and math as ``WrappedTorchNorm`` builds for LayerNorm.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        _check(config, zero_centered_gamma, "LayerNorm")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        _mark_sequence_parallel(self, config)
+
+
+def norm_class(normalization: str) -> type:
+    """The local norm for ``--normalization``."""
+    return {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[normalization]

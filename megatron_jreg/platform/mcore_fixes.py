@@ -11,6 +11,7 @@ megatron-core line it answers to and is tested on its own in ``tests/platform``.
 | :func:`fix_checkpoint_without_output_fp8` | ``tensor_parallel/random.py:636`` | selective recompute of layernorm/mlp without TE |
 | :func:`fix_checkpoint_writer_queue` | ``dist_checkpointing/strategies/filesystem_async.py:54`` | every synchronous save |
 | :func:`fix_distributed_optimizer_checkpoints` | ``optimizer/distrib_optimizer.py:641, 820, 911`` | DistributedOptimizer + torch Adam (no Apex/TE) |
+| :func:`fix_moe_router_without_te` | ``transformer/moe/moe_utils.py:1192, 1225`` | every MoE forward/backward without TE |
 | sequence-parallel RMSNorm (``model/norm.py``) | ``transformer/torch_norm.py:32``, ``transformer/transformer_block.py:63`` | ``--sequence-parallel`` without TE |
 | viewless JREG carrier output (``model/jreg_layer.py``) | ``pipeline_parallel/schedules.py`` ``deallocate_output_tensor`` | PP with ``deallocate_pipeline_outputs`` |
 
@@ -124,8 +125,20 @@ def fix_distributed_optimizer_checkpoints() -> None:
     cls.load_state_dict = load_state_dict
 
 
+def fix_moe_router_without_te() -> None:
+    """``moe_utils`` imports ``te_general_gemm`` only when Transformer Engine imports
+    (``transformer/moe/moe_utils.py:22-39``) but the router's gating GEMM tests
+    ``te_general_gemm is not None`` unguarded (lines 1192 and 1225): every mixture-of-experts
+    forward without TE is a NameError. Without TE the name is None, which selects the
+    function's own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 FIXES = (fix_checkpoint_without_output_fp8, fix_checkpoint_writer_queue,
-         fix_distributed_optimizer_checkpoints)
+         fix_distributed_optimizer_checkpoints, fix_moe_router_without_te)
 
 
 def apply() -> None:

@@ -27,6 +27,19 @@ TRACKED = {
     "layers.4.pre_mlp_layernorm.weight": (4, "pre_mlp_layernorm.weight"),
     "decoder.final_layernorm.weight": (None, "decoder.final_layernorm.weight"),
     "output_layer.weight": (None, "output_layer.weight"),
+    # the other families' own parameters (absent from a Llama model: not tracked there)
+    "embedding.position_embeddings.weight": (None, "embedding.position_embeddings.weight"),
+    "layers.1.self_attention.linear_qkv.bias": (1, "self_attention.linear_qkv.bias"),
+    "layers.4.mlp.linear_fc1.bias": (4, "mlp.linear_fc1.bias"),
+    "layers.4.input_layernorm.bias": (4, "input_layernorm.bias"),
+    "layers.1.self_attention.q_layernorm.weight": (1, "self_attention.q_layernorm.weight"),
+    "layers.4.self_attention.k_layernorm.weight": (4, "self_attention.k_layernorm.weight"),
+    "layers.1.mlp.router.weight": (1, "mlp.router.weight"),
+    "layers.4.mlp.router.weight": (4, "mlp.router.weight"),
+    "layers.4.mlp.experts.local_experts.1.linear_fc1.weight":
+        (4, "mlp.experts.local_experts.1.linear_fc1.weight"),
+    "layers.1.mlp.experts.local_experts.0.linear_fc2.weight":
+        (1, "mlp.experts.local_experts.0.linear_fc2.weight"),
 }
 
 
@@ -56,6 +69,23 @@ def rank_batches(dp_rank, dp_size):
     return batches
 
 
+def _local_expert_name(name, layer):
+    """``mlp.experts.local_experts.G...`` (G global) -> this rank's local index, or the name
+    unchanged when the rank does not hold expert G (under expert parallelism)."""
+    import re
+
+    from megatron.core import parallel_state
+
+    match = re.match(r"(mlp\.experts\.local_experts\.)(\d+)(\..*)", name)
+    if match is None or layer is None or not hasattr(layer.mlp, "num_local_experts"):
+        return name
+    per_rank = layer.mlp.num_local_experts
+    local = int(match.group(2)) - parallel_state.get_expert_model_parallel_rank() * per_rank
+    if not 0 <= local < per_rank:
+        return "not on this rank"
+    return f"{match.group(1)}{local}{match.group(3)}"
+
+
 def tracked_grads(chunks):
     from megatron.core import parallel_state
 
@@ -68,14 +98,19 @@ def tracked_grads(chunks):
             if owner is None:
                 continue
             params = dict(owner.named_parameters())
+            name = _local_expert_name(name, owner)
             if name not in params:
                 continue
+            if key == "output_layer.weight" and module.share_embeddings_and_output_weights:
+                continue  # tied: the last stage's copy of the embedding, checked through it
             param = params[name]
             out[key] = {
                 "grad": param.main_grad.detach().clone(),
                 "tp": bool(getattr(param, "tensor_model_parallel", False)),
                 "dim": int(getattr(param, "partition_dim", -1)),
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                # SwiGLU's fc1 shard is [gate part; up part] of this rank
+                "glu": name.endswith("linear_fc1.weight") and module.config.gated_linear_unit,
             }
     return out
 
@@ -90,7 +125,9 @@ def run_task(task, ckpt_dir, out_dir):
     from megatron_jreg.model.jreg_layer import JregTracker
     from megatron_jreg.training.step import forward_backward
 
-    model_cfg = ModelConfig.from_preset("tiny", vocab_size=VOCAB, seq_length=SEQ)
+    # a family's flags over the tiny preset (Llama form without them)
+    model_cfg = ModelConfig.from_preset("tiny", vocab_size=VOCAB, seq_length=SEQ,
+                                        **task.get("model", {}))
     parallel = ParallelConfig(**task.get("parallel", {}))
     initialize_model_parallel(model_cfg, parallel)
     seed_everything(1234)
@@ -98,6 +135,7 @@ def run_task(task, ckpt_dir, out_dir):
     tracker = JregTracker(JregConfig(lam=task.get("lam", 1.0), alpha=0.5), model_cfg.num_layers,
                           sequence_parallel=parallel.sequence_parallel)
     chunks = build_model(model_cfg, parallel, tracker, config)
+    ckpt_dir = os.path.join(ckpt_dir, task.get("family", "llama"))
 
     sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     if task.get("save"):
@@ -130,6 +168,8 @@ def run_task(task, ckpt_dir, out_dir):
 def run_manual(model, model_cfg, tracker, out_dir, task):
     """Single rank, no schedule, no carrier: capture each layer's input and output with
     hooks and backpropagate mean_mb(CE + lambda * sum_l w_l Psi_l) with plain autograd."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_jreg.jreg import layer_weights
     from megatron_jreg.ops import displacement
     from megatron_jreg.model.builder import causal_attention_mask
@@ -146,6 +186,9 @@ def run_manual(model, model_cfg, tracker, out_dir, task):
         layer.register_forward_hook(hook, with_kwargs=True)
     weights = layer_weights(model_cfg.num_layers, tracker.config.alpha, tracker.config.weighting)
     batches = rank_batches(0, 1)
+    # a mixture-of-experts layer adds its load-balancing loss in backward at this scale:
+    # here the mean over micro-batches, as the loss below
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / len(batches)))
     psi_sum = torch.zeros(model_cfg.num_layers, dtype=torch.float64)
     total_loss = 0.0
     for batch in batches:
@@ -163,8 +206,10 @@ def run_manual(model, model_cfg, tracker, out_dir, task):
     layers = {layer.layer_number: layer for layer in model.decoder.layers}
     for key, (layer_number, name) in TRACKED.items():
         owner = model if layer_number is None else layers[layer_number]
-        grads[key] = {"grad": dict(owner.named_parameters())[name].grad.detach().clone(),
-                      "tp": False, "dim": -1, "tp_rank": 0}
+        params = dict(owner.named_parameters())
+        if name in params:
+            grads[key] = {"grad": params[name].grad.detach().clone(), "tp": False, "dim": -1,
+                          "tp_rank": 0}
     result = {"lm_loss": total_loss, "psi": (psi_sum / len(batches)).tolist(), "R": None,
               "microbatches": None, "grads": grads}
     torch.save(result, os.path.join(out_dir, f"{task['name']}.rank0.pt"))

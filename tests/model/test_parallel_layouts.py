@@ -94,7 +94,10 @@ def assemble(rank_results):
         entries = [r["grads"][key] for r in rank_results if key in r["grads"]]
         if entries[0]["tp"]:
             by_rank = {e["tp_rank"]: e["grad"] for e in entries}
-            grads[key] = torch.cat([by_rank[i] for i in sorted(by_rank)], dim=entries[0]["dim"])
+            shards = [by_rank[i] for i in sorted(by_rank)]
+            if entries[0].get("glu"):  # each shard is [gate; up]: all gates, then all ups
+                shards = [half for part in (0, 1) for half in (s.chunk(2)[part] for s in shards)]
+            grads[key] = torch.cat(shards, dim=entries[0]["dim"])
         else:
             for e in entries[1:]:  # replicated copies must agree
                 torch.testing.assert_close(e["grad"], entries[0]["grad"], rtol=0, atol=0)
