@@ -1,9 +1,13 @@
-"""Export a checkpoint of our trainer to a Hugging Face ``LlamaForCausalLM`` directory.
+"""Export a checkpoint of our trainer to a Hugging Face directory of its model family.
 
     python tools/convert_to_hf.py --load CKPT [--iteration N] --output DIR
 
-The weights come from the TP1 PP1 model that :func:`model_loader.load_model` rebuilds (any
-saved layout), on one process. Names follow megatron-core's local layer spec:
+The family follows from the run's architecture flags (``ModelConfig.family``): the Llama
+form exports as ``LlamaForCausalLM``, the GPT-2 form as ``GPT2LMHeadModel``, Qwen3 (query/key
+norms) as ``Qwen3ForCausalLM`` and Mixtral (mixture of experts) as ``MixtralForCausalLM``;
+an architecture no family has is refused in one line. The weights come from the TP1 PP1
+model that :func:`model_loader.load_model` rebuilds (any saved layout), on one process.
+Llama names, from megatron-core's local layer spec:
 
     embedding.word_embeddings.weight                 -> model.embed_tokens.weight
     decoder.layers.i.input_layernorm.weight          -> model.layers.i.input_layernorm.weight
@@ -21,8 +25,20 @@ head i // (heads / groups), which is the same assignment, so q_proj is the group
 blocks in order. megatron's RoPE without ``rotary_interleaved`` rotates halves
 (``_rotate_half``: cat(-x2, x1)) with inv_freq = base^(-2i/d), HF Llama's convention.
 
+The other families differ from it as follows:
+
+- Qwen3: ``self_attention.{q,k}_layernorm.weight`` -> ``self_attn.{q,k}_norm.weight``.
+- Mixtral: ``mlp.router.weight`` -> ``mlp.gate.weight``; expert e's ``linear_fc1`` ([gate;
+  up]) and ``linear_fc2`` -> ``mlp.experts.gate_up_proj[e]`` and ``mlp.experts.down_proj[e]``.
+  megatron's router takes the top k logits and a softmax over them, which is HF's softmax,
+  top k and renormalisation.
+- GPT-2: Conv1D weights are stored [in, out] (transposed); ``c_attn`` is [q; k; v] over all
+  heads (megatron's rows are per head: [q_h; k_h; v_h]), biases likewise; LayerNorm
+  weights and biases; ``embedding.position_embeddings`` -> ``wpe``; the output layer is the
+  embedding (tied); megatron's GeLU is the exact one (HF ``gelu``, not ``gelu_new``).
+
 The vocabulary keeps the checkpoint's padded size (the extra rows are never produced by
-the tokenizer), and the embeddings stay untied, as trained.
+the tokenizer), and the embeddings stay tied or untied, as trained.
 """
 
 from __future__ import annotations
@@ -72,9 +88,11 @@ def split_qkv(
 
 
 def megatron_to_hf_state_dict(
-    state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, num_groups: int, head_dim: int
+    state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, num_groups: int, head_dim: int,
+    dense_mlp: bool = True,
 ) -> Dict[str, torch.Tensor]:
-    """HF Llama names for a TP1 GPTModel state dict (``_extra_state`` entries ignored)."""
+    """HF Llama names for a TP1 GPTModel state dict (``_extra_state`` entries ignored).
+    ``dense_mlp=False``: the MLP tensors were mapped by the caller (Mixtral's experts)."""
     state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
     used = set()
 
@@ -99,6 +117,8 @@ def megatron_to_hf_state_dict(
         for name, weight in qkv.items():
             out[dst + f"self_attn.{name}.weight"] = weight
         out[dst + "self_attn.o_proj.weight"] = take(src + "self_attention.linear_proj.weight")
+        if not dense_mlp:
+            continue
         gate, up = take(src + "mlp.linear_fc1.weight").chunk(2, dim=0)
         out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
         out[dst + "mlp.up_proj.weight"] = up.contiguous()
@@ -128,6 +148,120 @@ def llama_config_kwargs(model_cfg, padded_vocab: int) -> Dict[str, object]:
         tie_word_embeddings=False,
         initializer_range=float(model_cfg.init_method_std),
     )
+
+
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def _check_exportable(model_cfg) -> str:
+    family = model_cfg.family
+    if family not in HF_CLASSES:
+        raise InputError(
+            "this run's architecture has no Hugging Face family to export to (Llama, Qwen3, "
+            "Mixtral and GPT-2 forms are exported; see docs/families.md); evaluate it with "
+            "eval_jump --load instead")
+    if model_cfg.kv_channels not in (None, model_cfg.hidden_size // model_cfg.num_attention_heads):
+        raise InputError("--kv-channels other than hidden / heads cannot be exported")
+    return family
+
+
+def hf_config(model_cfg, padded_vocab: int):
+    """The transformers config of the run's family (sizes as trained, vocabulary as padded)."""
+    import transformers
+
+    family = _check_exportable(model_cfg)
+    llama = llama_config_kwargs(model_cfg, padded_vocab)
+    if family == "llama":
+        return transformers.LlamaConfig(**llama)
+    if family == "qwen3":
+        kwargs = {k: v for k, v in llama.items() if k != "mlp_bias"}
+        return transformers.Qwen3Config(**kwargs, use_sliding_window=False)
+    if family == "mixtral":
+        kwargs = {k: v for k, v in llama.items() if k not in ("mlp_bias", "attention_bias")}
+        kwargs["intermediate_size"] = model_cfg.moe_ffn_size
+        return transformers.MixtralConfig(
+            **kwargs, num_local_experts=model_cfg.num_experts,
+            num_experts_per_tok=model_cfg.moe_router_topk,
+            router_aux_loss_coef=float(model_cfg.moe_aux_loss_coeff), sliding_window=None,
+            output_router_logits=False)
+    return transformers.GPT2Config(
+        vocab_size=padded_vocab, n_embd=model_cfg.hidden_size, n_layer=model_cfg.num_layers,
+        n_head=model_cfg.num_attention_heads, n_inner=model_cfg.ffn_size,
+        n_positions=model_cfg.max_positions, layer_norm_epsilon=float(model_cfg.norm_epsilon),
+        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        initializer_range=float(model_cfg.init_method_std), scale_attn_weights=True,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+
+
+def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
+    """HF names of the run's family for a TP1 GPTModel state dict."""
+    family = _check_exportable(model_cfg)
+    heads, groups = model_cfg.num_attention_heads, model_cfg.query_groups
+    head_dim = model_cfg.hidden_size // heads
+    if family == "gpt2":
+        return _gpt2_state_dict(state, model_cfg.num_layers, heads, head_dim)
+    state = dict(state)
+    extra = {}
+    for i in range(model_cfg.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        if family == "qwen3":
+            extra[dst + "self_attn.q_norm.weight"] = state.pop(src + "self_attention.q_layernorm.weight")
+            extra[dst + "self_attn.k_norm.weight"] = state.pop(src + "self_attention.k_layernorm.weight")
+        if family == "mixtral":
+            extra[dst + "mlp.gate.weight"] = state.pop(src + "mlp.router.weight")
+            fc1, fc2 = [], []
+            for e in range(model_cfg.num_experts):
+                expert = src + f"mlp.experts.local_experts.{e}."
+                fc1.append(state.pop(expert + "linear_fc1.weight"))
+                fc2.append(state.pop(expert + "linear_fc2.weight"))
+            extra[dst + "mlp.experts.gate_up_proj"] = torch.stack(fc1).contiguous()
+            extra[dst + "mlp.experts.down_proj"] = torch.stack(fc2).contiguous()
+    out = megatron_to_hf_state_dict(state, model_cfg.num_layers, heads, groups, head_dim,
+                                    dense_mlp=family != "mixtral")
+    out.update(extra)
+    return out
+
+
+def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads: int,
+                     head_dim: int) -> Dict[str, torch.Tensor]:
+    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    used = set()
+
+    def take(key: str) -> torch.Tensor:
+        if key not in state:
+            raise KeyError(f"the checkpoint's model has no {key}")
+        used.add(key)
+        return state[key]
+
+    def qkv_cat(tensor: torch.Tensor) -> torch.Tensor:  # per-head rows -> [q; k; v]
+        parts = split_qkv(tensor.reshape(tensor.shape[0], -1), num_heads, num_heads, head_dim)
+        return torch.cat([parts["q_proj"], parts["k_proj"], parts["v_proj"]]).reshape(
+            -1, *tensor.shape[1:])
+
+    out = {"transformer.wte.weight": take("embedding.word_embeddings.weight"),
+           "transformer.wpe.weight": take("embedding.position_embeddings.weight"),
+           "transformer.ln_f.weight": take("decoder.final_layernorm.weight"),
+           "transformer.ln_f.bias": take("decoder.final_layernorm.bias")}
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    for i in range(num_layers):
+        src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            out[dst + f"{theirs}.weight"] = take(src + f"{ours}.weight")
+            out[dst + f"{theirs}.bias"] = take(src + f"{ours}.bias")
+        out[dst + "attn.c_attn.weight"] = qkv_cat(take(src + "self_attention.linear_qkv.weight")).t().contiguous()
+        out[dst + "attn.c_attn.bias"] = qkv_cat(take(src + "self_attention.linear_qkv.bias")[:, None])[:, 0]
+        out[dst + "attn.c_proj.weight"] = take(src + "self_attention.linear_proj.weight").t().contiguous()
+        out[dst + "attn.c_proj.bias"] = take(src + "self_attention.linear_proj.bias")
+        out[dst + "mlp.c_fc.weight"] = take(src + "mlp.linear_fc1.weight").t().contiguous()
+        out[dst + "mlp.c_fc.bias"] = take(src + "mlp.linear_fc1.bias")
+        out[dst + "mlp.c_proj.weight"] = take(src + "mlp.linear_fc2.weight").t().contiguous()
+        out[dst + "mlp.c_proj.bias"] = take(src + "mlp.linear_fc2.bias")
+    left = sorted(set(state) - used)
+    if left:
+        raise KeyError(f"checkpoint tensors with no GPT-2 counterpart: {left[:5]}")
+    return out
 
 
 # ---- tokenizers ----------------------------------------------------------------------------
@@ -245,20 +379,16 @@ def convert(
         )
     (iteration,) = checkpoint_iterations(root, iteration=iteration)
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
     except ImportError:
         raise missing_extra("transformers", "hf", "tools/convert_to_hf.py") from None
 
     loaded = load_model(root, iteration, device="cpu", dtype="float32")
     cfg = loaded.model_config
-    hf_state = megatron_to_hf_state_dict(
-        loaded.model.state_dict(),
-        cfg.num_layers,
-        cfg.num_attention_heads,
-        cfg.query_groups,
-        cfg.hidden_size // cfg.num_attention_heads,
-    )
-    config = LlamaConfig(**llama_config_kwargs(cfg, loaded.padded_vocab_size))
+    family = _check_exportable(cfg)
+    hf_state = hf_state_dict(loaded.model.state_dict(), cfg)
+    config = hf_config(cfg, loaded.padded_vocab_size)
+    model_class = getattr(transformers, HF_CLASSES[family])
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -283,9 +413,10 @@ def convert(
             config.eos_token_id = tok.eos_token_id
             config.pad_token_id = tok.pad_token_id
         torch.manual_seed(0)  # the random init is overwritten below
-        model = LlamaForCausalLM(config).eval()
+        model = model_class(config).eval()
         missing, unexpected = model.load_state_dict(hf_state, strict=False)
-        missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+        missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")
+                   and not (family == "gpt2" and k == "lm_head.weight")]
         if missing or unexpected:
             raise RuntimeError(
                 f"weight mapping incomplete: missing {missing}, unexpected {unexpected}"
@@ -320,8 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
         {None: ExportConfig},
         prog=PROG,
         description="Export a megatron-jreg checkpoint (any TP/PP layout) to a Hugging Face "
-        "LlamaForCausalLM directory (safetensors, config.json, tokenizer). See "
-        "docs/evaluation.md.",
+        "directory of its family: LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or "
+        "GPT2LMHeadModel (safetensors, config.json, tokenizer). See docs/evaluation.md.",
     )
 
 

@@ -205,11 +205,35 @@ class ExperimentConfig:
                              "under --sequence-parallel")
         if world % (tp * pp):
             raise ValueError(f"{world} processes cannot hold TP {tp} x PP {pp}; launch a multiple")
+        self._check_experts(world // (tp * pp))
+        if self.megatron_lm.no_position_embedding and model.position_embedding_type != "rope":
+            raise ValueError(f"--no-position-embedding with --position-embedding-type "
+                             f"{model.position_embedding_type}: a model without position "
+                             "information is not supported; drop --no-position-embedding")
         per_step = self.training.micro_batch_size * (world // (tp * pp))
         if self.training.global_batch_size % per_step:
             raise ValueError(
                 f"--global-batch-size {self.training.global_batch_size} is not divisible by "
                 f"--micro-batch-size x data-parallel size = {per_step}")
+
+    def _check_experts(self, dp: int) -> None:
+        """Mixture-of-experts settings that only fail inside megatron's forward otherwise."""
+        model, parallel = self.model, self.parallel
+        ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
+        if not model.num_experts:
+            if ep > 1:
+                raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts "
+                                 "model; add --num-experts or drop it")
+            return
+        if tp > 1 and not parallel.sequence_parallel:
+            raise ValueError("--num-experts with --tensor-model-parallel-size > 1 needs "
+                             "--sequence-parallel (as in Megatron-LM); add it")
+        if model.num_experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide --num-experts "
+                             f"{model.num_experts}")
+        if dp % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
+                             f"size {dp} (the experts are split over data-parallel ranks)")
 
     def _check_save_directory(self) -> None:
         """A run that does not resume from --save must not replace the checkpoints there."""

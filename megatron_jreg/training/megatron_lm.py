@@ -40,22 +40,23 @@ TABLE = [
     # ---- model ----------------------------------------------------------------------------
     Row("--use-mcore-models", ACCEPTED, "megatron-core models are the only models here"),
     Row("--no-masked-softmax-fusion", ACCEPTED, "the masked softmax is never fused here"),
-    Row("--no-bias-swiglu-fusion", ACCEPTED, "the linear layers have no biases to fuse"),
-    Row("--no-bias-gelu-fusion", ACCEPTED, "there is no GeLU MLP here"),
-    Row("--no-bias-dropout-fusion", ACCEPTED, "the linear layers have no biases to fuse (a "
-        "fused dropout-add is the same math)"),
+    Row("--no-bias-swiglu-fusion", ACCEPTED, "the local implementation never fuses the MLP "
+        "bias with SwiGLU (Transformer Engine's is the same math)"),
+    Row("--no-bias-gelu-fusion", ACCEPTED, "the local implementation never fuses the MLP "
+        "bias with GeLU (Transformer Engine's is the same math)"),
+    Row("--no-bias-dropout-fusion", ACCEPTED, "the local implementation never fuses "
+        "bias-dropout-add (Transformer Engine's is the same math)"),
     Row("--no-rope-fusion", ACCEPTED, "RoPE is never fused here"),
     Row("--no-persist-layer-norm", ACCEPTED, "the persistent layer-norm kernel is never used"),
     Row("--no-gradient-accumulation-fusion", ACCEPTED,
         "gradient accumulation is never fused into the weight-gradient GEMM here"),
-    Row("--no-position-embedding", ACCEPTED, "RoPE models have no position embedding"),
+    Row("--no-position-embedding", ACCEPTED, "RoPE models have no position embedding (with "
+        "learned absolute positions the flag is refused: such a model has no positions)"),
     Row("--use-flash-attn", NOTED, "ignored, as Megatron-LM 0.16 ignores it for megatron-core "
         "models: --attention-backend picks the attention kernel"),
     Row("--cross-entropy-loss-fusion", NOTED, "the LM loss is megatron-core's unfused "
         "vocab-parallel cross entropy (the same loss)"),
     Row("--apply-layernorm-1p", REFUSED, "zero-centred norm weights are not supported yet"),
-    Row("--qk-layernorm", REFUSED, "query/key norms are not supported yet"),
-    Row("--add-qkv-bias", REFUSED, "biases in the linear layers are not supported yet"),
     Row("--openai-gelu", REFUSED, "a GeLU MLP is not supported yet"),
     Row("--squared-relu", REFUSED, "a squared-ReLU MLP is not supported yet"),
     Row("--quick-geglu", REFUSED, "a GeGLU MLP is not supported yet"),
@@ -144,7 +145,9 @@ SECTION_FLAGS: Dict[str, List[str]] = {
               "--init-method-std", "--attention-dropout", "--hidden-dropout",
               "--max-position-embeddings", "--make-vocab-size-divisible-by", "--attention-backend",
               "--attention-softmax-in-fp32", "--transformer-impl", "--bf16", "--fp16",
-              "--num-experts"],
+              "--add-qkv-bias", "--qk-layernorm", "--num-experts", "--moe-router-topk",
+              "--moe-aux-loss-coeff", "--moe-router-load-balancing-type", "--moe-ffn-hidden-size",
+              "--moe-token-dispatcher-type", "--moe-grouped-gemm"],
     "parallel": ["--context-parallel-size", "--overlap-grad-reduce", "--overlap-param-gather",
                  "--recompute-activations", "--virtual-pipeline-model-parallel-size",
                  "--num-virtual-stages-per-pipeline-rank",
@@ -223,6 +226,9 @@ def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, device: st
     if impl == "local" and model.attention_backend in ("flash", "fused"):
         out.append(f"--attention-backend {model.attention_backend}: the local implementation runs "
                    "megatron-core's own attention (Transformer Engine has the other kernels)")
+    if impl == "local" and model.moe_grouped_gemm:
+        out.append("--moe-grouped-gemm: the local implementation runs the experts one by one "
+                   "(the same math; Transformer Engine has the grouped GEMM)")
     tp = parallel.tensor_model_parallel_size
     if model.padded_vocab is None and model.vocab_size and tp > 1:
         multiple = model.make_vocab_size_divisible_by

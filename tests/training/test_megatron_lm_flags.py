@@ -128,17 +128,18 @@ def test_megatron_lm_llama2_command_line_trains_like_the_preset(demo_data, tmp_p
     assert runs["megatron_lm"] == runs["preset"]
 
 
-def test_gpt3_command_line_is_refused_naming_every_missing_llama_flag(capsys):
+def test_gpt3_command_line_builds_megatron_lms_gpt_form():
     """Megatron-LM's GPT-3 flags (examples/gpt3) build LayerNorm, GeLU, learned positions,
-    biases and tied embeddings: refused, never trained as another model."""
-    err = refused(["--data-path", "x", "--num-layers", "4", "--hidden-size", "64",
-                   "--num-attention-heads", "4", "--seq-length", "64",
-                   "--max-position-embeddings", "64"], capsys)
-    for flag in ("--swiglu", "--normalization RMSNorm", "--position-embedding-type rope",
-                 "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
-        assert flag in err
-    err = refused(["--data-path", "x", "--model-preset", "tiny", "--normalization", "LayerNorm"], capsys)
-    assert "LayerNorm (pass --normalization RMSNorm)" in err
+    biases and tied embeddings: that model, the GPT-2 family, never the Llama form."""
+    m = parse(["--data-path", "x", "--num-layers", "4", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--seq-length", "64",
+               "--max-position-embeddings", "64"])["model"]
+    assert (m.swiglu, m.normalization, m.position_embedding_type) == (False, "LayerNorm",
+                                                                      "learned_absolute")
+    assert m.add_bias_linear and not m.untie_embeddings_and_output_weights
+    assert m.ffn_size == 256 and m.query_groups == 4 and m.family == "gpt2"
+    m = parse(["--data-path", "x", "--model-preset", "tiny", "--normalization", "LayerNorm"])["model"]
+    assert m.normalization == "LayerNorm" and m.family == "other"
 
 
 def test_megatron_lm_defaults_apply_under_its_sizing():
@@ -158,13 +159,13 @@ def test_megatron_lm_defaults_apply_under_its_sizing():
 
 @pytest.mark.parametrize("argv, message", [
     (["--apply-layernorm-1p"], "--apply-layernorm-1p: not supported"),
-    (["--qk-layernorm"], "--qk-layernorm: not supported"),
     (["--optimizer", "sgd"], "--optimizer sgd: not supported"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: not supported"),
     (["--loss-scale", "1024"], "--loss-scale 1024.0: not supported"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5: not supported yet"),
     (["--kv-channels", "32"], "--kv-channels 32: not supported yet"),
-    (["--position-embedding-type", "learned_absolute"], "learned_absolute positions"),
+    (["--position-embedding-type", "none"], "--position-embedding-type none: not supported yet"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between 1"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2: not supported with JREG yet"),
     (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size: not supported yet"),
     (["--dataloader-type", "external"], "--dataloader-type 'external'"),
@@ -185,6 +186,23 @@ def test_unsupported_math_is_refused_by_name(argv, message, capsys):
             c["parallel"].virtual_stages(c["model"].num_layers)
         return
     assert message in refused(argv, capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--position-embedding-type", "learned_absolute", "--no-position-embedding"],
+     "--no-position-embedding with --position-embedding-type learned_absolute"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"],
+     "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel"),
+    (["--num-experts", "3", "--moe-router-topk", "1", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size 2 must divide --num-experts 3"),
+    (["--expert-model-parallel-size", "2"], "needs a mixture-of-experts model"),
+])
+def test_mixes_megatron_fails_on_mid_run_are_refused_before_work(argv, message):
+    from megatron_jreg.training.experiment import ExperimentConfig
+
+    c = parse(["--data-path", "x", "--model-preset", "tiny"] + argv)
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        ExperimentConfig.from_sections(c).validate(world_size=2)
 
 
 def test_parallel_flags_map_as_in_megatron_lm():
