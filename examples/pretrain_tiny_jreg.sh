@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The tiny preset on the demo corpus: the full training code path on a laptop CPU in about
-# a minute. JREG_LAMBDA=0 gives the baseline. Builds the demo data first if needed.
+# a minute. JREG_LAMBDA=0 gives the baseline; MODEL_PRESET=gpt2-tiny, qwen3-tiny or
+# mixtral-tiny trains the tiny size of another family. Builds the demo data first if needed.
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 DATA_DIR=${DATA_DIR:-$REPO/runs/demo/data}
 if [ -z "${DATA_PATH:-}" ]; then
@@ -13,7 +14,7 @@ JREG_LAMBDA=${JREG_LAMBDA:-1.0}
 RUN_DIR=${RUN_DIR:-$REPO/runs/demo/tiny_lambda${JREG_LAMBDA}}
 cd "$REPO"
 run_trainer \
-  --model-preset tiny --seq-length 128 \
+  --model-preset "${MODEL_PRESET:-tiny}" --seq-length 128 \
   --micro-batch-size 8 --global-batch-size 16 --train-iters ${TRAIN_ITERS:-300} \
   --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
   --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \

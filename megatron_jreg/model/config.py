@@ -57,8 +57,9 @@ class ModelConfig:
     Mixtral (mixture of experts) forms are the same flags set otherwise."""
 
     model_preset: Optional[str] = field(default=None, metadata=_flag(
-        "--model-preset", "tiny, 170m, 1b or 3b: a bundle of the architecture flags "
-        "(docs/megatron_lm_flags.md lists them); explicit flags override it"))
+        "--model-preset", "tiny, 170m, 1b, 3b (Llama), gpt2-tiny, qwen3-tiny or mixtral-tiny: a "
+        "bundle of the architecture flags (docs/megatron_lm_flags.md lists them); explicit "
+        "flags override it"))
     num_layers: int = field(default=4, metadata=_flag("--num-layers", "Transformer layers L"))
     hidden_size: int = field(default=64, metadata=_flag("--hidden-size", "hidden size"))
     num_attention_heads: int = field(default=4, metadata=_flag(
@@ -406,7 +407,10 @@ class JregConfig:
 def _preset_values(preset: str) -> dict:
     """A preset's bundle read by the model flags' own parser: the preset is those flags."""
     parsed = vars(cli.build_parser({"model": ModelConfig}).parse_args(preset_flags(preset)))
-    return {dest.split(".", 1)[1]: value for dest, value in parsed.items()}
+    # read as Megatron-LM reads a command line with these size flags: what the bundle
+    # leaves out takes Megatron-LM's defaults (the GPT-2 bundle relies on them)
+    given = {dest.split(".", 1)[1]: value for dest, value in parsed.items()}
+    return {**MEGATRON_LM_MODEL_DEFAULTS, **given}
 
 
 # {preset: {field: value}} of every preset's bundle

@@ -53,3 +53,33 @@ def test_sft_tiny_runs_the_demo_then_sft_and_prints_the_jump_after_it(tmp_path):
     assert "running examples/demo.sh first" not in log and "fine-tuning from" not in log
     assert log.count("loaded checkpoint") == 2  # each SFT run resumed at its end
     assert json.loads((out / "sft_jump.json").read_text()) == report
+
+
+def test_jreg_across_families_trains_each_family_and_reports_zeta(tmp_path):
+    """examples/jreg_across_families.sh as written: the tiny size of every family, without
+    and with JREG, measured by eval_jump; each checkpoint holds its family's model."""
+    out = tmp_path / "families"
+    env = dict(run_env(), OUT=str(out), DATA_DIR=str(tmp_path / "data"), TRAIN_ITERS="24")
+    proc = subprocess.run(["bash", "examples/jreg_across_families.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    names = [f"{f}-{v}" for f in ("llama", "gpt2", "qwen3", "mixtral") for v in ("baseline", "jreg")]
+    report = json.loads((out / "jump.json").read_text())
+    assert [r["model"] for r in report] == names
+    for r in report:
+        assert r["num_layers"] == 4 and len(r["displacement"]) == 4
+        assert set(r["jump_rate"]) == {"L", "L-1", "L-2"}
+    for name in names:
+        family = name.split("-")[0]
+        config = (out / name / "checkpoints" / "iter_0000024" / "run_config.yaml").read_text()
+        preset = "tiny" if family == "llama" else f"{family}-tiny"
+        assert f"model_preset: {preset}" in config, name
+        rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
+        lam = [r["jreg_penalty"] for r in rows if "jreg_penalty" in r]
+        # lambda 0 measures without a penalty; lambda 1 pays one
+        assert (max(lam) == 0.0) == name.endswith("baseline"), name
+    # the summary table eval_jump prints: one row per model, zeta_L, zeta_L-1, zeta_L-2
+    lines = proc.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.split()[:2] == ["model", "zeta_L"]))
+    assert [line.split()[0] for line in lines[header + 1:header + 9]] == names
