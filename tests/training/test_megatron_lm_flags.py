@@ -428,3 +428,19 @@ def test_megatron_lm_line_validates_for_its_world(demo_data, monkeypatch):
     exp = ExperimentConfig.from_argv(argv)
     exp.validate(tokenizer_vocab_size=259)
     assert exp.model.bf16 and exp.parallel.overlap_param_gather and exp.data.dataloader_type == "cyclic"
+
+
+def test_docs_preset_table_is_the_code_bundles():
+    from megatron_jreg.model.presets import FAMILY_FLAGS, LLAMA_FLAGS, PRESETS_BY_FAMILY
+
+    doc = open(os.path.join(REPO, "docs", "megatron_lm_flags.md")).read()
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines()
+            if line.strip().startswith("| ") and line.count("|") == 3}
+    assert f"`{LLAMA_FLAGS}`" in rows["Llama form"]
+    for name, (family, sizes) in PRESETS_BY_FAMILY.items():
+        assert f"`{sizes}" in rows[name], name
+        flags = FAMILY_FLAGS[family]
+        if flags.startswith(LLAMA_FLAGS):
+            assert "the Llama form" in rows[name], name
+            flags = flags[len(LLAMA_FLAGS):].strip()
+        assert flags in rows[name], name
