@@ -313,14 +313,35 @@ def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = Non
 
     The exported tokenizer is checked to give the trainer's ids on a sample text. An SFT
     run's ``chat_template`` goes into ``tokenizer_config.json``, so ``apply_chat_template``
-    renders conversations as the model was fine-tuned on them.
+    renders conversations as the model was fine-tuned on them. A NullTokenizer run (its
+    text is ids) has no tokenizer to export: InputError.
     """
     data = configs["data"]
+    if data.tokenizer_type == "NullTokenizer":
+        raise InputError(
+            "the run's NullTokenizer reads ids, not text, so there is no tokenizer to export; "
+            "pass --no-tokenizer"
+        )
     run_tokenizer = build_run_tokenizer(configs, tokenizer_model)
     if data.tokenizer_type == "ByteTokenizer":
         hf = byte_tokenizer_fast(run_tokenizer.eod, run_tokenizer.bos, run_tokenizer.pad)
     elif data.tokenizer_type == "SentencePieceTokenizer":
         hf = _sentencepiece_tokenizer(tokenizer_model or data.tokenizer_model, out_dir)
+    elif data.tokenizer_type == "Llama2Tokenizer":
+        from transformers import LlamaTokenizer
+
+        shutil.copyfile(tokenizer_model or data.tokenizer_model,
+                        os.path.join(out_dir, "tokenizer.model"))
+        # Megatron-LM's Llama2Tokenizer starts every text with BOS (no EOS): so does this one
+        hf = LlamaTokenizer.from_pretrained(out_dir, add_bos_token=True, add_eos_token=False)
+    elif data.tokenizer_type == "GPT2BPETokenizer":
+        from transformers import GPT2TokenizerFast
+
+        # GPT-2's own two files, under the names every transformers version reads; BOS, EOS
+        # and UNK default to <|endoftext|>, the run's EOD
+        shutil.copyfile(run_tokenizer.vocab_file, os.path.join(out_dir, "vocab.json"))
+        shutil.copyfile(run_tokenizer.merge_file, os.path.join(out_dir, "merges.txt"))
+        hf = GPT2TokenizerFast.from_pretrained(out_dir)
     else:
         from transformers import PreTrainedTokenizerFast
 

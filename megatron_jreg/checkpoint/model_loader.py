@@ -306,17 +306,38 @@ def load_model(
 
 
 def build_run_tokenizer(configs: Dict[str, object], tokenizer_model: Optional[str] = None):
-    """The tokenizer the run trained with (``tokenizer_model`` overrides a moved file)."""
+    """The tokenizer the run trained with (``tokenizer_model`` overrides a moved file).
+
+    Megatron-LM's types come from the same flags the trainer read: GPT2BPETokenizer from the
+    run's ``--vocab-file``/``--merge-file`` (a ``tokenizer_model`` override is the directory
+    now holding vocab.json and merges.txt), NullTokenizer from the saved vocabulary, which
+    counts its EOD (the trainer saves ``--vocab-size`` + 1).
+    """
     from megatron_jreg.data.tokenizers import build_tokenizer
 
     data = configs["data"]
+    kind = data.tokenizer_type
     model_file = tokenizer_model or data.tokenizer_model
-    if data.tokenizer_type == "ByteTokenizer":
+    kwargs: Dict[str, object] = {}
+    fix = "if the tokenizer file moved, pass its new path with --tokenizer-model"
+    if kind in ("ByteTokenizer", "NullTokenizer"):
         model_file = None
+        fix = "run_config.yaml does not describe this run's tokenizer"
+    if kind == "NullTokenizer":
+        saved = configs["model"].vocab_size
+        kwargs["vocab_size"] = None if saved is None else int(saved) - 1
+    elif kind == "GPT2BPETokenizer":
+        fix = ("if vocab.json and merges.txt moved, pass the directory holding them with "
+               "--tokenizer-model")
+        if tokenizer_model is None:
+            kwargs["vocab_file"] = getattr(data, "vocab_file", None)
+            kwargs["merge_file"] = getattr(data, "merge_file", None)
+        elif not os.path.isdir(tokenizer_model):
+            raise InputError(
+                f"--tokenizer-model {tokenizer_model}: a GPT2BPETokenizer run needs the "
+                "directory holding its vocab.json and merges.txt"
+            )
     try:
-        return build_tokenizer(data.tokenizer_type, model_file)
+        return build_tokenizer(kind, model_file, **kwargs)
     except (FileNotFoundError, ValueError) as err:
-        raise InputError(
-            f"cannot build the run's {data.tokenizer_type} ({err}); if the tokenizer file "
-            "moved, pass its new path with --tokenizer-model"
-        ) from None
+        raise InputError(f"cannot build the run's {kind} ({err}); {fix}") from None

@@ -56,6 +56,9 @@ class EncoderSpec:
     skip_invalid: bool
     split_sentences: bool = False
     keep_newlines: bool = False
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    """GPT2BPETokenizer's vocab.json and merges.txt."""
 
     def build(self) -> "DocumentEncoder":
         """The encoder a worker runs (``SFTSpec.build`` gives the chat one)."""
@@ -180,7 +183,8 @@ class DocumentEncoder:
 
     def __init__(self, spec: EncoderSpec) -> None:
         self.spec = spec
-        self.tokenizer = build_tokenizer(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size)
+        self.tokenizer = build_tokenizer(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size,
+                                         vocab_file=spec.vocab_file, merge_file=spec.merge_file)
         self.dtype = token_dtype(self.tokenizer.vocab_size)
         self.dtypes = [self.dtype] * len(spec.json_keys)  # one dataset per key
         self._splitter = _SentenceSplitter(spec.keep_newlines) if spec.split_sentences else None

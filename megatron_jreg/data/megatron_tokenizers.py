@@ -7,36 +7,23 @@ Same interface as ``data.tokenizers``: ``vocab_size``, ``eod``, ``encode``, ``en
 Megatron-LM's own: ``Llama2Tokenizer.encode`` starts every text with BOS, as its
 ``tokenize`` does, so ``preprocess_data.py`` writes the documents Megatron-LM writes.
 
-Imports nothing of the package (``data.tokenizers`` imports this module), nor torch or
-megatron-core: preprocessing workers import it.
+``data.tokenizers.build_tokenizer`` builds these too (it imports this module when asked
+for one); this module takes ``pack``, ``file_sha256`` and the type names from there. Imports
+neither torch nor megatron-core: preprocessing workers import it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from itertools import chain
 from typing import Sequence
 
 import numpy
 
-MEGATRON_LM_TOKENIZERS = ("Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer")
+from megatron_jreg.data.tokenizers import MEGATRON_LM_TOKENIZERS, file_sha256, pack
 
-
-def _pack(docs: Sequence[Sequence[int]]) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """Lists of ids as (every id concatenated, ids per list), int32."""
-    lengths = numpy.fromiter(map(len, docs), numpy.int32, count=len(docs))
-    ids = numpy.fromiter(chain.from_iterable(docs), numpy.int32, count=int(lengths.sum()))
-    return ids, lengths
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+__all__ = ["MEGATRON_LM_TOKENIZERS", "GPT2BPETokenizer", "Llama2Tokenizer", "NullTokenizer",
+           "build_megatron_tokenizer"]
 
 
 def _need_file(kind: str, flag: str, path: str | None, what: str) -> str:
@@ -52,7 +39,7 @@ class _Batched:
         return [self.encode(t) for t in texts]
 
     def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        return _pack(self.encode_batch(texts))
+        return pack(self.encode_batch(texts))
 
 
 class Llama2Tokenizer(_Batched):
@@ -78,7 +65,7 @@ class Llama2Tokenizer(_Batched):
         self.eod = self.eos
         # no ``pad``: as for Megatron-LM's tokenizer, megatron-core's datasets then pad with
         # an id no text has (a model's pad id may be a real piece such as <unk>)
-        self.unique_identifiers = {"class": "Llama2Tokenizer", "model_sha256": _sha256(path),
+        self.unique_identifiers = {"class": "Llama2Tokenizer", "model_sha256": file_sha256(path),
                                    "vocab_size": self.vocab_size}
 
     def encode(self, text: str) -> list[int]:
@@ -117,10 +104,13 @@ class GPT2BPETokenizer(_Batched):
         if self.EOD_TEXT not in table:
             raise ValueError(f"GPT2BPETokenizer: {vocab!r} has no {self.EOD_TEXT} token to end "
                              "documents with")
+        self.vocab_file, self.merge_file = vocab, merges  # HF export copies them
         self.vocab_size = len(table)
         self.eod = self.eos = table[self.EOD_TEXT]
-        self.unique_identifiers = {"class": "GPT2BPETokenizer", "vocab_sha256": _sha256(vocab),
-                                   "merges_sha256": _sha256(merges), "vocab_size": self.vocab_size}
+        self.unique_identifiers = {"class": "GPT2BPETokenizer",
+                                   "vocab_sha256": file_sha256(vocab),
+                                   "merges_sha256": file_sha256(merges),
+                                   "vocab_size": self.vocab_size}
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -171,7 +161,8 @@ def build_megatron_tokenizer(tokenizer_type: str, tokenizer_model: str | None = 
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
-        if vocab_file is None and merge_file is None and tokenizer_model and os.path.isdir(tokenizer_model):
+        if (vocab_file is None and merge_file is None and tokenizer_model
+                and os.path.isdir(tokenizer_model)):
             vocab_file = os.path.join(tokenizer_model, "vocab.json")
             merge_file = os.path.join(tokenizer_model, "merges.txt")
         return GPT2BPETokenizer(vocab_file, merge_file)

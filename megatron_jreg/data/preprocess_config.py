@@ -12,7 +12,7 @@ from megatron_jreg.data.document_encoder import EncoderSpec
 from megatron_jreg.data.sft import metadata_path, sft_prefixes
 from megatron_jreg.data.sft_encoder import OVERLONG_CHOICES, SFTSpec
 from megatron_jreg.data.text_sources import INPUT_FORMATS
-from megatron_jreg.data.tokenizers import TOKENIZER_TYPES
+from megatron_jreg.data.tokenizers import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
 from megatron_jreg.errors import InputError
 
 EXIT_USAGE = 2  # bad flags, inputs or data: the user must fix something (argparse uses 2 too)
@@ -42,10 +42,15 @@ class PreprocessConfig:
     tokenizer_type: str = field(metadata={"group": "tokenizer", "choices": TOKENIZER_TYPES})
     """The tokenizer class, as Megatron-LM names it."""
     tokenizer_model: str | None = field(default=None, metadata={"group": "tokenizer"})
-    """The tokenizer file: sentencepiece .model, tokenizer.json or its directory (not needed
-    for ByteTokenizer)."""
+    """The tokenizer file: sentencepiece .model (SentencePieceTokenizer, Llama2Tokenizer),
+    tokenizer.json or its directory (not needed for ByteTokenizer and NullTokenizer)."""
+    vocab_file: str | None = field(default=None, metadata={"group": "tokenizer"})
+    """GPT2BPETokenizer: GPT-2's vocab.json."""
+    merge_file: str | None = field(default=None, metadata={"group": "tokenizer"})
+    """GPT2BPETokenizer: GPT-2's merges.txt."""
     vocab_size: int | None = field(default=None, metadata={"group": "tokenizer"})
-    """ByteTokenizer only: pad its vocabulary to this size."""
+    """ByteTokenizer: pad its vocabulary to this size; NullTokenizer: the ids below its
+    end-of-document id, which is this number."""
     json_keys: list[str] = field(default_factory=lambda: ["text"], metadata={"group": "input"})
     """Keys to extract; each gives its own dataset, documents aligned across them."""
     input_format: str = field(default="jsonl", metadata={"group": "input", "choices": INPUT_FORMATS})
@@ -96,6 +101,9 @@ class PreprocessConfig:
                 f"--tokenizer-type {self.tokenizer_type!r} is not supported; "
                 f"use one of {', '.join(TOKENIZER_TYPES)}"
             )
+        if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
+            raise PreprocessError("--vocab-file and --merge-file are GPT2BPETokenizer's files; pass "
+                                  "--tokenizer-type GPT2BPETokenizer (or drop them)")
         if self.input_format not in INPUT_FORMATS:
             raise PreprocessError(f"--input-format must be one of {INPUT_FORMATS}")
         if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
@@ -114,6 +122,10 @@ class PreprocessConfig:
                     raise PreprocessError(f"{flag} only applies with --sft")
 
     def _check_sft(self) -> None:
+        if self.tokenizer_type in MEGATRON_LM_TOKENIZERS:
+            raise PreprocessError(
+                f"--sft does not support --tokenizer-type {self.tokenizer_type} yet; use "
+                f"SentencePieceTokenizer, HuggingFaceTokenizer or ByteTokenizer")
         for flag, on in (("--append-eod", self.append_eod),
                          ("--split-sentences", self.split_sentences),
                          ("--input-format text", self.input_format == "text"),
@@ -166,6 +178,8 @@ class PreprocessConfig:
             tokenizer_type=self.tokenizer_type,
             tokenizer_model=self.tokenizer_model,
             vocab_size=self.vocab_size,
+            vocab_file=self.vocab_file,
+            merge_file=self.merge_file,
             json_keys=tuple(self.json_keys),
             append_eod=self.append_eod,
             skip_invalid=self.skip_invalid,

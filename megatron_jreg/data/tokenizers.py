@@ -9,6 +9,10 @@ hash), so these objects are passed to it directly.
 ``encode`` never adds BOS/EOS: document boundaries are the EOD token that preprocessing appends
 (``--append-eod``), which is where ``GPTDataset`` resets positions and masks.
 
+Megatron-LM's own types (``MEGATRON_LM_TOKENIZERS``) live in ``data.megatron_tokenizers``,
+which ``build_tokenizer`` imports when one is asked for (that module imports ``pack`` and
+``file_sha256`` from here).
+
 This module must not import megatron-core or torch: preprocessing workers import it, and
 megatron-core alone takes seconds to import.
 """
@@ -23,7 +27,11 @@ from typing import Sequence
 
 import numpy
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer")
+# Built by data.megatron_tokenizers, as Megatron-LM defines them.
+MEGATRON_LM_TOKENIZERS = ("Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer", *MEGATRON_LM_TOKENIZERS
+)
 
 # Special-token names that end a document, most specific first. Used only when a bare
 # tokenizer.json has no tokenizer_config.json beside it to name the EOS token.
@@ -235,28 +243,47 @@ Tokenizer = ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer
 
 
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    *,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
 ) -> Tokenizer:
-    """Build a tokenizer by Megatron-LM's ``--tokenizer-type`` name.
+    """Build a tokenizer by Megatron-LM's ``--tokenizer-type`` name, from its flags.
 
-    Raises FileNotFoundError for a missing model file and ValueError for anything else the
-    user must fix; both messages name the flag.
+    ``vocab_size`` is ByteTokenizer's padded size or NullTokenizer's ``--vocab-size`` (the
+    ids below its EOD); ``vocab_file`` and ``merge_file`` are GPT2BPETokenizer's. Raises
+    FileNotFoundError for a missing file and ValueError for anything else the user must
+    fix; both messages name the flag.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
-            f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {TOKENIZER_TYPES}"
+            f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
+            f"{', '.join(TOKENIZER_TYPES)}"
         )
-    if tokenizer_type == "ByteTokenizer":
+    if (vocab_file is not None or merge_file is not None) and tokenizer_type != "GPT2BPETokenizer":
+        raise ValueError(
+            "--vocab-file and --merge-file are GPT2BPETokenizer's files; pass --tokenizer-type "
+            "GPT2BPETokenizer (or drop them)"
+        )
+    if tokenizer_type in ("ByteTokenizer", "NullTokenizer"):
         if tokenizer_model is not None:
-            raise ValueError("ByteTokenizer needs no file; drop --tokenizer-model")
-        return ByteTokenizer(vocab_size)
+            raise ValueError(f"{tokenizer_type} needs no file; drop --tokenizer-model")
+        if tokenizer_type == "ByteTokenizer":
+            return ByteTokenizer(vocab_size)
+    elif vocab_size is not None:
+        raise ValueError(
+            f"--vocab-size applies to ByteTokenizer and NullTokenizer only; {tokenizer_type} "
+            f"takes its size from its files, so drop --vocab-size"
+        )
+    if tokenizer_type in MEGATRON_LM_TOKENIZERS:
+        from megatron_jreg.data.megatron_tokenizers import build_megatron_tokenizer
+
+        return build_megatron_tokenizer(tokenizer_type, tokenizer_model, vocab_size,
+                                        vocab_file, merge_file)
     if tokenizer_model is None:
         raise ValueError(f"{tokenizer_type} needs --tokenizer-model (its model file)")
-    if vocab_size is not None:
-        raise ValueError(
-            f"--vocab-size applies to ByteTokenizer only; {tokenizer_type} takes its size from "
-            f"{tokenizer_model!r}, so drop --vocab-size"
-        )
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     return HuggingFaceTokenizer(tokenizer_model)

@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -28,6 +29,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_jreg.model.attention import SDPAttention, resolve_attention_backend
 from megatron_jreg.model.config import ModelConfig, ParallelConfig, resolve_transformer_impl
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
 from megatron_jreg.model.norm import norm_class
@@ -36,6 +38,15 @@ from megatron_jreg.platform import mcore_fixes
 
 def _impl(model: ModelConfig) -> str:
     return resolve_transformer_impl(model.transformer_impl)[0]
+
+
+def core_attention(model: ModelConfig) -> tuple:
+    """(``sdpa``, ``megatron`` or ``transformer_engine``, why): the core attention the
+    model is built with, for --attention-backend, the implementation and the device."""
+    from megatron_jreg.distributed.setup import use_cpu
+
+    device = "cpu" if use_cpu() else "cuda"
+    return resolve_attention_backend(model.attention_backend, _impl(model), device)
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
@@ -58,6 +69,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
         attention_softmax_in_fp32=model.attention_softmax_in_fp32,
+        # Transformer Engine's kernel choice (the local spec's attention is set in the spec)
+        attention_backend=AttnBackend[model.attention_backend if te and model.attention_backend
+                                      in AttnBackend.__members__ else "auto"],
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_router_topk,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -112,11 +126,16 @@ def jreg_layer_spec(base: ModuleSpec, tracker: Optional[JregTracker]) -> ModuleS
 
 
 def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec:
-    """The family's megatron layer spec with its TransformerLayer swapped for the JREG one."""
+    """The family's megatron layer spec with its TransformerLayer swapped for the JREG one
+    (and its core attention for SDPA when --attention-backend resolves to it)."""
+    sdpa = core_attention(model)[0] == "sdpa"
     if _impl(model) == "transformer_engine":
-        return jreg_layer_spec(get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=model.num_experts, moe_grouped_gemm=model.moe_grouped_gemm,
-            qk_layernorm=model.qk_layernorm), tracker)
+            qk_layernorm=model.qk_layernorm)
+        if sdpa:
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        return jreg_layer_spec(spec, tracker)
     spec = get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=model.qk_layernorm,
                                     normalization=model.normalization)
@@ -124,10 +143,12 @@ def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec
     norm = norm_class(model.normalization)
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
+    attention = spec.submodules.self_attention.submodules
     if model.qk_layernorm:
-        attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = norm
         attention.k_layernorm = norm
+    if sdpa:
+        attention.core_attention = SDPAttention
     return jreg_layer_spec(spec, tracker)
 
 

@@ -17,7 +17,8 @@ from megatron_jreg import cli
 from megatron_jreg.jreg import WEIGHTINGS
 from megatron_jreg.model.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
 
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+# --attention-backend: Megatron-LM's values, and sdpa (PyTorch's fused attention)
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
@@ -118,9 +119,10 @@ class ModelConfig:
     rotary_percent: float = field(default=1.0, metadata=_flag(
         "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported"))
     attention_backend: str = field(default="auto", metadata=_flag(
-        "--attention-backend", "attention kernel of Transformer Engine: auto, flash, fused, "
-        "unfused or local (megatron's own); the local implementation always runs megatron's",
-        choices=ATTENTION_BACKENDS))
+        "--attention-backend", "auto (Transformer Engine's choice with TE; without it SDPA on "
+        "GPUs, megatron-core's own attention on CPUs), sdpa (PyTorch's "
+        "scaled_dot_product_attention), local or unfused (megatron-core's own), flash or "
+        "fused (TE's kernels; SDPA without TE)", choices=ATTENTION_BACKENDS))
     attention_softmax_in_fp32: bool = field(default=True, metadata=_flag(
         "--attention-softmax-in-fp32", "attention softmax in fp32 under bf16/fp16 (Megatron-LM's "
         "default without it: in the training dtype)", const=True))

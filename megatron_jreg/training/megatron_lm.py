@@ -223,9 +223,6 @@ def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, device: st
     if groups and not model.group_query_attention and groups != model.num_attention_heads:
         out.append(f"--num-query-groups {groups}: ignored without --group-query-attention, as in "
                    f"Megatron-LM: the attention has {model.num_attention_heads} groups, one per head")
-    if impl == "local" and model.attention_backend in ("flash", "fused"):
-        out.append(f"--attention-backend {model.attention_backend}: the local implementation runs "
-                   "megatron-core's own attention (Transformer Engine has the other kernels)")
     if impl == "local" and model.moe_grouped_gemm:
         out.append("--moe-grouped-gemm: the local implementation runs the experts one by one "
                    "(the same math; Transformer Engine has the grouped GEMM)")

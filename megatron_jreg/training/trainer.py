@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.atomic_write import check_output_dir, check_output_path
@@ -35,6 +34,7 @@ from megatron_jreg.distributed.setup import (
     use_cpu,
 )
 from megatron_jreg.model.builder import build_model, transformer_config
+from megatron_jreg.model.attention import resolve_attention_backend
 from megatron_jreg.model.config import resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
@@ -83,6 +83,9 @@ class Trainer:
         self.checkpoints.take_save_lock()
         impl, why = resolve_transformer_impl(cfg.model.transformer_impl)
         print_rank_0(f"transformer implementation: {impl} ({why})")
+        attention, why = resolve_attention_backend(cfg.model.attention_backend, impl,
+                                                   self.device.type)
+        print_rank_0(f"core attention: {attention} ({why})")
         for line in notes(cfg, cfg.given, impl, self.device.type):  # Megatron-LM flags
             print_rank_0(line)
         cfg.model.transformer_impl = impl  # the saved run config records what ran
@@ -146,10 +149,6 @@ class Trainer:
     def _build_model_and_optimizer(self) -> None:
         cfg = self.cfg
         config = transformer_config(cfg.model, cfg.parallel)
-        # Megatron-LM's attention settings, read when the attention modules are built
-        # (model.builder's TransformerConfig does not take them from the model config)
-        config.attention_softmax_in_fp32 = cfg.model.attention_softmax_in_fp32
-        config.attention_backend = AttnBackend[cfg.model.attention_backend]
         self.tracker = JregTracker(cfg.jreg, cfg.model.num_layers,
                                    sequence_parallel=cfg.parallel.sequence_parallel)
         chunks = build_model(cfg.model, cfg.parallel, self.tracker, config)

@@ -309,7 +309,7 @@ def test_notes_say_what_became_of_a_flag():
     lines = megatron_lm.notes(exp, given, "local", "cpu")
     assert [line.split(":")[0] for line in lines] == [
         "--distributed-backend nccl", "--timing-log-level 2", "--sequence-parallel",
-        "--num-query-groups 2", "--attention-backend flash"]
+        "--num-query-groups 2"]
     assert megatron_lm.notes(exp, given, "local", "cuda")[0].startswith("--timing-log-level")
     tp2 = ExperimentConfig.from_sections(parse(["--data-path", "x", "--vocab-size", "50257",
                                                 "--tensor-model-parallel-size", "8"]))

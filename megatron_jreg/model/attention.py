@@ -1,0 +1,115 @@
+"""Core attention through PyTorch's ``scaled_dot_product_attention`` for the local spec.
+
+megatron-core 0.16.1's local ``DotProductAttention`` builds the [b, n, s, s] score matrix
+with ``baddbmm``, a softmax and a ``bmm``; it never calls PyTorch's fused attention. Without
+Transformer Engine that is the attention a run gets: slow at s = 2048, and the score
+matrix dominates activation memory. :class:`SDPAttention` has the same constructor, inputs
+and output, and calls ``torch.nn.functional.scaled_dot_product_attention``, which runs
+FlashAttention or the memory-efficient kernel on GPUs (the math kernel on CPU).
+It is swapped in through the layer spec (``model/builder.py``), like the JREG layer.
+
+Shapes: query [sq, b, np, hn], key and value [sk, b, ng, hn] (this rank's heads and
+query groups); output [sq, b, np * hn].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+def resolve_attention_backend(backend: str, impl: str, device: str) -> tuple:
+    """(the core attention that runs: ``sdpa``, ``megatron`` (megatron-core's local
+    DotProductAttention) or ``transformer_engine``, why) for ``--attention-backend``.
+
+    With Transformer Engine, its own backends stay TE's choice; ``sdpa`` is this module
+    under any implementation. Without TE, ``auto`` is SDPA on a GPU and megatron's own
+    attention on a CPU (where both run the same math kernels); ``flash`` and ``fused`` are
+    SDPA, whose GPU kernels they are."""
+    if backend == "sdpa":
+        return "sdpa", "requested with --attention-backend sdpa"
+    if impl == "transformer_engine":
+        if backend == "local":
+            return "megatron", "requested with --attention-backend local"
+        return "transformer_engine", f"Transformer Engine's attention (--attention-backend {backend})"
+    if backend in ("local", "unfused"):
+        return "megatron", f"requested with --attention-backend {backend}"
+    if backend in ("flash", "fused"):
+        return "sdpa", (f"--attention-backend {backend} without Transformer Engine: PyTorch's "
+                        "SDPA, which has the FlashAttention and memory-efficient kernels")
+    if device == "cuda":
+        return "sdpa", "no Transformer Engine: PyTorch's SDPA (FlashAttention on GPUs)"
+    return "megatron", "on CPU megatron-core's own attention (SDPA runs the same math kernel)"
+
+
+class SDPAttention(MegatronModule):
+    """megatron's core-attention interface over ``scaled_dot_product_attention``."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPA attention: context parallelism is not supported")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"SDPA attention: softmax_type {config.softmax_type!r} is not supported")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("SDPA attention: sliding-window attention is not supported")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding):
+            raise ValueError(f"SDPA attention: mask type {attn_mask_type} is not supported")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        # megatron's scale: 1/sqrt(head dim) unless given (query-key layer scaling divides
+        # the scores by the layer number and multiplies them back inside its softmax)
+        self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
+                              else softmax_scale)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPA attention: packed sequences and attention bias are not supported")
+        mask_type = attn_mask_type or self.attn_mask_type
+        sq, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
+        if self.heads != self.groups:
+            # query head i reads key/value group i // (heads / groups), as megatron's
+            # repeat_interleave gives
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        causal = mask_type == AttnMaskType.causal
+        mask = None
+        if not causal and attention_mask is not None:
+            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
+        # causal: the causal mask, like Transformer Engine does with this mask type (the
+        # trainer's mask is the causal one; FlashAttention takes no explicit mask)
+        dropout = self.dropout_p if self.training else 0.0
+
+        def attend():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                  is_causal=causal, scale=self.softmax_scale)
+
+        if dropout > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # as megatron's dropout
+                context = attend()
+        else:
+            context = attend()
+        return context.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, np * hn]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return {}  # no parameters (vanilla softmax)
