@@ -1,4 +1,5 @@
 """Training steps of one model on one device: tokens/s, TFLOP/s and MFU, peak memory.
+``--attention-backend`` picks the core attention as the trainer's flag does.
 
 Builds a JREG model of a preset's dimensions (optionally fewer layers) the way the trainer
 does (megatron-core GPTModel, DDP, distributed optimizer, bf16), runs warm-up steps and
@@ -45,12 +46,14 @@ def run(args) -> dict:
         ParallelConfig,
         resolve_transformer_impl,
     )
+    from megatron_jreg.model.builder import core_attention
     from megatron_jreg.model.jreg_layer import JregTracker
     from megatron_jreg.training.step import forward_backward
     from megatron_jreg.training.metrics import model_flops_per_token
 
     overrides = {"vocab_size": args.vocab, "bf16": args.bf16,
-                 "transformer_impl": resolve_transformer_impl(args.transformer_impl)[0]}
+                 "transformer_impl": resolve_transformer_impl(args.transformer_impl)[0],
+                 "attention_backend": args.attention_backend}
     if args.layers:
         overrides["num_layers"] = args.layers
     if args.seq:
@@ -98,7 +101,8 @@ def run(args) -> dict:
     loss = out["lm_loss"]
     return {
         "preset": args.preset, "layers": model_cfg.num_layers, "seq": s, "micro_batch": b,
-        "transformer_impl": model_cfg.transformer_impl, "recompute": args.recompute_modules or [],
+        "transformer_impl": model_cfg.transformer_impl, "attention": core_attention(model_cfg)[0],
+        "jreg_lambda": args.jreg_lambda, "recompute": args.recompute_modules or [],
         "bf16": args.bf16, "device": name, "step_s": step_s, "tokens_per_s": tokens_per_s,
         "tflops": tflops, "mfu": tflops / peak if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
@@ -116,6 +120,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"])
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "flash", "fused", "unfused", "local", "sdpa"],
+                        help="the trainer's --attention-backend (unfused: megatron-core's own)")
     parser.add_argument("--recompute-modules", nargs="*", default=None,
                         help="selective recompute of these modules (e.g. layernorm core_attn mlp)")
     parser.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 instead of bf16")
@@ -127,6 +134,7 @@ def main() -> None:
     mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
     mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
     print(f"{r['preset']} x{r['layers']} layers, s={r['seq']} b={r['micro_batch']}, {r['transformer_impl']}, "
+          f"attention {r['attention']}, lambda {r['jreg_lambda']}, "
           f"recompute {r['recompute'] or 'none'}, {'bf16' if r['bf16'] else 'fp32'} on {r['device']}: "
           f"step {r['step_s'] * 1e3:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
           f"{r['tflops']:.1f} TFLOP/s{mfu}{mem}, loss {r['lm_loss']}")

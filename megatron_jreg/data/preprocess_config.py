@@ -102,8 +102,8 @@ class PreprocessConfig:
                 f"use one of {', '.join(TOKENIZER_TYPES)}"
             )
         if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
-            raise PreprocessError("--vocab-file and --merge-file are GPT2BPETokenizer's files; pass "
-                                  "--tokenizer-type GPT2BPETokenizer (or drop them)")
+            raise PreprocessError("--vocab-file and --merge-file are GPT2BPETokenizer's files; "
+                                  "pass --tokenizer-type GPT2BPETokenizer (or drop them)")
         if self.input_format not in INPUT_FORMATS:
             raise PreprocessError(f"--input-format must be one of {INPUT_FORMATS}")
         if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):

@@ -19,7 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 NULL_VOCAB = 500
 # no run of several leading spaces: the HF conversion of a sentencepiece model differs there
 # (docs/evaluation.md)
-TEXTS = ["Hello world: héllo 123.\nThe end.", "the quick brown fox jumps over the lazy dog",
+TEXTS = ["Hello world: héllo 123.\nThe end.",
+         "the quick brown fox jumps over the lazy dog",
          "numbers 12345 and 3.14; unicode: naïve café, 東京 🙂", "'s 't 're contractions don't"]
 
 
@@ -199,7 +200,8 @@ def run_configs(kind, sp_model, gpt2_files):
                       tokenizer_model=kwargs.get("tokenizer_model"),
                       vocab_file=kwargs.get("vocab_file"), merge_file=kwargs.get("merge_file"))
     model = ModelConfig(vocab_size=kwargs.get("vocab_size"))
-    trainers = Trainer._build_tokenizer(SimpleNamespace(cfg=SimpleNamespace(data=data, model=model)))
+    trainer = SimpleNamespace(cfg=SimpleNamespace(data=data, model=model))
+    trainers = Trainer._build_tokenizer(trainer)
     sections = {"data": DataConfig, "model": ModelConfig}
     return from_yaml_text(to_yaml({"data": data, "model": model}), sections), trainers
 

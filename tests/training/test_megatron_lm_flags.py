@@ -124,6 +124,8 @@ def test_megatron_lm_llama2_command_line_trains_like_the_preset(demo_data, tmp_p
         assert log.count("--use-flash-attn: ignored") == 1
         assert log.count("--num-workers 2: batches are read in the training process") == 1
         assert "--timing-log-level" not in log  # 0: nothing to say
+        # the attention the run built, and why (auto without TE on a CPU: megatron's own)
+        assert "core attention: megatron (on CPU megatron-core's own attention" in log
     assert [r[0] for r in runs["preset"]] == ["1", "2"]  # --train-samples 16 / 8 per step
     assert runs["megatron_lm"] == runs["preset"]
 
