@@ -177,7 +177,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10, help="CUDA: calls per timing (launch cost amortised)")
     parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="CPU: time with glibc's own settings (it returns freed memory to the "
+                        "system, and every large allocation faults its pages in again)")
     args = parser.parse_args()
+    if args.device == "cpu" and not args.system_malloc:
+        # keep freed memory, as the caching allocator does on GPU (as bench/jreg_overhead.py):
+        # otherwise the grads' fresh pages, not the work, set the backward's time
+        from jreg_overhead import KEEP_FREED_MEMORY
+
+        if any(os.environ.get(k) != v for k, v in KEEP_FREED_MEMORY.items()):
+            os.execve(sys.executable, [sys.executable] + sys.argv,
+                      dict(os.environ, **KEEP_FREED_MEMORY))
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("displacement_op: --device cuda skipped, no CUDA device visible")
