@@ -192,8 +192,20 @@ def test_dispatch():
         token_displacement(a, b, impl="triton")
     with pytest.raises(RuntimeError, match="not built for meta"):
         token_displacement(a.to("meta"), b.to("meta"), impl="fused")
-    if not fused_available("cuda"):
-        assert not fused_available(torch.device("cuda", 0))
+    # the CUDA path is available exactly when the extension was compiled with it
+    from megatron_jreg import _C
+
+    assert fused_available("cuda") is fused_available(torch.device("cuda", 0)) is bool(_C.cuda_built())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_kernel_is_built_where_a_gpu_is():
+    from megatron_jreg import _C
+
+    assert _C.cuda_built(), ("a CUDA device is present but megatron_jreg._C was built without "
+                             "CUDA: reinstall with nvcc on PATH (pip install --no-build-isolation -e .)")
+    assert fused_available("cuda")
 
 
 def test_input_errors_say_what_was_wrong():

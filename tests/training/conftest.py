@@ -12,7 +12,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_env():
     # PYTHONPATH: subprocesses import this checkout's package, whatever is installed
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
+    # MEGATRON_JREG_DEVICE=cpu: gloo on the CPU also on a machine with GPUs (two ranks on
+    # one GPU would not be the layouts these tests mean)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO,
+               MEGATRON_JREG_DEVICE="cpu")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
