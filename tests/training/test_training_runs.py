@@ -106,30 +106,44 @@ def test_log_line_tensorboard_and_metrics_agree(demo_data, tmp_path):
         assert key in rows[-1]
 
 
-def test_bf16_run_tracks_fp32(demo_data, tmp_path):
+@pytest.fixture(scope="module")
+def fp32_lambda_runs(demo_data, tmp_path_factory):
+    """fp32 runs of 10 steps without and with a strong JREG (lambda 20), each step's metrics:
+    the two ends the reduced-precision runs below are placed between."""
+    root = tmp_path_factory.mktemp("fp32_lambda")
     rows = {}
-    for name, extra in (("fp32", {}), ("bf16", {"bf16": True})):
-        metrics = tmp_path / f"{name}.jsonl"
-        train(base_args(demo_data, train_iters=6, metrics_file=metrics, **extra))
+    for name, lam in (("off", 0.0), ("on", 20.0)):
+        metrics = root / f"{name}.jsonl"
+        train(base_args(demo_data, train_iters=10, metrics_file=metrics, jreg_lambda=lam))
         rows[name] = read_metrics(metrics)
-    for a, b in zip(rows["fp32"], rows["bf16"]):
+    return rows
+
+
+def _follows_the_penalty(precision_rows, fp32):
+    """The reduced-precision run with lambda 20 follows fp32 with lambda 20, not without."""
+    off, on, low = fp32["off"][-1]["R"], fp32["on"][-1]["R"], precision_rows[-1]["R"]
+    assert on < 0.8 * off, (on, off)  # the strong penalty moved the fp32 run
+    assert abs(low - on) < 0.2 * abs(off - on), (low, on, off)
+    assert precision_rows[-1]["psi"] == pytest.approx(fp32["on"][-1]["psi"], rel=0.1, abs=1e-3)
+
+
+def test_bf16_run_tracks_fp32_and_applies_the_penalty(demo_data, fp32_lambda_runs, tmp_path):
+    """bf16 (Float16Module, fp32 main grads) follows the fp32 run step by step, and its
+    JREG gradient is applied: with lambda 20 it lands where fp32 with lambda 20 does."""
+    metrics = tmp_path / "bf16.jsonl"
+    train(base_args(demo_data, train_iters=10, metrics_file=metrics, jreg_lambda=20.0, bf16=True))
+    rows = read_metrics(metrics)
+    for a, b in zip(fp32_lambda_runs["on"], rows):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=2e-2)
-        assert b["psi"] == pytest.approx(a["psi"], rel=0.1, abs=1e-3)
-    assert rows["bf16"][-1]["lm_loss"] < rows["bf16"][0]["lm_loss"]
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
+    _follows_the_penalty(rows, fp32_lambda_runs)
 
 
-def test_fp16_loss_scale_reaches_the_penalty(demo_data, tmp_path):
+def test_fp16_loss_scale_reaches_the_penalty(demo_data, fp32_lambda_runs, tmp_path):
     """fp16 scales the loss by a dynamic loss scale (2^32 to start) and unscales gradients in
     the optimizer; the penalty's injected gradient must carry the same scale, or after
     unscaling JREG does nothing. A strong lambda makes the difference plain: the fp16 run
     follows fp32 with the same lambda, not fp32 without JREG."""
-    rows = {}
-    for name, extra in (("fp32 off", {"jreg_lambda": 0.0}), ("fp32", {"jreg_lambda": 20.0}),
-                        ("fp16", {"jreg_lambda": 20.0, "fp16": True})):
-        metrics = tmp_path / f"{name.replace(' ', '_')}.jsonl"
-        train(base_args(demo_data, train_iters=10, metrics_file=metrics, **extra))
-        rows[name] = read_metrics(metrics)[-1]
-    off, on, half = rows["fp32 off"]["R"], rows["fp32"]["R"], rows["fp16"]["R"]
-    assert on < 0.8 * off, (on, off)  # the strong penalty moved the fp32 run
-    assert abs(half - on) < 0.2 * abs(off - on), (half, on, off)
-    assert rows["fp16"]["psi"] == pytest.approx(rows["fp32"]["psi"], rel=0.1, abs=1e-3)
+    metrics = tmp_path / "fp16.jsonl"
+    train(base_args(demo_data, train_iters=10, metrics_file=metrics, jreg_lambda=20.0, fp16=True))
+    _follows_the_penalty(read_metrics(metrics), fp32_lambda_runs)
