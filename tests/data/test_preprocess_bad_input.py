@@ -129,7 +129,7 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, monkeypatch, capsys, how, c
     def interrupt_midway(self, stats, new_docs):
         real_update(self, stats, new_docs)
         calls["n"] += 1
-        if calls["n"] == 3 or partitions > 1:  # partitions: interrupt the merge step
+        if calls["n"] == 3 or partitions > 1:  # partitions: a partition's child is interrupted
             if how == "ctrl-c":
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signal.SIGTERM)  # the real handler raises in the parent
@@ -141,4 +141,33 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, monkeypatch, capsys, how, c
     assert main(args) == code
     assert "partial outputs removed" in capsys.readouterr().err
     assert output_files(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is not preprocess._raise_terminated
+
+
+@pytest.mark.parametrize("how, code", [("ctrl-c", 130), ("sigterm", 143)])
+def test_interrupted_merge_leaves_no_dataset(tmp_path, monkeypatch, capsys, how, code):
+    """--partitions: every partition finished, then the parent is interrupted between the
+    first and the second partition's add_index (the merge into the final dataset)."""
+    from megatron_jreg.data.indexed_writer import IndexedDatasetWriter
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in make_documents(300)])
+    real_add = IndexedDatasetWriter.add_index
+    merged = []
+
+    def interrupt_after_first(self, prefix):
+        real_add(self, prefix)
+        merged.append(prefix)
+        assert os.getpid() == parent  # the merge runs in the parent, not in a partition
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    parent = os.getpid()
+    monkeypatch.setattr(IndexedDatasetWriter, "add_index", interrupt_after_first)
+    prefix = str(tmp_path / "out")
+    args = argv(data, prefix, "--workers", "2", "--chunk-bytes", "256", "--partitions", "2")
+    assert main(args) == code
+    assert len(merged) == 1, merged  # interrupted inside the merge, after one partition
+    assert "partial outputs removed" in capsys.readouterr().err
+    assert output_files(tmp_path) == []  # no final dataset, no partition directory
     assert signal.getsignal(signal.SIGTERM) is not preprocess._raise_terminated
