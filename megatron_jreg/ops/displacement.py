@@ -139,6 +139,13 @@ def fused_available(device: Union[torch.device, str]) -> bool:
     return device_type == "cuda" and _CUDA_BUILT
 
 
+def kernel_status(device: Union[torch.device, str]) -> str:
+    """Why the fused kernel is not available on ``device`` (for error messages)."""
+    if _C is None:
+        return f"the extension megatron_jreg._C failed to import ({_IMPORT_ERROR})"
+    return f"the extension was built without {torch.device(device).type.upper()} support"
+
+
 def resolve_impl(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> str:
     """The implementation ``token_displacement`` runs for these inputs: "fused" or "torch".
 
@@ -151,11 +158,7 @@ def resolve_impl(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> str:
         return "torch"
     if impl == "fused":
         if not fused_available(a.device):
-            why = (
-                f"the extension megatron_jreg._C failed to import ({_IMPORT_ERROR})"
-                if _C is None
-                else f"the extension was built without {a.device.type.upper()} support"
-            )
+            why = kernel_status(a.device)
             raise RuntimeError(
                 f"token_displacement: impl='fused' but the fused kernel is not built for "
                 f"{a.device.type} tensors: {why}. Reinstall with "

@@ -35,6 +35,7 @@ from megatron_jreg.distributed.setup import (
 )
 from megatron_jreg.model.builder import build_model, transformer_config
 from megatron_jreg.model.attention import resolve_attention_backend
+from megatron_jreg.ops.displacement import fused_available, kernel_status
 from megatron_jreg.model.config import resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
@@ -80,6 +81,11 @@ class Trainer:
         initialize_distributed(cfg.parallel.distributed_timeout_minutes)
         self.device = torch.device("cpu") if use_cpu() else torch.device("cuda", torch.cuda.current_device())
         self._check_outputs()
+        if cfg.jreg.impl == "fused" and not fused_available(self.device):
+            raise ValueError(
+                f"--jreg-impl fused: the fused kernel is not built for {self.device.type} "
+                f"({kernel_status(self.device)}); reinstall with `pip install --no-build-isolation -e .` "
+                "or pass --jreg-impl torch (or auto)")
         self.checkpoints.take_save_lock()
         impl, why = resolve_transformer_impl(cfg.model.transformer_impl)
         print_rank_0(f"transformer implementation: {impl} ({why})")
