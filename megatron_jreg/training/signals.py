@@ -23,10 +23,11 @@ class SignalFlag:
     def _handle(self, signum, frame):
         self.received = signum
 
-    def any_rank(self, device, also: bool = False) -> bool:
-        """True on every rank when any rank received a signal or passed ``also`` (another
-        reason to stop, such as a time limit) (collective)."""
-        flag = torch.tensor([1.0 if self.received or also else 0.0], device=device)
+    def stop_reason(self, device, time_is_up: bool = False):
+        """Why to stop now, the same on every rank (collective): "signal" when any rank
+        received one, else "time" when any rank's time limit passed, else None. A signal
+        sent to one rank only (Slurm may signal one task) is named as such everywhere."""
+        code = torch.tensor([2.0 if self.received else 1.0 if time_is_up else 0.0], device=device)
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        return {2: "signal", 1: "time"}.get(int(code.item()))

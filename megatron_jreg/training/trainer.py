@@ -308,8 +308,9 @@ class Trainer:
             if interval and self.iteration % interval == 0:
                 self.save()
                 last_saved = self.iteration
-            if self.signals.any_rank(self.device, also=self._time_is_up()):
-                why = "signal received" if self.signals.received else (
+            reason = self.signals.stop_reason(self.device, time_is_up=self._time_is_up())
+            if reason:
+                why = "signal received" if reason == "signal" else (
                     f"--exit-duration-in-mins {t.exit_duration_in_mins} reached")
                 print_rank_0(f"{why}: saving at iteration {self.iteration} and exiting")
                 if last_saved != self.iteration:

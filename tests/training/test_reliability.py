@@ -160,3 +160,83 @@ def test_config_errors_fail_before_work(demo_data, overrides, message, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in err, err
+
+
+def _start(argv, nproc=1):
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.Popen(launcher + ["-m", "megatron_jreg.train"] + argv, cwd=REPO,
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(proc, step, lines):
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("iteration") and int(line.split()[1].split("/")[0]) >= step:
+            return
+        assert time.time() < deadline, "".join(lines[-20:])
+    raise AssertionError("the run ended before step %d:\n%s" % (step, "".join(lines[-30:])))
+
+
+def _rank_pids(launcher_pid):
+    """{RANK: pid} of the worker processes torchrun started."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            pids[int(env[b"RANK"])] = int(entry)
+    return pids
+
+
+def test_sigint_saves_and_exits_cleanly(demo_data, tmp_path):
+    proc = _start(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32))
+    lines = []
+    _wait_for_step(proc, 2, lines)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, rest[-3000:]
+    assert "signal received: saving at iteration" in rest
+    saved = int(open(tmp_path / "ckpt" / TRACKER).read())
+    assert os.path.exists(os.path.join(iteration_dir(str(tmp_path / "ckpt"), saved), COMPLETE))
+
+
+def test_without_the_exit_signal_handler_sigterm_kills_without_saving(demo_data, tmp_path):
+    proc = _start(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32,
+                            save_interval=100000, no_exit_signal_handler=True))
+    lines = []
+    _wait_for_step(proc, 2, lines)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGTERM, rest[-3000:]  # the default action: killed
+    assert "signal received" not in rest
+    assert not (tmp_path / "ckpt" / TRACKER).exists()
+
+
+def test_a_signal_on_one_of_two_ranks_stops_both_at_one_saved_step(demo_data, tmp_path):
+    """Slurm may signal one task: the ranks agree at the end of the step, both save the same
+    iteration and exit 0 (none hangs in a collective the other left)."""
+    ckpt = tmp_path / "ckpt"
+    proc = _start(base_args(demo_data, train_iters=10000, save=ckpt, seq_length=32,
+                            save_interval=100000), nproc=2)
+    lines = []
+    _wait_for_step(proc, 2, lines)
+    pids = _rank_pids(proc.pid)
+    assert set(pids) == {0, 1}, pids
+    os.kill(pids[1], signal.SIGTERM)  # rank 1 only: rank 0 prints, rank 1 got the signal
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, rest[-3000:]
+    saved = int(open(ckpt / TRACKER).read())
+    assert "signal received: saving at iteration %d" % saved in rest
+    assert os.path.exists(os.path.join(iteration_dir(str(ckpt), saved), COMPLETE))
