@@ -240,3 +240,31 @@ def test_a_signal_on_one_of_two_ranks_stops_both_at_one_saved_step(demo_data, tm
     saved = int(open(ckpt / TRACKER).read())
     assert "signal received: saving at iteration %d" % saved in rest
     assert os.path.exists(os.path.join(iteration_dir(str(ckpt), saved), COMPLETE))
+
+
+def test_interleaved_pipeline_checkpoints_resume_exactly_and_reshard(demo_data, tmp_path):
+    """PP2 with two model chunks per rank (VPP): a run stopped at 4 and resumed equals the
+    uninterrupted run; its checkpoint loads at TP1 PP1 (one process) with the same weights
+    as at VPP."""
+    vpp = {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}
+    common = dict(train_iters=6, save_interval=4, vocab_size=512, **vpp)
+    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    train(base_args(demo_data, metrics_file=full, save=tmp_path / "a", **common), nproc=2)
+    ckpt = tmp_path / "b"
+    train(base_args(demo_data, metrics_file=part, save=ckpt, exit_interval=4, **common), nproc=2)
+    assert open(ckpt / TRACKER).read() == "4"
+    train(base_args(demo_data, metrics_file=part, save=ckpt, load=ckpt, **common), nproc=2)
+    a, b = read_metrics(full), read_metrics(part)
+    assert [r["iteration"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert (y["lm_loss"], y["psi"], y["lr"]) == (x["lm_loss"], x["psi"], x["lr"]), x["iteration"]
+    # the VPP checkpoint's weights at TP1 PP1 and back at VPP: the same first loss and psi
+    runs = {}
+    for name, nproc, extra in (("tp1", 1, {}), ("vpp", 2, vpp)):
+        metrics = tmp_path / f"load_{name}.jsonl"
+        train(base_args(demo_data, train_iters=1, load=tmp_path / "a", no_load_optim=True,
+                        vocab_size=512, metrics_file=metrics, seed=99, **extra), nproc=nproc)
+        runs[name] = read_metrics(metrics)[0]
+    assert runs["tp1"]["lm_loss"] == pytest.approx(runs["vpp"]["lm_loss"], rel=1e-5)
+    assert runs["tp1"]["psi"] == pytest.approx(runs["vpp"]["psi"], rel=1e-4)
+    assert abs(runs["tp1"]["lm_loss"] - a[0]["lm_loss"]) > 1e-3  # trained weights were loaded
