@@ -1,8 +1,8 @@
 """JREG under every parallel layout equals the single-rank run of the same weights and batch.
 
-Two jobs run once per session: the single-rank reference (which also saves the weights
-every layout loads, and runs with recompute on) and one 2-rank gloo job that runs each
-layout in turn (tests/model/layout_worker.py). Each test compares one layout: the LM loss,
+Three jobs run once per session: the single-rank reference (which also saves the weights
+every layout loads, and runs with recompute on), one 2-rank gloo job that runs each 2-rank
+layout in turn, and one 4-rank job for the combined layouts (tests/model/layout_worker.py). Each test compares one layout: the LM loss,
 every Psi_l, R, and gradients of parameters on the first and the last layer.
 """
 
@@ -31,6 +31,17 @@ LAYOUTS = {
     "pp2_selective_recompute": {"pipeline_model_parallel_size": 2,
                                 "recompute_granularity": "selective",
                                 "recompute_modules": ["core_attn", "mlp", "layernorm"]},
+}
+# 4 ranks: combined layouts (the data-parallel size is what is left, 2 where TP x PP = 2)
+FOUR_RANK = {
+    "4r_tp2_pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    "4r_tp2_sp_dp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "4r_pp2_vpp_dp2": {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
+    "4r_tp2_sp_pp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                      "pipeline_model_parallel_size": 2},
+    "4r_pp2_vpp_dp2_full_recompute": {"pipeline_model_parallel_size": 2,
+                                      "num_layers_per_virtual_pipeline_stage": 1,
+                                      "recompute_granularity": "full"},
 }
 SINGLE_RANK = {
     "full_recompute": {"recompute_granularity": "full"},
@@ -69,10 +80,12 @@ def layout_results(tmp_path_factory):
     ref_tasks += [{"name": name, "parallel": p} for name, p in SINGLE_RANK.items()]
     two_tasks = [{"name": name, "parallel": p} for name, p in LAYOUTS.items()]
     two_tasks.append({"name": "pp2_lam0", "lam": 0.0, "parallel": LAYOUTS["pp2"]})
+    four_tasks = [{"name": name, "parallel": p} for name, p in FOUR_RANK.items()]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     for label, tasks, cmd in (
         ("one", ref_tasks, [sys.executable]),
-        ("two", two_tasks, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc_per_node", "2"]),
+        ("two", two_tasks, launch + ["2"]),
+        ("four", four_tasks, launch + ["4"]),
     ):
         spec = root / f"{label}.json"
         spec.write_text(json.dumps({"ckpt_dir": ckpt, "out_dir": out, "tasks": tasks}))
@@ -125,7 +138,7 @@ def assert_matches_reference(got, ref):
         assert max_rel_diff(grad, ref["grads"][key]) < RTOL, key
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS) + sorted(FOUR_RANK))
 def test_layout_matches_single_rank(layout_results, layout):
     ref = assemble(layout_results("reference"))
     assert_matches_reference(assemble(layout_results(layout)), ref)
