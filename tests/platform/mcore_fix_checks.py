@@ -118,5 +118,21 @@ step(ddp, opt)
 step(ddp2, opt2)
 obs["resumed_step_matches"] = all(torch.equal(a, b) for a, b in
                                   zip(ddp.module.parameters(), ddp2.module.parameters()))
+# (4) the MoE router's gating GEMM without Transformer Engine
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+
+w = torch.randn(4, 8, requires_grad=True)
+h = torch.randn(5, 8, requires_grad=True)
+try:
+    moe_utils.router_gating_linear(h, w, None, torch.float32)
+    obs["router_before"] = "ran"
+except NameError as err:
+    obs["router_before"] = f"NameError: {err}"
+mcore_fixes.fix_moe_router_without_te()
+logits = moe_utils.router_gating_linear(h, w, None, torch.float32)
+logits.sum().backward()
+obs["router_after_equals_mm"] = torch.allclose(logits, h @ w.t())
+obs["router_grad_equals_mm"] = torch.allclose(w.grad, torch.ones(5, 4).t() @ h)
+
 print("CHECKS " + json.dumps(obs))
 sys.stdout.flush()

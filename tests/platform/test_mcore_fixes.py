@@ -45,6 +45,11 @@ def test_distributed_optimizer_checkpoints_with_torch_adam(checks):
     assert checks["resumed_step_matches"]
 
 
+def test_moe_router_without_te(checks):
+    assert checks["router_before"].startswith("NameError") and "te_general_gemm" in checks["router_before"]
+    assert checks["router_after_equals_mm"] and checks["router_grad_equals_mm"]
+
+
 def test_every_fix_is_applied_by_the_model_builder():
     """build_model applies them on any device; nothing about them lives in platform/cpu.py."""
     import inspect
