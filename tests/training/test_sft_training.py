@@ -199,3 +199,33 @@ def test_sft_errors_are_one_line_before_training(sft_data, demo_data, pretrained
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(err) == 1 and expected in err[0], err
     assert "lm loss" not in proc.stdout
+
+
+def test_docs_sft_training_command_runs_as_written(demo_sp_data, tmp_path):
+    """docs/sft.md's `--sft` command, as written, in a directory holding what it names:
+    data/ (the demo's sentencepiece tokenizer and chat data made with it) and runs/base (a
+    tiny model pretrained on the demo text with that tokenizer)."""
+    import re
+    import shlex
+
+    text_prefix, sp_model = demo_sp_data
+    doc = open(os.path.join(REPO, "docs", "sft.md"), encoding="utf-8").read()
+    block = re.search(r"## Training: `--sft`\s+```bash\n(.*?)```", doc, re.S).group(1)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "megatron_jreg.train"]
+    data = tmp_path / "data"
+    data.mkdir()
+    os.symlink(sp_model, data / "tokenizer.model")
+    tool(["tools/make_demo_corpus.py", "--chat", "--output", str(data / "chat.jsonl")])
+    tool(["tools/preprocess_data.py", "--sft", "--input", str(data / "chat.jsonl"),
+          "--output-prefix", str(data / "chat"), "--tokenizer-type", "SentencePieceTokenizer",
+          "--tokenizer-model", sp_model, "--workers", "1"])
+    train(base_args(text_prefix, tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model,
+                    seq_length=192, train_iters=2, save=tmp_path / "runs" / "base" / "checkpoints"))
+    proc = subprocess.run([sys.executable] + argv[1:], cwd=tmp_path, env=run_env(),
+                          capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "fine-tuning from --pretrained-checkpoint runs/base/checkpoints" in log
+    assert (tmp_path / "runs" / "sft" / "checkpoints" / "latest_checkpointed_iteration.txt"
+            ).read_text().strip() == "20"
