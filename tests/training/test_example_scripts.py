@@ -7,6 +7,7 @@ second run of the same command resumes everything and trains nothing.
 
 import json
 import subprocess
+import sys
 
 from conftest import REPO, run_env
 
@@ -83,3 +84,25 @@ def test_jreg_across_families_trains_each_family_and_reports_zeta(tmp_path):
     lines = proc.stdout.splitlines()
     header = lines.index(next(line for line in lines if line.split()[:2] == ["model", "zeta_L"]))
     assert [line.split()[0] for line in lines[header + 1:header + 9]] == names
+    # each family's JREG checkpoint exports to its Hugging Face class, and eval_jump on the
+    # export measures what it measured on the checkpoint
+    classes = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM",
+               "mixtral": "MixtralForCausalLM"}
+    by_name = {r["model"]: r for r in report}
+    for family, hf_class in classes.items():
+        name, hf_dir = f"{family}-jreg", tmp_path / f"hf-{family}"
+        for argv in (["tools/convert_to_hf.py", "--load", str(out / name / "checkpoints"),
+                      "--output", str(hf_dir)],
+                     ["tools/eval_jump.py", "--hf-model", str(hf_dir), "--label", name,
+                      "--data-path", str(tmp_path / "data" / "demo_text_document"),
+                      "--seq-length", "128", "--max-tokens", "32768", "--batch-size", "16",
+                      "--json", str(tmp_path / f"{family}.json")]):
+            step = subprocess.run([sys.executable] + argv, cwd=REPO, env=run_env(),
+                                  capture_output=True, text=True, timeout=600)
+            assert step.returncode == 0, step.stderr[-3000:]
+        assert json.loads((hf_dir / "config.json").read_text())["architectures"] == [hf_class]
+        hf = json.loads((tmp_path / f"{family}.json").read_text())  # one model: one object
+        assert hf["tokens"] == by_name[name]["tokens"]
+        for a, b in zip(hf["displacement"], by_name[name]["displacement"]):
+            assert abs(a - b) <= 1e-4 * abs(b) + 1e-7, (family, hf["displacement"],
+                                                         by_name[name]["displacement"])
