@@ -132,8 +132,9 @@ def build_gpt_datasets(
     """(train, valid, test) datasets; a split with zero weight or size gives None.
 
     ``tokenizer`` is a ``megatron_jreg.data.tokenizers`` tokenizer (GPTDataset reads its
-    ``eod``, ``vocab_size`` and ``unique_identifiers``). Sample counts of None mean one epoch;
-    None is only allowed when the blend has no weights (megatron-core's rule).
+    ``eod``, ``vocab_size`` and ``unique_identifiers``). Sample counts of None mean one epoch
+    for an unweighted blend; for a weighted blend (megatron-core needs counts there) a
+    validation or test count of None or 0 leaves that split out.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -165,9 +166,19 @@ def build_gpt_datasets(
         eod_mask_loss=config.eod_mask_loss,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
+    sizes = [train_samples, valid_samples, test_samples]
+    if weights is not None:
+        # megatron-core needs a size for every split of a weighted blend (a None size
+        # asserts). A split not asked for (None or 0) is not built: its range is dropped
+        # (the others keep theirs as --split puts them), which also spares a split with no
+        # documents, on which megatron-core's epoch count would loop forever.
+        for i in (1, 2):
+            if not sizes[i]:
+                gpt_config.split_matrix[i] = None
+                sizes[i] = 0
     builder = BlendedMegatronDatasetBuilder(
         token_masked_gpt_dataset_class(),
-        [train_samples, valid_samples, test_samples],
+        sizes,
         lambda: True,  # every rank builds (or loads cached) indices; megatron syncs if needed
         gpt_config,
     )
