@@ -87,20 +87,33 @@ def split_qkv(
     return {"q_proj": q.contiguous(), "k_proj": k.contiguous(), "v_proj": v.contiguous()}
 
 
+class _StateReader:
+    """A TP1 GPTModel state dict read key by key (``_extra_state`` entries ignored); a tensor
+    no key read is an error at the end, so no weight is silently dropped."""
+
+    def __init__(self, state: Dict[str, torch.Tensor]):
+        self.state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+        self.used = set()
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise KeyError(f"the checkpoint's model has no {key}")
+        self.used.add(key)
+        return self.state[key]
+
+    def check_all_read(self, family: str) -> None:
+        left = sorted(set(self.state) - self.used)
+        if left:
+            raise KeyError(f"checkpoint tensors with no {family} counterpart: {left[:5]}")
+
+
 def megatron_to_hf_state_dict(
     state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, num_groups: int, head_dim: int,
     dense_mlp: bool = True,
 ) -> Dict[str, torch.Tensor]:
     """HF Llama names for a TP1 GPTModel state dict (``_extra_state`` entries ignored).
     ``dense_mlp=False``: the MLP tensors were mapped by the caller (Mixtral's experts)."""
-    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
-    used = set()
-
-    def take(key: str) -> torch.Tensor:
-        if key not in state:
-            raise KeyError(f"the checkpoint's model has no {key}")
-        used.add(key)
-        return state[key]
+    take = _StateReader(state)
 
     out = {
         "model.embed_tokens.weight": take("embedding.word_embeddings.weight"),
@@ -123,9 +136,7 @@ def megatron_to_hf_state_dict(
         out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
         out[dst + "mlp.up_proj.weight"] = up.contiguous()
         out[dst + "mlp.down_proj.weight"] = take(src + "mlp.linear_fc2.weight")
-    left = sorted(set(state) - used)
-    if left:
-        raise KeyError(f"checkpoint tensors with no Llama counterpart: {left[:5]}")
+    take.check_all_read("Llama")
     return out
 
 
@@ -226,14 +237,7 @@ def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.
 
 def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads: int,
                      head_dim: int) -> Dict[str, torch.Tensor]:
-    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
-    used = set()
-
-    def take(key: str) -> torch.Tensor:
-        if key not in state:
-            raise KeyError(f"the checkpoint's model has no {key}")
-        used.add(key)
-        return state[key]
+    take = _StateReader(state)
 
     def qkv_cat(tensor: torch.Tensor) -> torch.Tensor:  # per-head rows -> [q; k; v]
         parts = split_qkv(tensor.reshape(tensor.shape[0], -1), num_heads, num_heads, head_dim)
@@ -258,9 +262,7 @@ def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads:
         out[dst + "mlp.c_fc.bias"] = take(src + "mlp.linear_fc1.bias")
         out[dst + "mlp.c_proj.weight"] = take(src + "mlp.linear_fc2.weight").t().contiguous()
         out[dst + "mlp.c_proj.bias"] = take(src + "mlp.linear_fc2.bias")
-    left = sorted(set(state) - used)
-    if left:
-        raise KeyError(f"checkpoint tensors with no GPT-2 counterpart: {left[:5]}")
+    take.check_all_read("GPT-2")
     return out
 
 
