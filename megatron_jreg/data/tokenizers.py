@@ -19,16 +19,16 @@ megatron-core alone takes seconds to import.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from itertools import chain
 from typing import Sequence
 
 import numpy
 
-# Built by data.megatron_tokenizers, as Megatron-LM defines them.
-MEGATRON_LM_TOKENIZERS = ("Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer")
+# Megatron-LM's types are built by data.megatron_tokenizers, as Megatron-LM defines them.
+from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS
+from megatron_jreg.data.token_arrays import file_sha256, pack  # noqa: F401 (the callers' import)
+
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer", *MEGATRON_LM_TOKENIZERS
 )
@@ -36,22 +36,6 @@ TOKENIZER_TYPES = (
 # Special-token names that end a document, most specific first. Used only when a bare
 # tokenizer.json has no tokenizer_config.json beside it to name the EOS token.
 _KNOWN_EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
-
-
-def pack(docs: Sequence[Sequence[int]]) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """Lists of ids as two int32 arrays: every id, concatenated, and each list's length."""
-    lengths = numpy.fromiter(map(len, docs), numpy.int32, count=len(docs))
-    ids = numpy.fromiter(chain.from_iterable(docs), numpy.int32, count=int(lengths.sum()))
-    return ids, lengths
-
-
-def file_sha256(path: str) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks (identifies tokenizer and model files)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class ByteTokenizer:

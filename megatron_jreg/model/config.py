@@ -8,13 +8,13 @@ name (never replaced by another). Presets are named bundles of the same flags.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_jreg import cli
 from megatron_jreg.jreg import WEIGHTINGS
+from megatron_jreg.model.families import check_experts, family_of
 from megatron_jreg.model.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
 
 # --attention-backend: Megatron-LM's values, and sdpa (PyTorch's fused attention)
@@ -172,13 +172,7 @@ class ModelConfig:
             raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of "
                              f"{', '.join(TRANSFORMER_IMPLS)}")
         if self.num_experts is not None:
-            if self.num_experts < 1:
-                raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
-            if not 1 <= self.moe_router_topk <= self.num_experts:
-                raise ValueError(f"--moe-router-topk {self.moe_router_topk} must be between 1 "
-                                 f"and --num-experts {self.num_experts}")
-            if self.moe_aux_loss_coeff < 0:
-                raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+            check_experts(self)
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
                              f"{self.make_vocab_size_divisible_by}")
@@ -252,24 +246,8 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        """llama, gpt2, qwen3 or mixtral: the Hugging Face family the architecture maps to
-        (for the export), or "other" for a mix no family has."""
-        llama = (self.swiglu and self.normalization == "RMSNorm"
-                 and self.position_embedding_type == "rope" and not self.add_bias_linear
-                 and self.untie_embeddings_and_output_weights)
-        if llama and not self.add_qkv_bias:
-            if self.num_experts:
-                return "mixtral" if not self.qk_layernorm else "other"
-            return "qwen3" if self.qk_layernorm else "llama"
-        gpt2 = (not self.swiglu and self.normalization == "LayerNorm"
-                and self.position_embedding_type == "learned_absolute" and self.add_bias_linear
-                and not self.untie_embeddings_and_output_weights and not self.qk_layernorm
-                and not self.num_experts and not self.group_query_attention_used)
-        return "gpt2" if gpt2 else "other"
-
-    @property
-    def group_query_attention_used(self) -> bool:
-        return self.query_groups != self.num_attention_heads
+        """llama, gpt2, qwen3, mixtral or other (``model.families.family_of``)."""
+        return family_of(self)
 
     @property
     def max_positions(self) -> int:
@@ -417,7 +395,3 @@ def _preset_values(preset: str) -> dict:
 
 # {preset: {field: value}} of every preset's bundle
 PRESETS = {name: _preset_values(name) for name in PRESET_FLAGS}
-
-
-def to_dict(config) -> dict:
-    return dataclasses.asdict(config)

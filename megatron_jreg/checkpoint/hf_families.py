@@ -1,0 +1,213 @@
+"""The weight and config mapping of each model family's Hugging Face export.
+
+megatron-core GPTModel state dict (TP1, as ``model_loader.load_model`` rebuilds it) ->
+``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` or ``GPT2LMHeadModel``
+names and config; ``hf_export`` writes the directory. The names are listed in
+``hf_export``'s docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from megatron_jreg.errors import InputError
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> Dict[str, torch.Tensor]:
+    """megatron's fused [groups * (heads/groups + 2) * d, h] QKV -> q, k, v projections."""
+    per_group = num_heads // num_groups
+    hidden = qkv.shape[-1]
+    expected = num_groups * (per_group + 2) * head_dim
+    if qkv.shape[0] != expected:
+        raise ValueError(
+            f"linear_qkv has {qkv.shape[0]} rows; {num_groups} groups x ({per_group} + 2) heads "
+            f"x {head_dim} = {expected} expected"
+        )
+    grouped = qkv.reshape(num_groups, per_group + 2, head_dim, hidden)
+    q = grouped[:, :per_group].reshape(num_heads * head_dim, hidden)
+    k = grouped[:, per_group].reshape(num_groups * head_dim, hidden)
+    v = grouped[:, per_group + 1].reshape(num_groups * head_dim, hidden)
+    return {"q_proj": q.contiguous(), "k_proj": k.contiguous(), "v_proj": v.contiguous()}
+
+
+class _StateReader:
+    """A TP1 GPTModel state dict read key by key (``_extra_state`` entries ignored); a tensor
+    no key read is an error at the end, so no weight is silently dropped."""
+
+    def __init__(self, state: Dict[str, torch.Tensor]):
+        self.state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+        self.used = set()
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise KeyError(f"the checkpoint's model has no {key}")
+        self.used.add(key)
+        return self.state[key]
+
+    def check_all_read(self, family: str) -> None:
+        left = sorted(set(self.state) - self.used)
+        if left:
+            raise KeyError(f"checkpoint tensors with no {family} counterpart: {left[:5]}")
+
+
+def megatron_to_hf_state_dict(
+    state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, num_groups: int, head_dim: int,
+    dense_mlp: bool = True,
+) -> Dict[str, torch.Tensor]:
+    """HF Llama names for a TP1 GPTModel state dict (``_extra_state`` entries ignored).
+    ``dense_mlp=False``: the MLP tensors were mapped by the caller (Mixtral's experts)."""
+    take = _StateReader(state)
+
+    out = {
+        "model.embed_tokens.weight": take("embedding.word_embeddings.weight"),
+        "model.norm.weight": take("decoder.final_layernorm.weight"),
+        "lm_head.weight": take("output_layer.weight"),
+    }
+    for i in range(num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "post_attention_layernorm.weight"] = take(src + "pre_mlp_layernorm.weight")
+        qkv = split_qkv(
+            take(src + "self_attention.linear_qkv.weight"), num_heads, num_groups, head_dim
+        )
+        for name, weight in qkv.items():
+            out[dst + f"self_attn.{name}.weight"] = weight
+        out[dst + "self_attn.o_proj.weight"] = take(src + "self_attention.linear_proj.weight")
+        if not dense_mlp:
+            continue
+        gate, up = take(src + "mlp.linear_fc1.weight").chunk(2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
+        out[dst + "mlp.up_proj.weight"] = up.contiguous()
+        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.linear_fc2.weight")
+    take.check_all_read("Llama")
+    return out
+
+
+def llama_config_kwargs(model_cfg, padded_vocab: int) -> Dict[str, object]:
+    """LlamaConfig arguments for a ModelConfig (sizes as trained, vocabulary as padded)."""
+    return dict(
+        vocab_size=padded_vocab,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.ffn_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.query_groups,
+        head_dim=model_cfg.hidden_size // model_cfg.num_attention_heads,
+        max_position_embeddings=model_cfg.max_positions,
+        rope_theta=float(model_cfg.rotary_base),
+        rms_norm_eps=float(model_cfg.norm_epsilon),
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        initializer_range=float(model_cfg.init_method_std),
+    )
+
+
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def check_exportable(model_cfg) -> str:
+    family = model_cfg.family
+    if family not in HF_CLASSES:
+        raise InputError(
+            "this run's architecture has no Hugging Face family to export to (Llama, Qwen3, "
+            "Mixtral and GPT-2 forms are exported; see docs/families.md); evaluate it with "
+            "eval_jump --load instead")
+    if model_cfg.kv_channels not in (None, model_cfg.hidden_size // model_cfg.num_attention_heads):
+        raise InputError("--kv-channels other than hidden / heads cannot be exported")
+    return family
+
+
+def hf_config(model_cfg, padded_vocab: int):
+    """The transformers config of the run's family (sizes as trained, vocabulary as padded)."""
+    import transformers
+
+    family = check_exportable(model_cfg)
+    llama = llama_config_kwargs(model_cfg, padded_vocab)
+    if family == "llama":
+        return transformers.LlamaConfig(**llama)
+    if family == "qwen3":
+        kwargs = {k: v for k, v in llama.items() if k != "mlp_bias"}
+        return transformers.Qwen3Config(**kwargs, use_sliding_window=False)
+    if family == "mixtral":
+        kwargs = {k: v for k, v in llama.items() if k not in ("mlp_bias", "attention_bias")}
+        kwargs["intermediate_size"] = model_cfg.moe_ffn_size
+        return transformers.MixtralConfig(
+            **kwargs, num_local_experts=model_cfg.num_experts,
+            num_experts_per_tok=model_cfg.moe_router_topk,
+            router_aux_loss_coef=float(model_cfg.moe_aux_loss_coeff), sliding_window=None,
+            output_router_logits=False)
+    return transformers.GPT2Config(
+        vocab_size=padded_vocab, n_embd=model_cfg.hidden_size, n_layer=model_cfg.num_layers,
+        n_head=model_cfg.num_attention_heads, n_inner=model_cfg.ffn_size,
+        n_positions=model_cfg.max_positions, layer_norm_epsilon=float(model_cfg.norm_epsilon),
+        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        initializer_range=float(model_cfg.init_method_std), scale_attn_weights=True,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+
+
+def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
+    """HF names of the run's family for a TP1 GPTModel state dict."""
+    family = check_exportable(model_cfg)
+    heads, groups = model_cfg.num_attention_heads, model_cfg.query_groups
+    head_dim = model_cfg.hidden_size // heads
+    if family == "gpt2":
+        return _gpt2_state_dict(state, model_cfg.num_layers, heads, head_dim)
+    state = dict(state)
+    extra = {}
+    for i in range(model_cfg.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        if family == "qwen3":
+            extra[dst + "self_attn.q_norm.weight"] = state.pop(src + "self_attention.q_layernorm.weight")
+            extra[dst + "self_attn.k_norm.weight"] = state.pop(src + "self_attention.k_layernorm.weight")
+        if family == "mixtral":
+            extra[dst + "mlp.gate.weight"] = state.pop(src + "mlp.router.weight")
+            fc1, fc2 = [], []
+            for e in range(model_cfg.num_experts):
+                expert = src + f"mlp.experts.local_experts.{e}."
+                fc1.append(state.pop(expert + "linear_fc1.weight"))
+                fc2.append(state.pop(expert + "linear_fc2.weight"))
+            extra[dst + "mlp.experts.gate_up_proj"] = torch.stack(fc1).contiguous()
+            extra[dst + "mlp.experts.down_proj"] = torch.stack(fc2).contiguous()
+    out = megatron_to_hf_state_dict(state, model_cfg.num_layers, heads, groups, head_dim,
+                                    dense_mlp=family != "mixtral")
+    out.update(extra)
+    return out
+
+
+def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads: int,
+                     head_dim: int) -> Dict[str, torch.Tensor]:
+    take = _StateReader(state)
+
+    def qkv_cat(tensor: torch.Tensor) -> torch.Tensor:  # per-head rows -> [q; k; v]
+        parts = split_qkv(tensor.reshape(tensor.shape[0], -1), num_heads, num_heads, head_dim)
+        return torch.cat([parts["q_proj"], parts["k_proj"], parts["v_proj"]]).reshape(
+            -1, *tensor.shape[1:])
+
+    out = {"transformer.wte.weight": take("embedding.word_embeddings.weight"),
+           "transformer.wpe.weight": take("embedding.position_embeddings.weight"),
+           "transformer.ln_f.weight": take("decoder.final_layernorm.weight"),
+           "transformer.ln_f.bias": take("decoder.final_layernorm.bias")}
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    for i in range(num_layers):
+        src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            out[dst + f"{theirs}.weight"] = take(src + f"{ours}.weight")
+            out[dst + f"{theirs}.bias"] = take(src + f"{ours}.bias")
+        out[dst + "attn.c_attn.weight"] = qkv_cat(take(src + "self_attention.linear_qkv.weight")).t().contiguous()
+        out[dst + "attn.c_attn.bias"] = qkv_cat(take(src + "self_attention.linear_qkv.bias")[:, None])[:, 0]
+        out[dst + "attn.c_proj.weight"] = take(src + "self_attention.linear_proj.weight").t().contiguous()
+        out[dst + "attn.c_proj.bias"] = take(src + "self_attention.linear_proj.bias")
+        out[dst + "mlp.c_fc.weight"] = take(src + "mlp.linear_fc1.weight").t().contiguous()
+        out[dst + "mlp.c_fc.bias"] = take(src + "mlp.linear_fc1.bias")
+        out[dst + "mlp.c_proj.weight"] = take(src + "mlp.linear_fc2.weight").t().contiguous()
+        out[dst + "mlp.c_proj.bias"] = take(src + "mlp.linear_fc2.bias")
+    take.check_all_read("GPT-2")
+    return out

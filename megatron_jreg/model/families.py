@@ -1,0 +1,32 @@
+"""Model families: which one a ModelConfig's architecture is (the Hugging Face class it
+exports to), and the mixture-of-experts flag checks. No imports: the model config uses it."""
+
+from __future__ import annotations
+
+
+def family_of(model) -> str:
+    """llama, gpt2, qwen3 or mixtral: the Hugging Face family the architecture of ``model``
+    (a ModelConfig) maps to, or "other" for a mix no family has (docs/families.md)."""
+    llama = (model.swiglu and model.normalization == "RMSNorm"
+             and model.position_embedding_type == "rope" and not model.add_bias_linear
+             and model.untie_embeddings_and_output_weights)
+    if llama and not model.add_qkv_bias:
+        if model.num_experts:
+            return "mixtral" if not model.qk_layernorm else "other"
+        return "qwen3" if model.qk_layernorm else "llama"
+    gpt2 = (not model.swiglu and model.normalization == "LayerNorm"
+            and model.position_embedding_type == "learned_absolute" and model.add_bias_linear
+            and not model.untie_embeddings_and_output_weights and not model.qk_layernorm
+            and not model.num_experts and model.query_groups == model.num_attention_heads)
+    return "gpt2" if gpt2 else "other"
+
+
+def check_experts(model) -> None:
+    """The mixture-of-experts flags of a model with --num-experts; ValueError naming the flag."""
+    if model.num_experts < 1:
+        raise ValueError(f"--num-experts must be >= 1, got {model.num_experts}")
+    if not 1 <= model.moe_router_topk <= model.num_experts:
+        raise ValueError(f"--moe-router-topk {model.moe_router_topk} must be between 1 and "
+                         f"--num-experts {model.num_experts}")
+    if model.moe_aux_loss_coeff < 0:
+        raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {model.moe_aux_loss_coeff}")
