@@ -57,7 +57,8 @@ TABLE = [
     Row("--cross-entropy-loss-fusion", NOTED, "the LM loss is megatron-core's unfused "
         "vocab-parallel cross entropy (the same loss)"),
     Row("--apply-layernorm-1p", REFUSED, "zero-centred norm weights are not supported yet"),
-    Row("--openai-gelu", REFUSED, "a GeLU MLP is not supported yet"),
+    Row("--openai-gelu", REFUSED, "the tanh-approximated GeLU is not supported yet (the GeLU "
+        "MLP runs the exact GeLU)"),
     Row("--squared-relu", REFUSED, "a squared-ReLU MLP is not supported yet"),
     Row("--quick-geglu", REFUSED, "a GeGLU MLP is not supported yet"),
     Row("--rotary-interleaved", REFUSED, "interleaved RoPE is not supported yet"),
