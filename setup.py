@@ -28,7 +28,8 @@ EXTRAS = {
     "eval": ["lm_eval[hf]>=0.4.13,<0.5"],
 }
 # the tests cover the optional readers and both t-test paths (scipy and the exact one)
-EXTRAS["test"] = ["pytest>=7", *EXTRAS["data"], *EXTRAS["stats"]]
+# (pytest-xdist: pytest.ini spreads the suite over the cores; filelock: fixtures built once)
+EXTRAS["test"] = ["pytest>=7", "pytest-xdist>=3.5", "filelock", *EXTRAS["data"], *EXTRAS["stats"]]
 
 
 def _extension_build():

@@ -49,7 +49,9 @@ def checks(device: str, quick: bool):
     step = [py, "bench/gpu_model_step.py", "--device", device]
     layernorm = ["--recompute-modules", "layernorm"]
     if cuda:
-        yield "gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/ops"], 300
+        # -o addopts=: one process (pytest.ini asks for pytest-xdist workers, which the GPU
+        # machine may not have)
+        yield "gpu tests", [py, "-m", "pytest", "-q", "-o", "addopts=", "-m", "gpu", "tests/ops"], 300
     yield "op bandwidth", [py, "bench/displacement_op.py", "--device", device] + op, 180
     yield "JREG step overhead", [py, "bench/jreg_overhead.py", "--device", device] + overhead, 300
     yield "3b flags x2, local", step + three_b + ["--transformer-impl", "local"] + layernorm, 240

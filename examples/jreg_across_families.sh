@@ -3,7 +3,8 @@
 # (Llama, GPT-2, Qwen3, Mixtral MoE; docs/families.md) trained on the demo data without and
 # with JREG (same seed, data and steps), then zeta_L of every checkpoint from eval_jump.
 # CPU is fine.
-#   OUT=runs/families  TRAIN_ITERS=300  FAMILIES="llama gpt2 qwen3 mixtral"  bash examples/jreg_across_families.sh
+#   OUT=runs/families  TRAIN_ITERS=300  FAMILIES="llama gpt2 qwen3 mixtral"  EVAL_TOKENS=32768 \
+#     bash examples/jreg_across_families.sh
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT=${OUT:-$REPO/runs/families}
@@ -27,7 +28,7 @@ done
 
 echo "== eval_jump on every checkpoint"
 python tools/eval_jump.py --load "${loads[@]}" "${labels[@]}" \
-  --data-path "$DATA_DIR/demo_text_document" --seq-length 128 --max-tokens 32768 --batch-size 16 \
+  --data-path "$DATA_DIR/demo_text_document" --seq-length 128 --max-tokens "${EVAL_TOKENS:-32768}" --batch-size 16 \
   --json "$OUT/jump.json" --csv "$OUT/jump.csv"
 
 echo "done in $(( $(date +%s) - start ))s: runs under $OUT, zeta per family in $OUT/jump.json"

@@ -182,9 +182,35 @@ def build_gpt_datasets(
         lambda: True,  # every rank builds (or loads cached) indices; megatron syncs if needed
         gpt_config,
     )
-    with _single_rank_group_if_needed():
+    with _single_rank_group_if_needed(), _index_cache_lock(cache_dir):
         train, valid, test = builder.build()
     return train, valid, test
+
+
+@contextlib.contextmanager
+def _index_cache_lock(cache_dir):
+    """megatron-core 0.16.1 writes the index cache in place (``numpy.save`` to the final
+    names) on rank 0, and a run takes the cache as complete once its four files exist: a
+    second run on the same data and settings (the baseline and JREG arms started together)
+    could read a file still being written. Rank 0 of each run holds an exclusive lock on
+    the cache directory while it builds or loads; the other ranks read only after their
+    rank 0 is done (megatron-core's barrier). A directory that cannot take the lock file
+    (read-only, with a complete cache) is read without it."""
+    import fcntl
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        yield
+        return
+    try:
+        lock = open(os.path.join(cache_dir, ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @contextlib.contextmanager

@@ -344,7 +344,12 @@ class Trainer:
 def main(argv=None) -> int:
     """`python -m megatron_jreg.train`: parse, set up, train. Exit 2 on a config or
     checkpoint error, 3 on a non-finite step (with --exit-on-nan)."""
-    trainer = Trainer(ExperimentConfig.from_argv(argv))
+    return run(ExperimentConfig.from_argv(argv))
+
+
+def run(experiment: ExperimentConfig) -> int:
+    """Set up and train a parsed experiment; the exit codes of ``main``."""
+    trainer = Trainer(experiment)
     try:
         trainer.setup()
         code = trainer.train()

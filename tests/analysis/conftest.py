@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from session_cache import build_once
 
 VOCAB_WORDS = [f"w{i}" for i in range(90)]
 SPECIAL = ["[UNK]", "[PAD]", "<s>", "</s>"]
@@ -96,13 +97,15 @@ def trained_checkpoints(tmp_path_factory):
     """{"tp1", "tp2", "pp2"}: runs of one seed and data; tp1 saves every iteration."""
     from checkpoint_runs import make_dataset, train
 
-    root = tmp_path_factory.mktemp("ckpt")
-    data = make_dataset(str(root))
-    return {
-        "tp1": train(data, str(root / "tp1"), save_interval=1),
-        "tp2": train(data, str(root / "tp2"), nproc=2, tensor_model_parallel_size=2),
-        "pp2": train(data, str(root / "pp2"), nproc=2, pipeline_model_parallel_size=2),
-    }
+    def build(root):
+        data = make_dataset(str(root))
+        return {
+            "tp1": train(data, str(root / "tp1"), save_interval=1),
+            "tp2": train(data, str(root / "tp2"), nproc=2, tensor_model_parallel_size=2),
+            "pp2": train(data, str(root / "pp2"), nproc=2, pipeline_model_parallel_size=2),
+        }
+
+    return build_once(tmp_path_factory, "trained_checkpoints", build)
 
 
 @pytest.fixture(scope="session")
@@ -132,6 +135,10 @@ def checkpoint_reference(trained_checkpoints, checkpoint_text, tmp_path_factory)
     """The trainer's Psi_l and logits (checkpoint_worker.py) for the tp1 and tp2 runs."""
     from checkpoint_runs import reference
 
-    out = tmp_path_factory.mktemp("ckpt_ref") / "ref.pt"
     roots = [trained_checkpoints["tp1"], trained_checkpoints["tp2"]]
-    return reference(checkpoint_text[1], out, roots)
+
+    def build(root):
+        reference(checkpoint_text[1], root / "ref.pt", roots)
+        return str(root / "ref.pt")
+
+    return torch.load(build_once(tmp_path_factory, "checkpoint_reference", build))

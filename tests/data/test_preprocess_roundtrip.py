@@ -117,3 +117,33 @@ def test_gpt_dataset_batches(tmp_path, tokenizer_args):
 
     with pytest.raises(FileNotFoundError, match="preprocess_data.py"):
         build_gpt_datasets(GPTDataConfig(data_path=[str(tmp_path / "none")]), tok, 8)
+
+
+def test_index_cache_is_built_under_the_cache_lock(tmp_path):
+    """A second run on the same data waits while another holds the index cache's lock
+    (megatron-core writes the cache in place; a reader must not see a half-written file)."""
+    import fcntl
+    import threading
+
+    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401 (imported
+    import megatron.core.datasets.gpt_dataset  # noqa: F401  here, not inside the wait below)
+
+    from megatron_jreg.data.gpt_datasets import GPTDataConfig, build_gpt_datasets
+
+    docs = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in make_documents(50, seed=5)])
+    prefix = run(tmp_path, [docs], ["--tokenizer-type", "ByteTokenizer"], "--append-eod", name="a")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    config = GPTDataConfig(data_path=[prefix + "_text_document"], split="100,0,0", seq_length=16,
+                           cache_dir=str(cache))
+    built = []
+    worker = threading.Thread(target=lambda: built.append(
+        build_gpt_datasets(config, build_tokenizer("ByteTokenizer"), 16)))
+    with open(cache / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run building the same cache
+        worker.start()
+        worker.join(timeout=3.0)
+        assert worker.is_alive() and not list(cache.glob("*.npy")), "built while the lock was held"
+    worker.join(timeout=120)
+    assert not worker.is_alive() and len(built[0][0]) >= 16
+    assert list(cache.glob("*.npy"))

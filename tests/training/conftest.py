@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from session_cache import build_once
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +24,10 @@ def run_env():
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo_data")
+    return build_once(tmp_path_factory, "demo_data", _build_demo_data)
+
+
+def _build_demo_data(root):
     corpus = root / "corpus.jsonl"
     prefix = root / "demo"
     for cmd in (
@@ -39,7 +43,10 @@ def demo_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_sp_data(tmp_path_factory):
     """The README demo's data: the whole demo corpus, a 2000-piece sentencepiece tokenizer."""
-    root = tmp_path_factory.mktemp("demo_sp_data")
+    return tuple(build_once(tmp_path_factory, "demo_sp_data", _build_demo_sp_data))
+
+
+def _build_demo_sp_data(root):
     corpus, model_prefix, prefix = root / "corpus.jsonl", root / "tokenizer", root / "demo"
     for cmd in (
         [sys.executable, "tools/make_demo_corpus.py", "--output", str(corpus)],
@@ -58,7 +65,10 @@ def demo_sp_data(tmp_path_factory):
 def sft_data(tmp_path_factory):
     """200 demo conversations (tools/make_demo_corpus.py --chat), byte tokenizer, as
     ``preprocess_data.py --sft`` writes them; returns the dataset prefix."""
-    root = tmp_path_factory.mktemp("sft_data")
+    return build_once(tmp_path_factory, "sft_data", _build_sft_data)
+
+
+def _build_sft_data(root):
     for cmd in (
         [sys.executable, "tools/make_demo_corpus.py", "--chat", "--output", str(root / "chat.jsonl"),
          "--max-docs", "200"],

@@ -1,5 +1,5 @@
 """First contact: every entry point answers --help, a bare trainer call fails in one line, and
-every ``pip install`` the docs show works as written from the repo root.
+every ``pip install`` the docs show works as written from the repo root (of a copy).
 
 The install test really installs (it is in the default run, so CI executes it); deselect it
 locally with ``python -m pytest -m "not install"``.
@@ -9,6 +9,7 @@ import ast
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -163,27 +164,47 @@ def test_install_commands_are_found_and_well_formed():
 
 
 @pytest.mark.install
-def test_every_documented_install_command_runs():
-    """Each ``pip install`` of the docs, run as written from the repo root (a shell, the pip of
-    this Python first on PATH). Only the pip commands of a line run: README's set-up lines go
-    on to run the demo and the whole test suite, which would start this test again."""
+def test_every_documented_install_command_runs(tmp_path):
+    """Each ``pip install`` of the docs, run as written from the root of a copy of this
+    checkout, with the pip of a virtual environment over this Python's packages first on
+    PATH. The copy and the environment keep the installs away from the checkout and the
+    environment the other tests are running in (an editable install rebuilds the extension
+    in place). Only the pip commands of a line run: README's set-up lines go on to run the
+    demo and the whole test suite, which would start this test again."""
     commands, seen = [], set()
     for path, cmd in doc_install_commands():
         if cmd not in seen:  # the same command twice installs nothing new
             seen.add(cmd)
             commands.append((path, cmd))
     assert any(f == "README.md" for f, _ in commands), commands
-    bindir = os.path.dirname(sys.executable)
-    assert os.path.exists(os.path.join(bindir, "pip")), f"no pip next to {sys.executable}"
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), PIP_NO_INPUT="1")
+    checkout = tmp_path / "checkout"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if os.path.isfile(os.path.join(REPO, name)):  # a deleted, not yet committed file is listed
+            os.makedirs(checkout / os.path.dirname(name), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), checkout / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    bindir = str(venv / "bin")
+    assert os.path.exists(os.path.join(bindir, "pip")), f"no pip in {bindir}"
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), PIP_NO_INPUT="1",
+               VIRTUAL_ENV=str(venv))
     env.pop("PYTHONPATH", None)  # as a user types it
     start = time.monotonic()
     for path, cmd in commands:
         left = INSTALL_BUDGET_S - (time.monotonic() - start)
         assert left > 0, f"the install commands took over {INSTALL_BUDGET_S} s; next: {cmd}"
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, shell=True, executable="/bin/bash", cwd=REPO, env=env,
+        proc = subprocess.run(cmd, shell=True, executable="/bin/bash", cwd=checkout, env=env,
                               capture_output=True, text=True, timeout=left)
         print(f"{time.monotonic() - t0:6.1f} s  {path}: {cmd}")
         assert proc.returncode == 0, f"{path}: `{cmd}` failed ({proc.returncode}):\n" \
                                      f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    # the environment's package is the copy's, its kernel built by the install
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import torch, megatron_jreg, megatron_jreg._C as c; print(megatron_jreg.__file__, c.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    package, kernel = probe.stdout.split()
+    assert package.startswith(str(checkout)) and kernel.startswith(str(checkout)), probe.stdout

@@ -6,10 +6,20 @@ second run of the same command resumes everything and trains nothing.
 """
 
 import json
+import os
 import subprocess
 import sys
 
 from conftest import REPO, run_env
+
+ITERS = 21  # steps of each across-families run (the script warms up for 20)
+EVAL_TOKENS = 8192  # tokens eval_jump reads per model there
+
+
+def prepared_files(data_dir):
+    """{name: mtime} of the files of a demo data directory (not the trainers' index cache)."""
+    return {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)
+            if os.path.isfile(os.path.join(data_dir, f))}
 
 
 def run_script(out, **env):
@@ -56,15 +66,20 @@ def test_sft_tiny_runs_the_demo_then_sft_and_prints_the_jump_after_it(tmp_path):
     assert json.loads((out / "sft_jump.json").read_text()) == report
 
 
-def test_jreg_across_families_trains_each_family_and_reports_zeta(tmp_path):
+def test_jreg_across_families_trains_each_family_and_reports_zeta(tmp_path, demo_sp_data):
     """examples/jreg_across_families.sh as written: the tiny size of every family, without
-    and with JREG, measured by eval_jump; each checkpoint holds its family's model."""
-    out = tmp_path / "families"
-    env = dict(run_env(), OUT=str(out), DATA_DIR=str(tmp_path / "data"), TRAIN_ITERS="24")
+    and with JREG, measured by eval_jump; each checkpoint holds its family's model. DATA_DIR
+    is the demo data the fixture built with prepare_demo_data.sh's commands (the script
+    finds it complete and builds nothing)."""
+    out, data_dir = tmp_path / "families", os.path.dirname(demo_sp_data[0])
+    env = dict(run_env(), OUT=str(out), DATA_DIR=data_dir, TRAIN_ITERS=str(ITERS),
+               EVAL_TOKENS=str(EVAL_TOKENS))
+    built = prepared_files(data_dir)
     proc = subprocess.run(["bash", "examples/jreg_across_families.sh"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
+    assert prepared_files(data_dir) == built  # prepare_demo_data.sh found it complete
     names = [f"{f}-{v}" for f in ("llama", "gpt2", "qwen3", "mixtral") for v in ("baseline", "jreg")]
     report = json.loads((out / "jump.json").read_text())
     assert [r["model"] for r in report] == names
@@ -73,7 +88,7 @@ def test_jreg_across_families_trains_each_family_and_reports_zeta(tmp_path):
         assert set(r["jump_rate"]) == {"L", "L-1", "L-2"}
     for name in names:
         family = name.split("-")[0]
-        config = (out / name / "checkpoints" / "iter_0000024" / "run_config.yaml").read_text()
+        config = (out / name / "checkpoints" / f"iter_{ITERS:07d}" / "run_config.yaml").read_text()
         preset = "tiny" if family == "llama" else f"{family}-tiny"
         assert f"model_preset: {preset}" in config, name
         rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
@@ -94,8 +109,8 @@ def test_jreg_across_families_trains_each_family_and_reports_zeta(tmp_path):
         for argv in (["tools/convert_to_hf.py", "--load", str(out / name / "checkpoints"),
                       "--output", str(hf_dir)],
                      ["tools/eval_jump.py", "--hf-model", str(hf_dir), "--label", name,
-                      "--data-path", str(tmp_path / "data" / "demo_text_document"),
-                      "--seq-length", "128", "--max-tokens", "32768", "--batch-size", "16",
+                      "--data-path", demo_sp_data[0],
+                      "--seq-length", "128", "--max-tokens", str(EVAL_TOKENS), "--batch-size", "16",
                       "--json", str(tmp_path / f"{family}.json")]):
             step = subprocess.run([sys.executable] + argv, cwd=REPO, env=run_env(),
                                   capture_output=True, text=True, timeout=600)

@@ -1,6 +1,7 @@
 """The GPU launch scripts (examples/pretrain_{170m,1b,3b}_*.sh, the alpha sweep): run them with
 stand-in `torchrun`/`python` that record the command, then parse it with the trainer's own
-parser and run the trainer's pre-work validation for an 8-GPU node."""
+parser and run the trainer's pre-work validation for an 8-GPU node; and run each size's
+script itself with real torchrun on 2 CPU processes at tiny sizes."""
 
 import json
 import os
@@ -164,10 +165,16 @@ def test_sft_3b_script_runs_the_papers_recipe_on_both_checkpoints(sft_data, tmp_
         assert r["model"].model_preset == "3b" and r["model"].seq_length == 2048
 
 
-def test_3b_script_trains_as_written_at_tiny_sizes(demo_sp_data, tmp_path):
-    """examples/pretrain_3b_jreg.sh itself (real torchrun, 2 CPU processes): its layout
-    (TP2 + sequence parallelism), bf16, the distributed optimizer and the paper's schedule
-    flags train; only the sizes and step counts come from EXTRA_ARGS, as a user shrinks it."""
+@pytest.mark.parametrize("script, preset, layout", [
+    ("pretrain_170m_jreg.sh", "170m", ("tensor_model_parallel_size: 1", "sequence_parallel: false")),
+    ("pretrain_1b_baseline.sh", "1b", ("tensor_model_parallel_size: 1", "sequence_parallel: false")),
+    ("pretrain_3b_jreg.sh", "3b", ("tensor_model_parallel_size: 2", "sequence_parallel: true")),
+])
+def test_gpu_scripts_train_as_written_at_tiny_sizes(script, preset, layout, demo_sp_data, tmp_path):
+    """The script itself (real torchrun, 2 CPU processes): its layout (data parallel for
+    170m and 1b, TP2 + sequence parallelism for 3b), bf16, the distributed optimizer and
+    the paper's schedule flags train; only the sizes and step counts come from EXTRA_ARGS,
+    as a user shrinks it. A baseline script trains with lambda 0, the others with 1."""
     from conftest import run_env
 
     data, tokenizer = demo_sp_data
@@ -178,15 +185,19 @@ def test_3b_script_trains_as_written_at_tiny_sizes(demo_sp_data, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(run_env(), GPUS_PER_NODE="2", DATA_PATH=data, TOKENIZER_MODEL=tokenizer,
                RUN_DIR=str(run_dir), EXTRA_ARGS=tiny)
-    proc = subprocess.run(["bash", "examples/pretrain_3b_jreg.sh"], cwd=REPO, env=env,
+    env.pop("JREG_LAMBDA", None)
+    proc = subprocess.run(["bash", f"examples/{script}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     rows = [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "lm_loss" in r]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    assert all(r["jreg_penalty"] > 0 for r in rows)  # JREG_LAMBDA defaults to 1.0
+    if "baseline" in script:
+        assert all(r["jreg_penalty"] == 0 for r in rows)
+    else:  # JREG_LAMBDA defaults to 1.0
+        assert all(r["jreg_penalty"] > 0 for r in rows)
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     config = (run_dir / "checkpoints" / "iter_0000003" / "run_config.yaml").read_text()
-    for setting in ("tensor_model_parallel_size: 2", "sequence_parallel: true", "bf16: true",
-                    "use_distributed_optimizer: true"):
+    for setting in (f"model_preset: {preset}", *layout, "bf16: true",
+                    "use_distributed_optimizer: true", "weighting: softmax"):
         assert setting in config, setting

@@ -111,23 +111,34 @@ def test_corrupt_shard_gives_clear_error(demo_data, tmp_path):
     assert "cannot read checkpoint" in proc.stderr and "--ckpt-step" in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def reshard_source(demo_data, tmp_path_factory):
+    """A single-rank checkpoint (vocab 512), the first step of a single-rank run loading it,
+    and the first step of a fresh run with the same seed: shared by the layouts below."""
+    root = tmp_path_factory.mktemp("reshard")
+    ckpt = root / "ckpt"
+    train(base_args(demo_data, train_iters=4, save=ckpt, vocab_size=512))
+    steps = {}
+    for name, extra in (("tp1", {"load": ckpt, "no_load_optim": True}), ("fresh", {})):
+        metrics = root / f"{name}.jsonl"
+        train(base_args(demo_data, train_iters=1, vocab_size=512, metrics_file=metrics, seed=99,
+                        **extra))
+        steps[name] = read_metrics(metrics)[0]
+    return ckpt, steps
+
+
 @pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}],
                          ids=["tp2", "pp2"])
-def test_checkpoint_reshards_on_load(demo_data, tmp_path, layout):
-    ckpt = tmp_path / "ckpt"
-    train(base_args(demo_data, train_iters=4, save=ckpt, vocab_size=512))
-    runs = {}
-    for name, nproc, extra in (("tp1", 1, {}), ("other", 2, layout)):
-        metrics = tmp_path / f"{name}.jsonl"
-        train(base_args(demo_data, train_iters=1, load=ckpt, no_load_optim=True, vocab_size=512,
-                        metrics_file=metrics, seed=99, **extra), nproc=nproc)
-        runs[name] = read_metrics(metrics)[0]
-    fresh = tmp_path / "fresh.jsonl"
-    train(base_args(demo_data, train_iters=1, vocab_size=512, metrics_file=fresh, seed=99))
+def test_checkpoint_reshards_on_load(demo_data, reshard_source, tmp_path, layout):
+    ckpt, steps = reshard_source
+    metrics = tmp_path / "other.jsonl"
+    train(base_args(demo_data, train_iters=1, load=ckpt, no_load_optim=True, vocab_size=512,
+                    metrics_file=metrics, seed=99, **layout), nproc=2)
+    other, tp1 = read_metrics(metrics)[0], steps["tp1"]
     # the first step's loss is measured before the update: it reflects the loaded weights
-    assert runs["other"]["lm_loss"] == pytest.approx(runs["tp1"]["lm_loss"], rel=1e-5)
-    assert runs["other"]["psi"] == pytest.approx(runs["tp1"]["psi"], rel=1e-4)
-    assert abs(read_metrics(fresh)[0]["lm_loss"] - runs["tp1"]["lm_loss"]) > 1e-3
+    assert other["lm_loss"] == pytest.approx(tp1["lm_loss"], rel=1e-5)
+    assert other["psi"] == pytest.approx(tp1["psi"], rel=1e-4)
+    assert abs(steps["fresh"]["lm_loss"] - tp1["lm_loss"]) > 1e-3
 
 
 def test_nan_loss_stops_with_iteration_or_skips(demo_data, tmp_path):
