@@ -29,7 +29,7 @@ EXTRAS = {
 }
 # the tests cover the optional readers and both t-test paths (scipy and the exact one)
 # (pytest-xdist: pytest.ini spreads the suite over the cores; filelock: fixtures built once)
-EXTRAS["test"] = ["pytest>=7", "pytest-xdist>=3.5", "filelock", *EXTRAS["data"], *EXTRAS["stats"]]
+EXTRAS["test"] = ["pytest>=7", "pytest-xdist>=3.6", "filelock", *EXTRAS["data"], *EXTRAS["stats"]]
 
 
 def _extension_build():

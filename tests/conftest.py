@@ -1,22 +1,11 @@
-"""Suite-wide: how many pytest-xdist workers, and the order test files are handed to them.
+"""Suite-wide: the order test files are handed to the pytest-xdist workers.
 
-pytest.ini runs the suite on ``-n auto`` workers, one test file at a time per worker
+pytest.ini runs the suite on one worker per core, one test file at a time per worker
 (``--dist loadfile``: a module's fixtures are built once). Files are handed out in
-collection order, so a slow file collected last would run alone at the end while the
-other workers idle: the slowest files (measured on 2 cores) are collected first.
+collection order (``--no-loadscope-reorder``; xdist would otherwise start with the files
+that hold the most tests), so a slow file collected last would run alone at the end while
+the other workers idle: the slowest files (measured on 2 cores) are collected first.
 """
-
-import os
-
-MAX_WORKERS = 4
-
-
-def pytest_xdist_auto_num_workers(config):
-    """One worker more than the cores, at most MAX_WORKERS: a worker spends part of its
-    time waiting for the trainer processes it started to import torch and megatron-core,
-    and the tests start their ranks themselves (two processes each)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min((cores or 1) + 1, MAX_WORKERS)
 
 SLOW_FIRST = [
     "training/test_example_scripts.py",
@@ -30,6 +19,9 @@ SLOW_FIRST = [
     "training/test_trainer_variants.py",
     "training/test_gpu_checks_script.py",
     "training/test_megatron_lm_flags.py",
+    "training/test_output_paths_training.py",
+    "analysis/test_eval_jump_checkpoint.py",
+    "analysis/test_eval_jump_torchrun.py",
 ]
 
 
