@@ -96,7 +96,7 @@ def llama_config_kwargs(model_cfg, padded_vocab: int) -> Dict[str, object]:
         num_hidden_layers=model_cfg.num_layers,
         num_attention_heads=model_cfg.num_attention_heads,
         num_key_value_heads=model_cfg.query_groups,
-        head_dim=model_cfg.hidden_size // model_cfg.num_attention_heads,
+        head_dim=model_cfg.head_dim,
         max_position_embeddings=model_cfg.max_positions,
         rope_theta=float(model_cfg.rotary_base),
         rms_norm_eps=float(model_cfg.norm_epsilon),
@@ -120,7 +120,7 @@ def check_exportable(model_cfg) -> str:
             "this run's architecture has no Hugging Face family to export to (Llama, Qwen3, "
             "Mixtral and GPT-2 forms are exported; see docs/families.md); evaluate it with "
             "eval_jump --load instead")
-    if model_cfg.kv_channels not in (None, model_cfg.hidden_size // model_cfg.num_attention_heads):
+    if model_cfg.kv_channels not in (None, model_cfg.head_dim):
         raise InputError("--kv-channels other than hidden / heads cannot be exported")
     return family
 
@@ -156,8 +156,7 @@ def hf_config(model_cfg, padded_vocab: int):
 def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
     """HF names of the run's family for a TP1 GPTModel state dict."""
     family = check_exportable(model_cfg)
-    heads, groups = model_cfg.num_attention_heads, model_cfg.query_groups
-    head_dim = model_cfg.hidden_size // heads
+    heads, groups, head_dim = model_cfg.num_attention_heads, model_cfg.query_groups, model_cfg.head_dim
     if family == "gpt2":
         return _gpt2_state_dict(state, model_cfg.num_layers, heads, head_dim)
     state = dict(state)

@@ -60,7 +60,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.query_groups,
         ffn_hidden_size=model.ffn_size,
-        kv_channels=model.hidden_size // model.num_attention_heads,
+        kv_channels=model.head_dim,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,  # SwiGLU, else a GeLU MLP

@@ -192,10 +192,9 @@ class ModelConfig:
         if self.rotary_percent != 1.0:
             raise ValueError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
                              "rotates the whole head); pass --rotary-percent 1.0")
-        head_dim = self.hidden_size // self.num_attention_heads
-        if self.kv_channels not in (None, head_dim):
+        if self.kv_channels not in (None, self.head_dim):
             raise ValueError(f"--kv-channels {self.kv_channels}: not supported yet; the head dim "
-                             f"is --hidden-size / --num-attention-heads = {head_dim}")
+                             f"is --hidden-size / --num-attention-heads = {self.head_dim}")
         if self.attention_backend == "local" and self.transformer_impl == "transformer_engine":
             raise ValueError("--attention-backend local needs --transformer-impl local "
                              "(as in Megatron-LM)")
@@ -229,6 +228,10 @@ class ModelConfig:
         if self.group_query_attention and self.num_query_groups:
             return self.num_query_groups
         return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
     @property
     def ffn_size(self) -> int:

@@ -195,7 +195,7 @@ def validation_summary(lm_loss: float, psi: List[float], num_layers: int) -> Dic
 def model_flops_per_token(model_cfg, vocab: int) -> float:
     """Forward+backward FLOPs per token of the dense Llama model (6N plus attention)."""
     h, layers, s = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.seq_length
-    kv = model_cfg.query_groups * (h // model_cfg.num_attention_heads)
+    kv = model_cfg.query_groups * model_cfg.head_dim
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * model_cfg.ffn_size
     return 6.0 * (layers * per_layer + h * vocab) + 12.0 * layers * h * s
 
