@@ -6,6 +6,7 @@ from megatron_jreg.training.experiment import ExperimentConfig
 
 
 def main(argv=None) -> int:
+    """Parse, set up, train; the exit code (see ``training.trainer.run``)."""
     # the flags first: --help and a bad flag answer before megatron-core is imported
     # (about 3 s of imports per process)
     experiment = ExperimentConfig.from_argv(argv)

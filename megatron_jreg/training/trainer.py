@@ -341,14 +341,9 @@ class Trainer:
         self.metrics.close()
 
 
-def main(argv=None) -> int:
-    """`python -m megatron_jreg.train`: parse, set up, train. Exit 2 on a config or
-    checkpoint error, 3 on a non-finite step (with --exit-on-nan)."""
-    return run(ExperimentConfig.from_argv(argv))
-
-
 def run(experiment: ExperimentConfig) -> int:
-    """Set up and train a parsed experiment; the exit codes of ``main``."""
+    """Set up and train a parsed experiment (``megatron_jreg.train.main``). Exit 2 on a
+    config or checkpoint error, 3 on a non-finite step (with --exit-on-nan)."""
     trainer = Trainer(experiment)
     try:
         trainer.setup()

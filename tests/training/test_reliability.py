@@ -162,7 +162,7 @@ def test_nan_loss_stops_with_iteration_or_skips(demo_data, tmp_path):
     ({"lr_warmup_iters": 6}, "--lr-warmup-iters 6 must be below the decay length 6"),
 ])
 def test_config_errors_fail_before_work(demo_data, overrides, message, capsys):
-    from megatron_jreg.training.trainer import main
+    from megatron_jreg.train import main
 
     try:
         code = main(base_args(demo_data, **overrides))

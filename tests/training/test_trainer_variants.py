@@ -29,6 +29,7 @@ import torch
 import megatron.core.tensor_parallel as tp
 from megatron.core.tensor_parallel import random as tp_random
 import megatron_jreg.training.trainer as trainer
+import megatron_jreg.train as train
 from megatron_jreg.model import jreg_layer
 
 record = {"batches": [], "checkpoint_calls": 0, "recomputed": collections.Counter()}
@@ -60,7 +61,7 @@ def build_data(self):
     record["dataset_index"] = None if index is None else [int(i) for i in index]
 trainer.Trainer._build_data = build_data
 
-code = trainer.main(sys.argv[2:])
+code = train.main(sys.argv[2:])
 with open(sys.argv[1], "w") as f:
     json.dump(record, f)
 sys.exit(code)
