@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import forked_trainer
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ = 48  # evaluation documents are exactly this many bytes: no padding anywhere
@@ -78,10 +80,14 @@ def train(data_prefix, save, nproc=1, save_interval=None, **layout):
     }
     args.update({k.replace("_", "-"): v for k, v in layout.items()})
     argv = [x for k, v in args.items() if v is not None for x in (f"--{k}", str(v))]
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    run(launcher + ["-m", "megatron_jreg.train"] + argv, timeout=600)
+    if nproc == 1:  # forked from a process that has imported the trainer
+        proc = forked_trainer.run(argv, REPO, run_env(), 600)
+        if proc.returncode != 0:
+            raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                                 f"{proc.stderr[-4000:]}")
+    else:
+        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             str(nproc), "-m", "megatron_jreg.train"] + argv, timeout=600)
     return save
 
 

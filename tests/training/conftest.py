@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import forked_trainer
 import pytest
 from session_cache import build_once
 
@@ -101,11 +102,15 @@ def base_args(data_prefix, **overrides):
 
 
 def train(argv, nproc=1, timeout=600, check=True):
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    proc = subprocess.run(launcher + ["-m", "megatron_jreg.train"] + argv, cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    """``python -m megatron_jreg.train`` (under torchrun for ``nproc`` > 1); a single-rank
+    run is forked from a process that has imported the trainer (tests/forked_trainer.py)."""
+    if nproc == 1:
+        proc = forked_trainer.run(argv, REPO, run_env(), timeout)
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", str(nproc)]
+        proc = subprocess.run(launcher + ["-m", "megatron_jreg.train"] + argv, cwd=REPO,
+                              env=run_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
