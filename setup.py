@@ -6,6 +6,8 @@ import shutil
 
 from setuptools import find_packages, setup
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
 INSTALL_REQUIRES = [
     "torch>=2.4",
     "megatron-core==0.16.1",  # the version tested; see docs/design.md for the CPU redirections
@@ -68,7 +70,61 @@ def _extension_build():
         ext = CppExtension(
             "megatron_jreg._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
         )
-    return [ext], {"build_ext": BuildExtension}
+    return [ext], {"build_ext": _cached(BuildExtension)}
+
+
+def _cached(build_ext):
+    """``build_ext`` that keeps each built extension in ``build/kernel-cache/<key>/``: a
+    second install from this checkout (other extras, a fresh environment over the same
+    torch) copies it instead of compiling again (about 20 s). The key hashes everything the
+    binary depends on: every file in csrc/, the sources, macros and flags, torch's version
+    and CUDA version, the Python ABI, the C++ compiler's and nvcc's version lines and
+    TORCH_CUDA_ARCH_LIST. Delete build/ to force a rebuild."""
+    import hashlib
+    import subprocess
+    import sys
+    import sysconfig
+
+    import torch
+
+    def version_line(cmd):
+        try:
+            out = subprocess.run([cmd, "--version"], capture_output=True, text=True, timeout=60)
+            return out.stdout.strip().splitlines()[-1:] if out.returncode == 0 else ["absent"]
+        except (OSError, subprocess.SubprocessError):
+            return ["absent"]
+
+    class CachedBuildExtension(build_ext):
+        def build_extension(self, ext):
+            digest = hashlib.sha256()
+            for name in sorted(os.listdir(os.path.join(ROOT, "csrc"))):
+                digest.update(name.encode())
+                with open(os.path.join(ROOT, "csrc", name), "rb") as f:
+                    digest.update(f.read())
+            from torch.utils.cpp_extension import CUDA_HOME
+
+            nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else "nvcc"
+            for part in (ext.sources, ext.define_macros, ext.extra_compile_args,
+                         ext.extra_link_args, torch.__version__, torch.version.cuda,
+                         sys.version, sysconfig.get_config_var("EXT_SUFFIX"),
+                         version_line(os.environ.get("CXX", "c++")), version_line(nvcc),
+                         os.environ.get("TORCH_CUDA_ARCH_LIST")):
+                digest.update(repr(part).encode())
+            target = self.get_ext_fullpath(ext.name)
+            cached = os.path.join(ROOT, "build", "kernel-cache", digest.hexdigest()[:16],
+                                  os.path.basename(target))
+            if os.path.isfile(cached):
+                print(f"megatron-jreg: the kernel for these sources and this torch is already "
+                      f"built: {os.path.relpath(cached, ROOT)}")
+                os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+                shutil.copyfile(cached, target)
+                return
+            super().build_extension(ext)
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            shutil.copyfile(target, cached + ".tmp")
+            os.replace(cached + ".tmp", cached)
+
+    return CachedBuildExtension
 
 
 EXT_MODULES, CMDCLASS = _extension_build()
