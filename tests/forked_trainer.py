@@ -11,9 +11,9 @@ and exits through the interpreter's exit steps (threads joined, atexit handlers)
 A server is only used for a run whose import-time environment (the variables in
 ``IMPORT_ENV``) is the one it was started with; a run that differs starts its own server.
 Tests that launch the trainer under torchrun, or that need its pid before it finishes
-(signals, kills), start real processes. ``MEGATRON_JREG_TEST_FORK=0`` runs every run in a
-fresh interpreter instead; ``tests/test_forked_trainer.py`` checks that both ways give the
-same run.
+(signals, kills), start real processes. ``MEGATRON_JREG_TEST_FORK=0`` runs every run in
+a fresh interpreter instead; ``tests/training/test_forked_trainer.py`` checks that both ways
+give the same run.
 """
 
 import atexit

@@ -4,7 +4,7 @@ gradcheck, dispatch, torch.compile, and what autograd saves."""
 import pytest
 import torch
 
-from conftest import DEVICES
+from devices import DEVICES
 from megatron_jreg.jreg import EPS
 from megatron_jreg.ops import (
     displacement,

@@ -118,7 +118,7 @@ def test_trainer_help_runs_and_lists_every_flag():
     import subprocess
     import sys
 
-    from conftest import REPO, run_env
+    from trainer_runs import REPO, run_env
 
     proc = subprocess.run([sys.executable, "-m", "megatron_jreg.train", "--help"], cwd=REPO,
                           env=run_env(), capture_output=True, text=True, timeout=120)

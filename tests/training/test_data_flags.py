@@ -3,7 +3,7 @@
 import json
 import os
 
-from conftest import base_args, train
+from trainer_runs import base_args, train
 
 
 def _rows(path):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_env
+from trainer_runs import REPO, run_env
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
 INSTALL_BUDGET_S = 15 * 60  # all the install commands together

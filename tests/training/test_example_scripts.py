@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, run_env
+from trainer_runs import REPO, run_env
 
 ITERS = 21  # steps of each across-families run (the script warms up for 20)
 EVAL_TOKENS = 8192  # tokens eval_jump reads per model there

@@ -3,7 +3,7 @@ check in one method, before any work."""
 
 import pytest
 
-from conftest import base_args
+from trainer_runs import base_args
 from megatron_jreg.data.batches import data_prefixes
 from megatron_jreg.training.experiment import ExperimentConfig
 

@@ -10,7 +10,7 @@ import sys
 import forked_trainer
 import pytest
 
-from conftest import REPO, base_args, run_env
+from trainer_runs import REPO, base_args, run_env
 
 TIMING = re.compile(r"(tokens/s|in) [\d,.]+s?|mem [\d.]+ GiB|\d+\.\ds")
 

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, run_env
+from trainer_runs import REPO, run_env
 
 
 def test_gpu_checks_quick_on_cpu():

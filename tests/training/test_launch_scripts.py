@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from trainer_runs import REPO
 from megatron_jreg import cli
 from megatron_jreg.model.config import PRESETS
 from megatron_jreg.training.config import BUILDERS, SECTIONS
@@ -113,7 +113,7 @@ def test_3b_script_builds_its_model_without_the_cpu_platform(demo_data, tmp_path
     import json
     import sys
 
-    from conftest import run_env
+    from trainer_runs import run_env
 
     [(_, argv)] = launch(tmp_path, "pretrain_3b_jreg.sh", demo_data)
     c = cli.parse(SECTIONS, argv, build=BUILDERS)
@@ -175,7 +175,7 @@ def test_gpu_scripts_train_as_written_at_tiny_sizes(script, preset, layout, demo
     170m and 1b, TP2 + sequence parallelism for 3b), bf16, the distributed optimizer and
     the paper's schedule flags train; only the sizes and step counts come from EXTRA_ARGS,
     as a user shrinks it. A baseline script trains with lambda 0, the others with 1."""
-    from conftest import run_env
+    from trainer_runs import run_env
 
     data, tokenizer = demo_sp_data
     tiny = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import REPO, base_args, read_metrics, train
+from trainer_runs import REPO, base_args, read_metrics, train
 from megatron_jreg import cli
 from megatron_jreg.model.config import PRESETS, ModelConfig, preset_flags
 from megatron_jreg.training import megatron_lm
@@ -338,7 +338,7 @@ def test_documented_command_runs_as_written(demo_data, tmp_path):
     """docs/megatron_lm_flags.md's command line, as written, on the demo data."""
     import subprocess
 
-    from conftest import run_env
+    from trainer_runs import run_env
 
     doc = open(os.path.join(REPO, "docs", "megatron_lm_flags.md")).read()
     block = doc.split("```bash\n", 1)[1].split("```", 1)[0]
@@ -374,7 +374,7 @@ def test_exit_signal_sigusr1_saves_and_exits(demo_data, tmp_path):
     import sys
     import time
 
-    from conftest import run_env
+    from trainer_runs import run_env
 
     ckpt = tmp_path / "ckpt"
     argv = base_args(demo_data, train_iters=100000, save=ckpt, save_interval=100000, seq_length=32,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import base_args, train
+from trainer_runs import base_args, train
 from megatron_jreg.data.megatron_tokenizers import (
     GPT2BPETokenizer,
     Llama2Tokenizer,

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, run_env
+from trainer_runs import REPO, run_env
 
 
 def test_flops_formula_matches_counted_matmuls():

@@ -6,7 +6,7 @@ import os
 import pytest
 from unwritable import unwritable_dir
 
-from conftest import base_args, read_metrics, train
+from trainer_runs import base_args, read_metrics, train
 
 
 def test_missing_output_directories_are_made(demo_data, tmp_path):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, base_args, run_env
+from trainer_runs import REPO, base_args, run_env
 from megatron_jreg.model.config import transformer_engine_available
 
 # the trainer with megatron_jreg._C unimportable: a kernel that failed to build or load

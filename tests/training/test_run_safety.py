@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import REPO, base_args, read_metrics, run_env, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 

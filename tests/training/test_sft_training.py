@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import REPO, base_args, read_metrics, run_env, train
 
 SEQ = 128
 PRETRAIN = dict(train_iters=2, seq_length=64, jreg_lambda=0.0)

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from conftest import REPO
+from trainer_runs import REPO
 from megatron_jreg import cli
 from megatron_jreg.training.config import BUILDERS, SECTIONS
 from test_launch_scripts import RECORDER, validated

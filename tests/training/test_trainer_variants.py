@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import REPO, base_args, read_metrics, run_env, train
 
 from megatron_jreg.jreg import regularizer
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import base_args, read_metrics, train
+from trainer_runs import base_args, read_metrics, train
 
 
 def test_loss_falls_and_jreg_lowers_the_jump(demo_sp_data, tmp_path):

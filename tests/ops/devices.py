@@ -8,7 +8,6 @@ import pytest
 import torch
 
 
-
 def _cuda_skip_reason():
     return None if torch.cuda.is_available() else "no CUDA device"
 

@@ -1,0 +1,62 @@
+"""Helpers to run the trainer in the training tests: the subprocess environment, the flags
+of a tiny run, the run itself, its metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+import forked_trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_env():
+    # PYTHONPATH: subprocesses import this checkout's package, whatever is installed
+    # MEGATRON_JREG_DEVICE=cpu: gloo on the CPU also on a machine with GPUs (two ranks on
+    # one GPU would not be the layouts these tests mean)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO,
+               MEGATRON_JREG_DEVICE="cpu")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def base_args(data_prefix, **overrides):
+    """Flags of a tiny fp32 run on the demo data; overrides use flag names without dashes."""
+    args = {
+        "model-preset": "tiny", "seq-length": 64, "data-path": data_prefix,
+        "tokenizer-type": "ByteTokenizer", "micro-batch-size": 4, "global-batch-size": 8,
+        "train-iters": 6, "log-interval": 1, "eval-interval": 0, "lr": 3e-3,
+        "lr-warmup-iters": 0, "jreg-lambda": 1.0, "jreg-alpha": 1.0, "seed": 1234,
+    }
+    args.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    argv = []
+    for key, value in args.items():
+        if value is None:
+            continue
+        if value is True:
+            argv.append(f"--{key}")
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def train(argv, nproc=1, timeout=600, check=True):
+    """``python -m megatron_jreg.train`` (under torchrun for ``nproc`` > 1); a single-rank
+    run is forked from a process that has imported the trainer (tests/forked_trainer.py)."""
+    if nproc == 1:
+        proc = forked_trainer.run(argv, REPO, run_env(), timeout)
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", str(nproc)]
+        proc = subprocess.run(launcher + ["-m", "megatron_jreg.train"] + argv, cwd=REPO,
+                              env=run_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(path):
+    rows = [json.loads(line) for line in open(path)]
+    return [r for r in rows if "lm_loss" in r]
