@@ -70,10 +70,10 @@ def _extension_build():
         ext = CppExtension(
             "megatron_jreg._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
         )
-    return [ext], {"build_ext": _cached(BuildExtension)}
+    return [ext], {"build_ext": _cached(BuildExtension, nvcc or "nvcc")}
 
 
-def _cached(build_ext):
+def _cached(build_ext, nvcc):
     """``build_ext`` that keeps each built extension in ``build/kernel-cache/<key>/``: a
     second install from this checkout (other extras, a fresh environment over the same
     torch) copies it instead of compiling again (about 20 s). The key hashes everything the
@@ -101,9 +101,6 @@ def _cached(build_ext):
                 digest.update(name.encode())
                 with open(os.path.join(ROOT, "csrc", name), "rb") as f:
                     digest.update(f.read())
-            from torch.utils.cpp_extension import CUDA_HOME
-
-            nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else "nvcc"
             for part in (ext.sources, ext.define_macros, ext.extra_compile_args,
                          ext.extra_link_args, torch.__version__, torch.version.cuda,
                          sys.version, sysconfig.get_config_var("EXT_SUFFIX"),

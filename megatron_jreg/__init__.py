@@ -18,7 +18,7 @@ if _os.environ.get("MEGATRON_JREG_LIBRARY_WARNINGS") != "1":
     ):
         _warnings.filterwarnings("ignore", message=_message)
 
-# megatron-core's ~40 torch.compile decorations run on first call, not at import (1.5 s of
+# megatron-core's ~40 torch.compile decorations run on first call, not at import (1.7 s of
 # every process that imports megatron-core; docs/design.md, "Start-up time").
 from megatron_jreg.platform import lazy_compile as _lazy_compile  # noqa: E402
 

@@ -3,7 +3,7 @@
 megatron-core 0.16.1 decorates about forty functions with ``megatron.core.jit.jit_fuser``,
 which is ``torch.compile`` (``jit.py:21``), as its modules are imported. Each decoration
 builds a dynamo wrapper and the first one imports ``torch._dynamo`` and ``torch._inductor``:
-about 1.5 s of every process that imports megatron-core (the trainer, eval_jump, the
+about 1.7 s of every process that imports megatron-core (the trainer, eval_jump, the
 converter), though a run calls few of those functions or none. Nothing is compiled at
 decoration either way: ``torch.compile`` compiles on a function's first call.
 
@@ -40,7 +40,6 @@ def on_first_call(compile_fn):
                 compiled = compile_fn(fn, **options)
             return compiled(*args, **kwargs)
 
-        call.megatron_jreg_compiled_on_first_call = True
         return call
 
     return decorator

@@ -28,9 +28,16 @@ def run(cmd, timeout=300, check=True):
     proc = subprocess.run(
         cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout
     )
-    if check and proc.returncode != 0:
+    if check:
+        succeeded(proc)
+    return proc
+
+
+def succeeded(proc):
+    """``proc``, or an AssertionError with the ends of its output when it failed."""
+    if proc.returncode != 0:
         raise AssertionError(
-            f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+            f"{proc.args[:4]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
             f"{proc.stderr[-4000:]}"
         )
     return proc
@@ -81,10 +88,7 @@ def train(data_prefix, save, nproc=1, save_interval=None, **layout):
     args.update({k.replace("_", "-"): v for k, v in layout.items()})
     argv = [x for k, v in args.items() if v is not None for x in (f"--{k}", str(v))]
     if nproc == 1:  # forked from a process that has imported the trainer
-        proc = forked_trainer.run(argv, REPO, run_env(), 600)
-        if proc.returncode != 0:
-            raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                                 f"{proc.stderr[-4000:]}")
+        succeeded(forked_trainer.run(argv, REPO, run_env(), 600))
     else:
         run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
              str(nproc), "-m", "megatron_jreg.train"] + argv, timeout=600)
