@@ -51,26 +51,59 @@ def _extension_build():
     cxx = ["-O3", "-fopenmp"]
     skip_cuda = os.environ.get("MEGATRON_JREG_NO_CUDA", "0") not in ("", "0")
     nvcc = CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc"))
-    if torch.version.cuda is not None and nvcc and not skip_cuda:
+    # why CUDA is left out, compiled into the extension for the trainer's start-up line
+    # (csrc/bindings.cpp: CUDA_SKIPPED; megatron_jreg.ops.displacement.kernel_build)
+    skipped = 1 if skip_cuda else 2 if torch.version.cuda is None else 0 if nvcc else 3
+    macros = [("MEGATRON_JREG_CUDA_SKIPPED", str(skipped))]
+    if skipped == 0:
+        arch_list = default_cuda_arch_list(torch, nvcc)
+        if arch_list:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+            print(f"megatron-jreg: no GPU is visible; building for TORCH_CUDA_ARCH_LIST={arch_list} "
+                  "(set it to choose others)")
         print("megatron-jreg: building the fused displacement kernel for CPU and CUDA")
         ext = CUDAExtension(
             "megatron_jreg._C",
             sources + ["csrc/displacement_cuda.cu"],
-            define_macros=[("WITH_CUDA", None)],
+            define_macros=[("WITH_CUDA", None)] + macros,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
             extra_link_args=["-fopenmp"],
         )
     else:
-        why = (
-            "MEGATRON_JREG_NO_CUDA is set" if skip_cuda
-            else "torch is a CPU build" if torch.version.cuda is None
-            else "nvcc was not found (set CUDA_HOME)"
-        )
+        why = {1: "MEGATRON_JREG_NO_CUDA is set", 2: "torch is a CPU build",
+               3: "nvcc was not found (set CUDA_HOME)"}[skipped]
         print(f"megatron-jreg: building the fused displacement kernel for CPU only ({why})")
         ext = CppExtension(
-            "megatron_jreg._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+            "megatron_jreg._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"]
         )
     return [ext], {"build_ext": _cached(BuildExtension, nvcc or "nvcc")}
+
+
+# GPU architectures built when none is visible (a build node), newest last, one per major
+# version (a cubin runs on the later minor versions: 8.0 on 8.6 and 8.9); each is kept
+# only where the installed nvcc can target it
+DEFAULT_CUDA_ARCHS = ("8.0", "9.0", "10.0", "12.0")
+
+
+def default_cuda_arch_list(torch, nvcc):
+    """TORCH_CUDA_ARCH_LIST for a CUDA build on a machine where no GPU is visible, or None
+    when it is set or a GPU is visible (torch then builds for the visible GPUs). torch's
+    extension builder derives the architectures from the visible GPUs only and fails on
+    none (an IndexError on an empty list)."""
+    import subprocess
+
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return None
+    try:
+        listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True,
+                                timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        listed = []
+    # compute_90 -> 9.0, compute_100 -> 10.0
+    targets = {f"{name[8:-1]}.{name[-1]}" for name in listed if name.startswith("compute_")}
+    archs = [arch for arch in DEFAULT_CUDA_ARCHS if arch in targets] or ["8.0", "9.0"]
+    return ";".join(archs) + "+PTX"
 
 
 def _cached(build_ext, nvcc):

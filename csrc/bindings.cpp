@@ -12,6 +12,10 @@
 #include "displacement.h"
 #include "displacement_ops.h"
 
+#ifndef MEGATRON_JREG_CUDA_SKIPPED
+#define MEGATRON_JREG_CUDA_SKIPPED -1  // built outside setup.py: the reason is unknown
+#endif
+
 namespace megatron_jreg {
 namespace {
 
@@ -96,6 +100,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("grad_psi"), pybind11::arg("a"), pybind11::arg("b"),
         pybind11::arg("stats"));
   m.def("cuda_built", &megatron_jreg::cuda_built, "whether the CUDA kernel was compiled in");
+  // setup.py records why a CPU-only build left CUDA out (0: CUDA was built in; 1:
+  // MEGATRON_JREG_NO_CUDA was set; 2: torch was a CPU build; 3: nvcc was not found).
+  m.attr("CUDA_SKIPPED") = MEGATRON_JREG_CUDA_SKIPPED;
   m.attr("EPS") = megatron_jreg::kEps;
   m.attr("NUM_STATS") = megatron_jreg::kStats;
 }

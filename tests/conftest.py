@@ -7,6 +7,14 @@ that hold the most tests), so a slow file collected last would run alone at the 
 the other workers idle: the slowest files (measured on 2 cores) are collected first.
 """
 
+import os
+
+# Every run a test starts, in this process or a subprocess (which inherits it), is a CPU
+# run on gloo, also on a machine with GPUs: two ranks on one GPU would not be the layouts
+# these tests mean, and CI has no GPU. The GPU-marked tests (python -m pytest -m gpu) put
+# their tensors on the GPU themselves.
+os.environ["MEGATRON_JREG_DEVICE"] = "cpu"
+
 SLOW_FIRST = [
     "training/test_example_scripts.py",
     "training/test_reliability.py",

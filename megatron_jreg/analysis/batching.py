@@ -18,6 +18,7 @@ import torch
 
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.errors import InputError
+from megatron_jreg.platform.device import collective_device
 
 NO_TOKENS = (
     "no tokens to evaluate: the input is empty after skipping blank documents; "
@@ -156,10 +157,8 @@ class MeasureWorld:
             return acc
         import torch.distributed as dist
 
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend() == "nccl" else torch.device("cpu"))
         stats = torch.tensor([acc.psi_sums, acc.counts], dtype=torch.float64,
-                             device=device)  # [2, L]
+                             device=collective_device())  # [2, L]
         dist.all_reduce(stats)
         total = JumpAccumulator(acc.num_layers)
         for layer in range(1, acc.num_layers + 1):

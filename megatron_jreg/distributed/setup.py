@@ -14,17 +14,13 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_jreg.model.config import ModelConfig, ParallelConfig
 from megatron_jreg.platform import cpu as cpu_platform
 from megatron_jreg.platform import mcore_fixes
+from megatron_jreg.platform.device import backend, use_cpu
 
 
 def print_rank_0(message: str) -> None:
     """Print on global rank 0 (or in a process without a process group)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
-
-
-def use_cpu() -> bool:
-    """CPU when no GPU is present or MEGATRON_JREG_DEVICE=cpu is set."""
-    return os.environ.get("MEGATRON_JREG_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available()
 
 
 def initialize_distributed(timeout_minutes: int = 30) -> None:
@@ -45,14 +41,18 @@ def initialize_distributed(timeout_minutes: int = 30) -> None:
         # plain `python -m ...`: a world of one, on an in-process store. No port is opened and
         # no launcher variable is written, so a later torchrun child of this process (or a
         # second world of one) never inherits a MASTER_PORT that this process still holds.
-        dist.init_process_group(backend="gloo" if cpu else "nccl", store=dist.HashStore(),
+        dist.init_process_group(backend=backend(), store=dist.HashStore(),
                                 rank=0, world_size=1, timeout=timeout)
         return
-    dist.init_process_group(backend="gloo" if cpu else "nccl", timeout=timeout)
+    dist.init_process_group(backend=backend(), timeout=timeout)
 
 
 def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """megatron's TP/PP/DP groups; raises if the world does not fit the split."""
+    """megatron's TP/PP/DP groups; raises if the world does not fit the split.
+
+    megatron's gloo groups are created on every device, as Megatron-LM does by default:
+    the optimizer (``get_megatron_optimizer``'s ``use_gloo_process_groups``) and the
+    distributed optimizer's checkpoint state ask for them on GPUs too."""
     world = dist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world % (tp * pp):
@@ -66,7 +66,7 @@ def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=parallel.virtual_stages(model.num_layers),
         expert_model_parallel_size=parallel.expert_model_parallel_size,
-        create_gloo_process_groups=use_cpu(),
+        create_gloo_process_groups=True,
     )
 
 

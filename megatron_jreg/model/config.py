@@ -120,7 +120,7 @@ class ModelConfig:
         "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported"))
     attention_backend: str = field(default="auto", metadata=_flag(
         "--attention-backend", "auto (Transformer Engine's choice with TE; without it SDPA on "
-        "GPUs, megatron-core's own attention on CPUs), sdpa (PyTorch's "
+        "every device), sdpa (PyTorch's "
         "scaled_dot_product_attention), local or unfused (megatron-core's own), flash or "
         "fused (TE's kernels; SDPA without TE)", choices=ATTENTION_BACKENDS))
     attention_softmax_in_fp32: bool = field(default=True, metadata=_flag(

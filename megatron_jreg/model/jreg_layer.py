@@ -28,6 +28,7 @@ from megatron_jreg.jreg import layer_weights, masked_mean, regularizer
 from megatron_jreg.model.config import JregConfig
 from megatron_jreg.ops import attach_penalty, token_displacement
 from megatron_jreg.ops.token_mask import local_token_mask
+from megatron_jreg.platform.device import current_device
 
 
 CONTEXT_PARALLEL_UNSUPPORTED = ("not supported with JREG yet: context parallelism (each layer's "
@@ -144,7 +145,9 @@ class JregTracker:
         calls it. Returns {"psi": [L floats], "R": float, "penalty": float, "microbatches":
         [this rank's micro-batch count per layer, 0 for layers on other stages]}.
         """
-        device = self._sums.device if self._sums is not None else _default_device()
+        # a rank that recorded nothing (no layer of this step ran here) reduces zeros on
+        # the run's device
+        device = self._sums.device if self._sums is not None else current_device()
         sums = self._sums if self._sums is not None else torch.zeros(self.num_layers, device=device)
         counts = torch.tensor(self._counts, dtype=torch.float32, device=device)
         psi = sums / counts.clamp(min=1.0)
@@ -160,10 +163,6 @@ class JregTracker:
         r = regularizer(values, self._weights_list)
         return {"psi": values, "R": r, "penalty": self.config.lam * r,
                 "microbatches": list(self._counts)}
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class JregTransformerLayer(TransformerLayer):

@@ -146,6 +146,40 @@ def kernel_status(device: Union[torch.device, str]) -> str:
     return f"the extension was built without {torch.device(device).type.upper()} support"
 
 
+# _C.CUDA_SKIPPED: why the install built no CUDA kernel (setup.py writes it into the build)
+_CUDA_SKIPPED = {
+    1: "MEGATRON_JREG_NO_CUDA was set at install",
+    2: "torch was a CPU build at install",
+    3: "nvcc was missing at install",
+}
+
+
+def kernel_build() -> str:
+    """What the installed fused kernel was built for, and why CUDA was left out."""
+    if _C is None:
+        return kernel_status("cpu")
+    if _CUDA_BUILT:
+        return "built for CPU and CUDA"
+    why = _CUDA_SKIPPED.get(int(getattr(_C, "CUDA_SKIPPED", -1)),
+                            "the extension was built outside setup.py")
+    return f"built for CPU only ({why})"
+
+
+def describe_impl(impl: str, device: Union[torch.device, str]) -> Tuple[str, str]:
+    """(what ``token_displacement(impl=impl)`` runs for a run's activations on ``device``,
+    why): ``fused`` (the CUDA or CPU kernel) or ``torch`` (the reference), for the trainer's
+    start-up line. An explicit ``fused`` that is not built raises in ``resolve_impl``."""
+    device_type = torch.device(device).type
+    if impl == "torch":
+        return "torch", "the PyTorch reference, requested with --jreg-impl torch"
+    if fused_available(device):
+        kernel = "CUDA" if device_type == "cuda" else "C++/OpenMP"
+        return "fused", f"the {kernel} kernel, --jreg-impl {impl}"
+    return "torch", (f"the PyTorch reference: no fused kernel for {device_type}, the extension "
+                     f"was {kernel_build()}; reinstall with `pip install --no-build-isolation "
+                     "-e .` to build it")
+
+
 def resolve_impl(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> str:
     """The implementation ``token_displacement`` runs for these inputs: "fused" or "torch".
 

@@ -8,11 +8,13 @@ import torch
 
 from megatron_jreg.platform import cpu
 
-before = {"zeros_cuda_raises": False}
+# where device="cuda" lands before the redirection: an error on a CPU build of torch, a GPU
+# on a CUDA machine; never the CPU
+before = {}
 try:
-    torch.zeros(1, device="cuda")
+    before["zeros_cuda"] = torch.zeros(1, device="cuda").device.type
 except (RuntimeError, AssertionError):
-    before["zeros_cuda_raises"] = True
+    before["zeros_cuda"] = "error"
 
 cpu.activate()
 cpu.activate()  # idempotent

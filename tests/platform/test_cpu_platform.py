@@ -21,7 +21,8 @@ def checks():
 
 
 def test_cuda_device_requests_land_on_cpu(checks):
-    assert checks["before"]["zeros_cuda_raises"], "torch on this machine should have no CUDA"
+    # before activate(): an error (CPU build of torch) or a GPU tensor, never a CPU one
+    assert checks["before"]["zeros_cuda"] in ("error", "cuda")
     assert checks["factories"] == ["cpu"] * 18
     assert checks["current_device"] == "cpu"
     assert checks["synchronize"] and checks["tensor_cuda_identity"]

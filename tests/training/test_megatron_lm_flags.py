@@ -124,8 +124,8 @@ def test_megatron_lm_llama2_command_line_trains_like_the_preset(demo_data, tmp_p
         assert log.count("--use-flash-attn: ignored") == 1
         assert log.count("--num-workers 2: batches are read in the training process") == 1
         assert "--timing-log-level" not in log  # 0: nothing to say
-        # the attention the run built, and why (auto without TE on a CPU: megatron's own)
-        assert "core attention: megatron (on CPU megatron-core's own attention" in log
+        # the attention the run built, and why (auto without TE: SDPA, on every device)
+        assert "core attention: sdpa (no Transformer Engine: PyTorch's SDPA" in log
     assert [r[0] for r in runs["preset"]] == ["1", "2"]  # --train-samples 16 / 8 per step
     assert runs["megatron_lm"] == runs["preset"]
 
@@ -308,14 +308,14 @@ def test_notes_say_what_became_of_a_flag():
             "--tensor-model-parallel-size", "1", "--log-throughput"]
     exp = ExperimentConfig.from_sections(parse(argv, given))
     exp.model.vocab_size = 259
-    lines = megatron_lm.notes(exp, given, "local", "cpu")
+    lines = megatron_lm.notes(exp, given, "local", "gloo")
     assert [line.split(":")[0] for line in lines] == [
         "--distributed-backend nccl", "--timing-log-level 2", "--sequence-parallel",
         "--num-query-groups 2"]
-    assert megatron_lm.notes(exp, given, "local", "cuda")[0].startswith("--timing-log-level")
+    assert megatron_lm.notes(exp, given, "local", "nccl")[0].startswith("--timing-log-level")
     tp2 = ExperimentConfig.from_sections(parse(["--data-path", "x", "--vocab-size", "50257",
                                                 "--tensor-model-parallel-size", "8"]))
-    [line] = megatron_lm.notes(tp2, {}, "local", "cuda")
+    [line] = megatron_lm.notes(tp2, {}, "local", "nccl")
     assert "padded to 50304 rows" in line and "Megatron-LM pads to 51200 at TP 8" in line
 
 

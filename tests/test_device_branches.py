@@ -1,0 +1,130 @@
+"""Every place in the package and tools/ that branches on the device is one docs/design.md
+lists ("Where the code branches on the device"), with why it stays and the CPU test that
+runs its GPU arm. A new branch fails here until it is removed or listed with such a test.
+
+Read from the source with ast. A branch is a test (if, while, assert, a comparison), a
+conditional expression anywhere in it, or a dict key naming a device or backend ("cuda", "cpu", "nccl",
+"gloo"), a query of the device (``use_cpu()``, ``torch.cuda.is_available()``,
+``is_initialized()``, ``device_count()``, ``dist.get_backend()``, ``.is_cuda``) anywhere. The
+device mapping itself (``platform/cpu.py``, ``platform/device.py``) is where the device is
+decided and is not listed."""
+
+import ast
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCANNED = ("megatron_jreg", "tools")
+MAPPING = {"megatron_jreg/platform/cpu.py", "megatron_jreg/platform/device.py"}
+WORDS = {"cuda", "cpu", "nccl", "gloo"}
+CUDA_QUERIES = {"is_available", "is_initialized", "device_count"}
+ROW = re.compile(r"^\| `(?P<path>[^`]+)` `(?P<function>[^`]+)` \| (?P<why>[^|]+) \| "
+                 r"`(?P<test>[^`]+)::(?P<test_name>[^`]+)` \|$")
+
+
+def _chain(node):
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return parts[::-1]
+
+
+def _queries_device(node):
+    if isinstance(node, ast.Call):
+        name = _chain(node.func)
+        if name and (name[-1] in ("use_cpu", "get_backend")
+                     or (name[-1] in CUDA_QUERIES and "cuda" in name)):
+            return True
+    return isinstance(node, ast.Attribute) and node.attr == "is_cuda"
+
+
+def _names_device(node):
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+        node.value in WORDS or node.value.startswith("cuda:"))
+
+
+def _mentions_device(expr):
+    return any(_queries_device(n) or _names_device(n) for n in ast.walk(expr))
+
+
+def branches(source):
+    """{enclosing function's dotted name: [line, ...]} of the device branches in ``source``."""
+    found = {}
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            inner = scope
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = scope + [child.name]
+            tests = isinstance(child, (ast.If, ast.While, ast.Assert))
+            if ((tests and _mentions_device(child.test))
+                    or (isinstance(child, ast.IfExp) and _mentions_device(child))
+                    or (isinstance(child, ast.Compare) and _mentions_device(child))
+                    or (isinstance(child, ast.Dict) and any(k is not None and _names_device(k)
+                                                            for k in child.keys))
+                    or _queries_device(child)):
+                found.setdefault(".".join(scope) or "<module>", []).append(child.lineno)
+            visit(child, inner)
+
+    visit(ast.parse(source), [])
+    return found
+
+
+def found_branches():
+    found = {}
+    for top in SCANNED:
+        for base, _, files in os.walk(os.path.join(REPO, top)):
+            for name in sorted(files):
+                path = os.path.join(base, name)
+                rel = os.path.relpath(path, REPO).replace(os.sep, "/")
+                if not name.endswith(".py") or rel in MAPPING:
+                    continue
+                with open(path) as f:
+                    for function, lines in branches(f.read()).items():
+                        found[(rel, function)] = lines
+    return found
+
+
+def listed_branches():
+    with open(os.path.join(REPO, "docs", "design.md")) as f:
+        text = f.read()
+    section = text.split("## Where the code branches on the device", 1)[1].split("\n## ", 1)[0]
+    return {(m["path"], m["function"]): m for m in map(ROW.match, section.splitlines()) if m}
+
+
+def test_every_device_branch_is_listed_with_a_gpu_arm_test():
+    found, listed = found_branches(), listed_branches()
+    unlisted = {f"{path} {function} (lines {lines})" for (path, function), lines in found.items()
+                if (path, function) not in listed}
+    assert not unlisted, (
+        "new branches on the device: remove them (ask megatron_jreg/platform/device.py) or "
+        f"list them in docs/design.md with a CPU test of their GPU arm: {sorted(unlisted)}")
+    stale = set(listed) - set(found)
+    assert not stale, f"docs/design.md lists device branches that are gone: {sorted(stale)}"
+    for row in listed.values():
+        with open(os.path.join(REPO, row["test"])) as f:
+            assert f"def {row['test_name']}(" in f.read(), row["test"] + "::" + row["test_name"]
+
+
+def test_the_scanner_sees_each_kind_of_branch():
+    source = '''
+def a(x):
+    return "nccl" if x else "gloo"
+def b(t):
+    if t.device.type == "cuda":
+        return 1
+def c():
+    return use_cpu()
+def d():
+    return {"cpu": 1}
+def e(t):
+    return t.is_cuda and torch.cuda.is_available()
+def f():
+    return dist.get_backend()
+def g(t):
+    return t.to("cpu")  # placing a tensor is no branch
+'''
+    assert sorted(branches(source)) == ["a", "b", "c", "d", "e", "f"]
