@@ -1,77 +1,367 @@
 """The prepared GPU checks, one run, one summary table (bash bench/gpu_checks.sh calls this).
 
-Each check runs as its own process with a time limit; a failure is recorded and the rest
-still run. The table at the end has one row per check: status, the key figure, seconds.
+Time budget: the per-check limits of the CUDA plan (LIMITS_S below, printed by --help)
+add up to at most BUDGET_S = 480 s, asserted in code, so that preflight, the kernel build
+and every check fit one 10-minute command. A check that runs past its limit is killed with
+its whole process group (each check starts in a session of its own), so nothing it started
+stays on the GPU; it is recorded as a timeout and the rest still run.
 
-Checks: the GPU-marked tests; the fused op's bandwidth against the GPU's peak; JREG's step
-overhead at the 170m preset's dimensions; the 3B script's model flags (bf16, selective
-recompute of layernorm) at 2 layers with the local spec and, when installed, Transformer
-Engine; tokens/s, TFLOP/s and MFU of 170m and 1b training steps (seq 2048, bf16) per core
-attention (megatron-core's unfused, PyTorch SDPA, Transformer Engine when installed) with
-JREG off and on, and JREG's overhead from the SDPA pairs. ``--device cpu --quick`` runs the same
-sequence at toy sizes (a smoke test of this script; no GPU figures).
+First a preflight, one line per requirement: the interpreter, pip, every import the checks
+need (torch, numpy, megatron.core, the package's modules, pytest for the GPU tests), the
+kernel extension, nvcc's version and the GPU's name and memory. A missing one stops the
+run before any check (exit 2), the line naming it and the fix. ``--preflight-only`` stops
+after it (gpu_checks.sh runs that before the install).
+
+Written where: each check's row is appended to a JSONL file the moment it finishes, and
+printed (``$OUT/gpu_checks.jsonl`` when ``$OUT`` is set, else bench/gpu_checks.jsonl beside
+this script; ``--jsonl`` names another). The file's first row holds the run and its
+preflight; then one row per check: check, status (ok, skipped, FAIL (rc), timeout), the
+key figure, seconds, the limit, the command, the check's ``RESULT`` json and, on failure,
+the output's tail. A run cut off mid-way keeps every finished check's row. The summary
+table at the end has one row per check: status, key figure, seconds.
+
+Checks, in order (the most telling first, for a run that is cut): the fused kernel's
+largest error against float64 per dtype (bench/kernel_accuracy.py); the GPU-marked tests;
+the trainer saving a checkpoint and resuming from it, lm losses against an uninterrupted
+run (bench/trainer_resume_check.py); the fused op's bandwidth against the GPU's peak;
+JREG's step overhead at the 170m preset's dimensions; the 3B script's model flags (bf16,
+selective recompute of layernorm) at 2 layers with the local spec and, when installed,
+Transformer Engine; tokens/s, TFLOP/s and MFU of 1b training steps (seq 2048, bf16) with
+PyTorch SDPA and Transformer Engine attention, JREG off and on, and JREG's overhead from
+each pair. ``--device cpu --quick`` runs the same sequence at toy sizes (a smoke test of
+this script; no GPU figures, the GPU tests left out).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
+from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+# Seconds each check of the CUDA plan may take on one H200 (a ceiling, not its usual
+# time; the model steps take 2 warm-up and 3 timed steps). Their sum leaves 120 s of the
+# 600 s command to preflight and the kernel build.
+BUDGET_S = 480
+LIMITS_S = {
+    "kernel accuracy": 25,
+    "gpu tests": 60,
+    "trainer resume": 75,
+    "op bandwidth": 35,
+    "JREG step overhead": 55,
+    "3b flags x2, local": 35,
+    "3b flags x2, TE": 35,
+    "1b sdpa, JREG off": 40,
+    "1b sdpa, JREG on": 40,
+    "1b TE, JREG off": 40,
+    "1b TE, JREG on": 40,
+}
+assert sum(LIMITS_S.values()) <= BUDGET_S, f"the checks' limits add up to {sum(LIMITS_S.values())} s > {BUDGET_S} s"
+CPU_LIMIT_S = 300  # per check of the CPU plan (toy sizes on a shared machine; no budget)
+JSONL_NAME = "gpu_checks.jsonl"
 
 
+def default_jsonl() -> str:
+    out = os.environ.get("OUT")
+    return os.path.join(out, JSONL_NAME) if out else os.path.join(HERE, JSONL_NAME)
+
+
+# ---- preflight ------------------------------------------------------------------------------
+# the package's modules the checks import (the trainer's imports cover the data tools')
+PACKAGE_MODULES = ("megatron_jreg.ops", "megatron_jreg.model.builder", "megatron_jreg.training.step",
+                   "megatron_jreg.training.optimizer", "megatron_jreg.training.trainer",
+                   "megatron_jreg.data.preprocess", "megatron_jreg.train")
+INSTALL = "python3 -m pip install --no-build-isolation --no-deps -e ."
+
+
+class Preflight:
+    """Prints one line per requirement; ``ok`` is False once a needed one is missing."""
+
+    def __init__(self, quiet: bool = False):
+        self.ok, self.lines, self.quiet = True, {}, quiet
+
+    def report(self, what: str, text: str, fix: str = "") -> None:
+        if fix:
+            self.ok = False
+            text = f"MISSING: {text}; fix: {fix}"
+        self.lines[what] = text
+        if fix or not self.quiet:
+            print(f"preflight: {what}: {text}", flush=True)
+
+
+def _version(module) -> str:
+    version = getattr(module, "__version__", None)
+    if version is None:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+
+        try:
+            version = dist_version(module.__name__.split(".")[0].replace("_", "-"))
+        except PackageNotFoundError:
+            version = "?"
+    return str(version)
+
+
+def _import(p: Preflight, name: str, needed: bool, fix: str, note: str = ""):
+    try:
+        module = importlib.import_module(name)
+    except Exception as err:  # ImportError, or a broken build raising anything at import
+        missing = getattr(err, "name", None) or name
+        p.report(name, f"{type(err).__name__}: {err}" + (f" ({note})" if note else ""),
+                 fix.format(missing=missing) if needed else "")
+        return None
+    p.report(name, f"{_version(module)}" + (f" ({note})" if note else ""))
+    return module
+
+
+def _kernel_state():
+    """(importable, CUDA kernel built, why not importable)."""
+    try:
+        from megatron_jreg import _C
+    except ImportError as err:
+        return False, False, str(err)
+    return True, bool(_C.cuda_built()), ""
+
+
+def _nvcc():
+    """Path of nvcc (PATH, then torch's CUDA_HOME) or None."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:
+        return None
+    candidate = CUDA_HOME and os.path.join(CUDA_HOME, "bin", "nvcc")
+    return candidate if candidate and os.path.exists(candidate) else None
+
+
+def preflight(device: str, before_install: bool, quiet: bool = False) -> Preflight:
+    """The requirements of the checks on ``device``; ``before_install``: the kernel is not
+    required yet (gpu_checks.sh builds it next), the build's tools are; ``quiet``: print
+    only a missing one's line."""
+    with warnings.catch_warnings():  # the libraries' own import-time warnings
+        warnings.simplefilter("ignore")
+        return _preflight(device, before_install, Preflight(quiet))
+
+
+def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
+    cuda = device == "cuda"
+    p.report("interpreter", f"{sys.executable} (Python {sys.version.split()[0]})")
+    pip_fix = f"install one: {sys.executable} -m pip install <package> (a wheel, offline), or its package manager's"
+    try:
+        import torch
+
+        cuda_version = torch.version.cuda
+    except Exception:
+        cuda_version = None
+    torch = _import(p, "torch", True, "install a torch build (the CUDA one on a GPU machine)",
+                    f"built with CUDA {cuda_version}" if cuda_version else "a CPU build")
+    _import(p, "numpy", True, pip_fix.replace("<package>", "numpy"))
+    _import(p, "megatron.core", True, pip_fix.replace("<package>", "megatron-core==0.16.1"))
+    failed = []
+    for name in PACKAGE_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as err:
+            failed.append(f"{name} ({type(err).__name__}: {err})")
+    p.report("package modules", "ok: " + ", ".join(m.replace("megatron_jreg.", "") for m in PACKAGE_MODULES)
+             if not failed else "; ".join(failed),
+             "" if not failed else f"install what they import ({pip_fix}); run from the checkout")
+    _import(p, "pytest", cuda, pip_fix.replace("<package>", "pytest"),
+            "the GPU tests" if cuda else "not needed on cpu")
+    try:
+        importlib.import_module("tensorboard")
+        p.report("tensorboard", "installed (not needed: the checks set no --tensorboard-dir)")
+    except ImportError:
+        p.report("tensorboard", "not installed (not needed: the checks set no --tensorboard-dir)")
+    from megatron_jreg.model.config import transformer_engine_available
+
+    p.report("transformer_engine", "installed" if transformer_engine_available()
+             else "not installed (its checks are skipped)")
+
+    importable, cuda_built, why = _kernel_state()
+    ready = importable and (cuda_built or not cuda)
+    build_needed = before_install and not ready
+    for name in ("pip", "setuptools"):
+        _import(p, name, build_needed, f"{sys.executable} -m ensurepip --upgrade (offline)",
+                "not needed: the kernel is built" if ready else "for the kernel build")
+    if importable:
+        state = f"built, CUDA kernel {'yes' if cuda_built else 'no'}"
+    else:
+        state = f"not built ({why})"
+    kernel_fix = "" if ready or before_install else (
+        f"{INSTALL} (needs nvcc and a CUDA build of torch for the CUDA kernel)")
+    p.report("megatron_jreg._C", state + (" (gpu_checks.sh builds it next)" if before_install and not ready else ""),
+             kernel_fix)
+
+    nvcc = _nvcc()
+    if nvcc:
+        proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
+        release = [line for line in proc.stdout.splitlines() if "release" in line]
+        p.report("nvcc", f"{nvcc}: {(release or proc.stdout.splitlines()[-1:] or ['?'])[0].strip()}")
+    elif not cuda:
+        p.report("nvcc", "not found (skipped: cpu)")
+    else:
+        p.report("nvcc", "not found on PATH nor in CUDA_HOME/bin",
+                 "" if cuda_built else "put the CUDA toolkit's bin on PATH or set CUDA_HOME")
+    if not cuda:
+        p.report("gpu", "skipped (cpu)")
+    elif torch is None:
+        p.report("gpu", "torch did not import", "see the torch line")
+    elif not torch.cuda.is_available():
+        p.report("gpu", f"no CUDA device visible (torch {torch.__version__}, CUDA {torch.version.cuda})",
+                 "a CUDA build of torch and a visible GPU (nvidia-smi; CUDA_VISIBLE_DEVICES)")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        p.report("gpu", f"{torch.cuda.get_device_name(0)}, {props.total_memory / 2**30:.1f} GiB, "
+                 f"compute capability {props.major}.{props.minor}, {torch.cuda.device_count()} visible")
+    return p
+
+
+# ---- the checks -----------------------------------------------------------------------------
 def checks(device: str, quick: bool):
+    """[(name, command, limit seconds)] of the plan for ``device``."""
     py = sys.executable
     cuda = device == "cuda"
     if quick:
-        sizes = {"170m": ["--preset", "tiny", "--seq", "64", "--micro-batch", "2"],
-                 "1b": ["--preset", "tiny", "--seq", "64", "--micro-batch", "2"]}
         toy = ["--vocab", "512", "--warmup", "1", "--timed-steps", "2"]
-        sizes = {k: v + toy for k, v in sizes.items()}
+        one_b = ["--preset", "tiny", "--seq", "64", "--micro-batch", "2"] + toy
         three_b = ["--preset", "tiny", "--layers", "2", "--seq", "64", "--micro-batch", "1"] + toy
         op = ["--shape", "64", "2", "128", "--iters", "2"]
+        accuracy = ["--shape", "64", "2", "128"]
         overhead = ["--layers", "2", "--hidden", "128", "--seq", "64", "--micro-batch", "2",
                     "--vocab", "512", "--timed-steps", "2"]
     else:
-        # seq 2048 (the presets'), bf16, micro-batch 8: fits with every attention on a
-        # 80 GB GPU at 1b (megatron's unfused attention keeps the s x s scores)
-        sizes = {"170m": ["--preset", "170m", "--micro-batch", "8"],
-                 "1b": ["--preset", "1b", "--micro-batch", "8"]}
-        three_b = ["--preset", "3b", "--layers", "2", "--micro-batch", "2"]
+        # seq 2048 (the presets'), bf16, micro-batch 8
+        timed = ["--warmup", "2", "--timed-steps", "3"]
+        one_b = ["--preset", "1b", "--micro-batch", "8"] + timed
+        three_b = ["--preset", "3b", "--layers", "2", "--micro-batch", "2"] + timed
         op = ["--dtype", "bf16"]
+        accuracy = []
         overhead = ["--layers", "12", "--hidden", "768", "--seq", "2048", "--micro-batch", "8",
-                    "--vocab", "32000"]
+                    "--vocab", "32000", "--timed-steps", "7"]
     step = [py, "bench/gpu_model_step.py", "--device", device]
     layernorm = ["--recompute-modules", "layernorm"]
+    plan = [("kernel accuracy", [py, "bench/kernel_accuracy.py", "--device", device] + accuracy)]
     if cuda:
         # -o addopts=: one process (pytest.ini asks for pytest-xdist workers, which the GPU
         # machine may not have)
-        yield "gpu tests", [py, "-m", "pytest", "-q", "-o", "addopts=", "-m", "gpu", "tests/ops"], 300
-    yield "op bandwidth", [py, "bench/displacement_op.py", "--device", device] + op, 180
-    yield "JREG step overhead", [py, "bench/jreg_overhead.py", "--device", device] + overhead, 300
-    yield "3b flags x2, local", step + three_b + ["--transformer-impl", "local"] + layernorm, 240
-    yield "3b flags x2, TE", step + three_b + ["--transformer-impl", "transformer_engine"] + layernorm, 240
-    # tokens/s and MFU per attention (megatron's unfused, PyTorch SDPA, Transformer Engine),
-    # JREG off (lambda 0 still measures) and on; SDPA's off/on pair gives JREG's overhead
-    for preset, attentions in (("170m", ("sdpa",)), ("1b", ("unfused", "sdpa", "TE"))):
-        for attention in attentions:
-            impl = ["--transformer-impl", "transformer_engine" if attention == "TE" else "local"]
-            backend = ["--attention-backend", "auto" if attention == "TE" else attention]
-            for lam in ("0", "1"):
-                name = f"{preset} {attention}, JREG {'on' if lam == '1' else 'off'}"
-                yield name, step + sizes[preset] + impl + backend + ["--jreg-lambda", lam], 240
+        plan.append(("gpu tests", [py, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+                                   "-m", "gpu", "tests/ops"]))
+    plan += [
+        ("trainer resume", [py, "bench/trainer_resume_check.py", "--device", device]),
+        ("op bandwidth", [py, "bench/displacement_op.py", "--device", device] + op),
+        ("JREG step overhead", [py, "bench/jreg_overhead.py", "--device", device] + overhead),
+        ("3b flags x2, local", step + three_b + ["--transformer-impl", "local"] + layernorm),
+        ("3b flags x2, TE", step + three_b + ["--transformer-impl", "transformer_engine"] + layernorm),
+    ]
+    # tokens/s and MFU per attention, JREG off (lambda 0 still measures) and on; each
+    # off/on pair gives JREG's overhead
+    for attention in ("sdpa", "TE"):
+        impl = ["--transformer-impl", "transformer_engine" if attention == "TE" else "local"]
+        backend = ["--attention-backend", "auto" if attention == "TE" else attention]
+        for lam in ("0", "1"):
+            name = f"1b {attention}, JREG {'on' if lam == '1' else 'off'}"
+            plan.append((name, step + one_b + impl + backend + ["--jreg-lambda", lam]))
+    return [(name, cmd, LIMITS_S[name] if cuda else CPU_LIMIT_S) for name, cmd in plan]
 
 
-def key_figure(name: str, output: str) -> str:
+def plan_limit_s(device: str = "cuda", quick: bool = False) -> int:
+    """The sum of the plan's per-check limits (the CUDA plan's is at most BUDGET_S)."""
+    return sum(limit for _, _, limit in checks(device, quick))
+
+
+def needs_te(name: str) -> bool:
+    return name.endswith(", TE") or " TE," in name
+
+
+# ---- running one check ----------------------------------------------------------------------
+@dataclass
+class CheckRun:
+    code: object  # the exit status, or "timeout"
+    output: str
+    seconds: float
+    pgid: int  # the check's process group (all of it is gone when run_check returns)
+
+
+def _die_with_parent() -> None:
+    """In the check's first process: SIGKILL when this script dies (even by SIGKILL)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+CURRENT_GROUP = []  # the running check's process group, for the signal handler
+
+
+def run_check(cmd, limit: float, env=None, cwd: str = REPO, echo=True) -> CheckRun:
+    """Runs ``cmd`` in a new session for at most ``limit`` seconds, echoing its output as it
+    comes; then kills whatever of its process group is left (all of it on a timeout)."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    CURRENT_GROUP[:] = [proc.pid]
+    lines = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                print("  " + line, end="", flush=True)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    _kill_group(proc.pid)  # on success too: a check leaves nothing running
+    proc.wait()
+    CURRENT_GROUP[:] = []
+    reader.join(timeout=5)  # a process that escaped the group may hold the pipe
+    return CheckRun(code, "".join(lines), time.time() - t0, proc.pid)
+
+
+def result_json(output: str):
+    """The check's last ``RESULT {json}`` line, or None."""
+    found = re.findall(r"^RESULT (\{.*\})\s*$", output, re.M)
+    return json.loads(found[-1]) if found else None
+
+
+def key_figure(name: str, output: str, result) -> str:
     """The figure a reader wants from a check's output."""
     if name == "gpu tests":
         m = re.search(r"(\d+ passed[^\n]*)", output)
-        return m.group(1) if m else ""
+        return m.group(1).strip("= ") if m else ""
+    if name == "kernel accuracy" and result:
+        return "; ".join(f"{d} psi {e['psi']:.1e}, grad {max(e['grad_a'], e['grad_b']):.1e}"
+                         for d, e in result["errors"].items())
+    if name == "trainer resume" and result:
+        steps = result["steps_compared"]
+        return (f"lm loss max abs diff {result['max_abs_diff']:.3g} (rel {result['max_rel_diff']:.3g}), "
+                f"steps {steps[0]}-{steps[-1]} resumed from {result['resumed_from']}, {result['precision']}")
     if name == "op bandwidth":
         found = re.findall(r"fused (forward|backward)\s+([\d.]+) GB/s(?: = ([\d.]+)% of peak)?", output)
         if found:
@@ -81,25 +371,23 @@ def key_figure(name: str, output: str) -> str:
     if name == "JREG step overhead":
         found = re.findall(r"JREG (\w+)\s+step time\s+([\d.]+) s \(\s*([\d.]+)x off\)", output)
         return ", ".join(f"{v} {x}x" for v, _, x in found if v != "off")
-    m = re.search(r"^RESULT (.*)$", output, re.M)
-    if not m:
+    if not result:
         return ""
-    r = json.loads(m.group(1))
-    text = f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.1f} TFLOP/s"
-    if r.get("attention"):
-        text += f", attention {r['attention']}"
-    if r.get("mfu") is not None:
-        text += f", MFU {100 * r['mfu']:.1f}%"
-    if r.get("peak_mem_gib") is not None:
-        text += f", {r['peak_mem_gib']:.1f} GiB"
-    ok = r.get("lm_loss") is not None and r.get("psi_finite")
+    text = f"{result['tokens_per_s']:,.0f} tok/s, {result['tflops']:.1f} TFLOP/s"
+    if result.get("attention"):
+        text += f", attention {result['attention']}"
+    if result.get("mfu") is not None:
+        text += f", MFU {100 * result['mfu']:.1f}%"
+    if result.get("peak_mem_gib") is not None:
+        text += f", {result['peak_mem_gib']:.1f} GiB"
+    ok = result.get("lm_loss") is not None and result.get("psi_finite")
     return text + ("" if ok else ", NON-FINITE loss/psi")
 
 
 def overhead_rows(rows):
     """JREG on / off step time for each model-step pair that ran: the overhead at that size."""
     out = []
-    results = {name: figure for name, status, figure, _ in rows if status == "ok"}
+    results = {r["check"]: r["figure"] for r in rows if r["status"] == "ok"}
     for name, figure in results.items():
         if not name.endswith("JREG on"):
             continue
@@ -108,46 +396,113 @@ def overhead_rows(rows):
         tok_off = re.match(r"([\d,]+) tok/s", off or "")
         if tok_on and tok_off:
             ratio = float(tok_off.group(1).replace(",", "")) / float(tok_on.group(1).replace(",", ""))
-            out.append((name[:-len(", JREG on")] + ": JREG on/off step time", "ok",
-                        f"{ratio:.3f}x", 0.0))
+            out.append({"check": name[:-len(", JREG on")] + ": JREG on/off step time", "status": "ok",
+                        "figure": f"{ratio:.3f}x", "seconds": 0.0, "derived": True})
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke test of this script)")
-    args = parser.parse_args()
-    from megatron_jreg.model.config import transformer_engine_available
+class Jsonl:
+    """The run's JSONL file: started afresh, one row appended (and synced) per call."""
 
-    te = transformer_engine_available()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-    rows, failed = [], 0
-    for name, cmd, limit in checks(args.device, args.quick):
-        if (name.endswith(", TE") or " TE," in name) and not te:
-            rows.append((name, "skipped", "Transformer Engine not installed", 0.0))
-            continue
-        print(f"==> {name}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-            output, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as err:
-            output, code = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "timeout"
-        seconds = time.time() - t0
-        print(output[-4000:], flush=True)
-        status = "ok" if code == 0 else f"FAIL ({code})"
-        failed += code != 0
-        rows.append((name, status, key_figure(name, output) if code == 0 else output.strip().splitlines()[-1:][0][:120] if output.strip() else "", seconds))
-    rows += overhead_rows(rows)
-    width = max(len(r[0]) for r in rows)
-    print(f"\nsummary ({args.device}{', quick' if args.quick else ''}; Transformer Engine "
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path, "w").close()
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def print_summary(rows, device: str, quick: bool, te: bool) -> None:
+    width = max(len(r["check"]) for r in rows)
+    print(f"\nsummary ({device}{', quick' if quick else ''}; Transformer Engine "
           f"{'installed' if te else 'not installed'})")
     print(f"| {'check':{width}s} | status   | figure | s |")
     print(f"|{'-' * (width + 2)}|----------|--------|---|")
-    for name, status, figure, seconds in rows:
-        print(f"| {name:{width}s} | {status:8s} | {figure} | {seconds:.0f} |")
-    return 1 if failed else 0
+    for r in rows:
+        print(f"| {r['check']:{width}s} | {r['status']:8s} | {r['figure']} | {r['seconds']:.0f} |")
+
+
+def main() -> int:
+    limits = "\n".join(f"  {name:20s} {limit:4d} s" for name, limit in LIMITS_S.items())
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"limits of the CUDA plan (sum {sum(LIMITS_S.values())} s <= {BUDGET_S} s):\n{limits}")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke test of this script)")
+    parser.add_argument("--jsonl", default=None,
+                        help=f"where the rows go (default $OUT/{JSONL_NAME} when $OUT is set, else "
+                        f"bench/{JSONL_NAME}; now {default_jsonl()})")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only the checks whose name contains one of these (e.g. 'trainer' '1b TE')")
+    parser.add_argument("--preflight-only", action="store_true",
+                        help="stop after the preflight (gpu_checks.sh: before the kernel build)")
+    parser.add_argument("--quiet-preflight", action="store_true",
+                        help="print only a missing requirement's line (gpu_checks.sh printed them all)")
+    args = parser.parse_args()
+
+    pre = preflight(args.device, before_install=args.preflight_only, quiet=args.quiet_preflight)
+    if not pre.ok:
+        print("preflight: a requirement is missing (the MISSING line above says the fix); no check ran")
+        return 2
+    if args.preflight_only:
+        return 0
+    from megatron_jreg.model.config import transformer_engine_available
+
+    te = transformer_engine_available()
+    plan = checks(args.device, args.quick)
+    if args.only:
+        plan = [c for c in plan if any(text in c[0] for text in args.only)]
+    jsonl = Jsonl(args.jsonl or default_jsonl())
+    total = sum(limit for _, _, limit in plan)
+    print(f"preflight: ok; {len(plan)} checks, limits {total} s in all; a row per check goes to "
+          f"{jsonl.path}", flush=True)
+    jsonl.write({"run": "gpu_checks", "device": args.device, "quick": args.quick, "te": te,
+                 "limit_sum_s": total, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "preflight": pre.lines})
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    rows = []
+
+    def on_signal(signum, frame):  # the command is being cut: end the running check too
+        for pgid in CURRENT_GROUP:
+            _kill_group(pgid)
+        jsonl.write({"cut": signal.Signals(signum).name, "after_checks": len(rows)})
+        print(f"\n{signal.Signals(signum).name}: stopped; {len(rows)} checks' rows are in {jsonl.path}", flush=True)
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+
+    for name, cmd, limit in plan:
+        row = {"check": name, "limit_s": limit, "command": " ".join(cmd[1:])}
+        if needs_te(name) and not te:
+            row.update(status="skipped", figure="Transformer Engine not installed", seconds=0.0)
+        else:
+            print(f"==> {name} (limit {limit} s): {row['command']}", flush=True)
+            run = run_check(cmd, limit, env=env)
+            result = result_json(run.output)
+            ok = run.code == 0
+            tail = run.output.strip().splitlines()[-1:] or [""]
+            status = "ok" if ok else ("timeout" if run.code == "timeout" else f"FAIL ({run.code})")
+            figure = key_figure(name, run.output, result) if ok else (
+                f"killed after {limit} s" if run.code == "timeout" else tail[0][:120])
+            row.update(status=status, figure=figure, seconds=round(run.seconds, 1), rc=run.code,
+                       result=result)
+            if not ok:
+                row["tail"] = run.output[-3000:]
+        jsonl.write(row)
+        rows.append(row)
+        print(f"<== {name}: {row['status']} in {row['seconds']:.0f} s: {row['figure']}", flush=True)
+    for row in overhead_rows(rows):
+        jsonl.write(row)
+        rows.append(row)
+    print_summary(rows, args.device, args.quick, te)
+    spent = sum(r["seconds"] for r in rows)
+    print(f"checks took {spent:.0f} s of their {total} s of limits; rows in {jsonl.path}")
+    return 1 if any(r["status"] not in ("ok", "skipped") for r in rows) else 0
 
 
 if __name__ == "__main__":

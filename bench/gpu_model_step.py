@@ -2,7 +2,8 @@
 ``--attention-backend`` picks the core attention as the trainer's flag does.
 
 Builds a JREG model of a preset's dimensions (optionally fewer layers) the way the trainer
-does (megatron-core GPTModel, DDP, distributed optimizer, bf16), runs warm-up steps and
+does (megatron-core GPTModel, the trainer's DDP wrap and optimizer builder, distributed
+optimizer, bf16), runs warm-up steps and
 then times ``--timed-steps`` full steps (forward, backward, optimizer), median. Prints a
 human line and a ``RESULT {json}`` line (read by bench/gpu_checks.py).
 
@@ -38,7 +39,6 @@ def run(args) -> dict:
 
     device = one_device_model.start(args.device)
     import torch
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_jreg.model.config import (
         JregConfig,
@@ -48,8 +48,10 @@ def run(args) -> dict:
     )
     from megatron_jreg.model.builder import core_attention
     from megatron_jreg.model.jreg_layer import JregTracker
-    from megatron_jreg.training.step import forward_backward
+    from megatron_jreg.training.config import OptimConfig
     from megatron_jreg.training.metrics import model_flops_per_token
+    from megatron_jreg.training.optimizer import build_optimizer
+    from megatron_jreg.training.step import forward_backward
 
     overrides = {"vocab_size": args.vocab, "bf16": args.bf16,
                  "transformer_impl": resolve_transformer_impl(args.transformer_impl)[0],
@@ -65,9 +67,9 @@ def run(args) -> dict:
     tracker = JregTracker(JregConfig(lam=args.jreg_lambda, alpha=1.0), model_cfg.num_layers)
     config, chunks = one_device_model.build(model_cfg, ParallelConfig(**recompute), tracker, device,
                                             float16_module=args.bf16, distributed_optimizer=True)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-4, bf16=args.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=True, clip_grad=1.0), chunks)
+    # the trainer's optimizer (AdamW, megatron's distributed optimizer)
+    optimizer = build_optimizer(chunks, config, model_cfg,
+                                OptimConfig(lr=1e-4, clip_grad=1.0, use_distributed_optimizer=True))
     config.grad_scale_func = optimizer.scale_loss
 
     s, b = model_cfg.seq_length, args.micro_batch

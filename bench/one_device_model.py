@@ -22,16 +22,19 @@ def start(device: str):
 
 
 def build(model_cfg, parallel, tracker, device, *, float16_module=False, distributed_optimizer=False):
-    """(TransformerConfig, DDP-wrapped model chunks) on ``device``, seed 1234."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    """(TransformerConfig, DDP-wrapped model chunks) on ``device``, seed 1234.
+
+    The trainer's own calls (megatron_jreg.training.trainer): the package's process groups
+    (``initialize_model_parallel``), model and DDP wrap (``data_parallel.wrap``)."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
     from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
     from megatron_jreg.model.builder import build_model, transformer_config
+    from megatron_jreg.training import data_parallel
+    from megatron_jreg.training.config import OptimConfig
 
     initialize_model_parallel(model_cfg, parallel)
     seed_everything(1234)
@@ -41,9 +44,10 @@ def build(model_cfg, parallel, tracker, device, *, float16_module=False, distrib
         chunk.to(device)
     if float16_module:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=float16_module, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=distributed_optimizer)
-    chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    # wrap reads the experiment's model, parallel and optim sections
+    experiment = SimpleNamespace(model=model_cfg, parallel=parallel,
+                                 optim=OptimConfig(use_distributed_optimizer=distributed_optimizer))
+    chunks = data_parallel.wrap(chunks, config, experiment)
     config.finalize_model_grads_func = finalize_model_grads
     return config, chunks
 

@@ -17,7 +17,6 @@ from typing import Dict, List, Optional, Sequence
 
 import psutil
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.jreg import jump_rates
@@ -119,6 +118,9 @@ class JsonlSink:
 
 class TensorBoardSink:
     def __init__(self, directory: str):
+        # imported here: a run without --tensorboard-dir needs no tensorboard package
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(directory)
 
     def write(self, phase: str, iteration: int, values: Dict[str, object]) -> None:

@@ -1,0 +1,152 @@
+"""The trainer end to end on one device: an uninterrupted run that saves a checkpoint half
+way, a second run resumed from that checkpoint, and the largest difference of their losses.
+
+Both are ``python -m megatron_jreg.train`` at the tiny preset (seq 64, micro-batch 4,
+global batch 8) with the distributed optimizer, on a small byte-level indexed dataset
+built in a temporary directory (tools/make_demo_corpus.py, tools/preprocess_data.py
+--tokenizer-type ByteTokenizer). On CUDA: NCCL, --bf16, --jreg-impl fused; on CPU: gloo,
+fp32, --jreg-impl auto. Run 1 trains --train-iters steps and saves every half of them;
+run 2 loads run 1's checkpoint of the middle step (--ckpt-step) and trains the rest. Both
+write their losses with --metrics-file; each resumed step's lm loss is compared with the
+uninterrupted run's.
+
+Pass: bit-exact on CPU (fp32: the same operations in the same order), within --rtol
+(default 1e-3 relative) on CUDA. The last line is ``RESULT {json}`` with
+``max_abs_diff`` and ``max_rel_diff`` (read by bench/gpu_checks.py).
+
+    python bench/trainer_resume_check.py --device cpu
+    python bench/trainer_resume_check.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def env_for(device: str) -> dict:
+    """The children's environment: this checkout's package, a world of one."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if device == "cpu":
+        env["MEGATRON_JREG_DEVICE"] = "cpu"
+    else:
+        env.pop("MEGATRON_JREG_DEVICE", None)
+    return env
+
+
+def run(cmd, env, what: str) -> str:
+    """Runs ``cmd`` in the checkout (same process group: a timeout of the caller ends it too)."""
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed ({proc.returncode}): {' '.join(cmd)}\n{output[-4000:]}")
+    return output
+
+
+def build_data(directory: str, env) -> str:
+    """A byte-level indexed dataset of the demo corpus (~0.1 MB); returns its prefix."""
+    corpus = os.path.join(directory, "corpus.jsonl")
+    prefix = os.path.join(directory, "demo")
+    run([sys.executable, "tools/make_demo_corpus.py", "--output", corpus, "--max-mb", "0.1"], env,
+        "make_demo_corpus")
+    run([sys.executable, "tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix,
+         "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"], env, "preprocess_data")
+    return prefix + "_text_document"
+
+
+def trainer_flags(device: str, data: str, iters: int) -> list:
+    flags = ["--model-preset", "tiny", "--seq-length", "64", "--data-path", data,
+             "--tokenizer-type", "ByteTokenizer", "--micro-batch-size", "4",
+             "--global-batch-size", "8", "--train-iters", str(iters), "--log-interval", "1",
+             "--eval-interval", "0", "--lr", "3e-3", "--lr-warmup-iters", "0", "--seed", "1234",
+             "--jreg-lambda", "1.0", "--jreg-alpha", "1.0", "--use-distributed-optimizer"]
+    if device == "cuda":
+        return flags + ["--bf16", "--jreg-impl", "fused"]
+    return flags + ["--jreg-impl", "auto"]
+
+
+def losses(path: str) -> dict:
+    """{iteration: lm loss} of a metrics file (megatron_jreg/training/metrics.py's JSONL)."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "lm_loss" in record:
+                out[record["iteration"]] = record["lm_loss"]
+    return out
+
+
+def compare(full: dict, resumed: dict, start: int, iters: int) -> dict:
+    """The resumed steps against the same steps of the uninterrupted run."""
+    expected = list(range(start + 1, iters + 1))
+    if sorted(resumed) != expected:  # a run that restarted from step 1 would match exactly
+        raise SystemExit(f"the resumed run logged iterations {sorted(resumed)}, expected {expected}: "
+                         f"it did not resume from the checkpoint of step {start}")
+    rows = []
+    for it in expected:
+        a, b = full[it], resumed[it]
+        if a is None or b is None:
+            raise SystemExit(f"iteration {it}: a non-finite lm loss (uninterrupted {a}, resumed {b})")
+        rows.append((it, a, b, abs(a - b), abs(a - b) / abs(a)))
+    return {"rows": rows, "max_abs_diff": max(r[3] for r in rows), "max_rel_diff": max(r[4] for r in rows)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--train-iters", type=int, default=8, help="steps of the uninterrupted run (even)")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="largest relative lm-loss difference that passes (default 0 on CPU, 1e-3 on CUDA)")
+    parser.add_argument("--keep", default=None, help="work in this directory and keep it (default: a temporary one)")
+    args = parser.parse_args()
+    if args.train_iters < 2 or args.train_iters % 2:
+        parser.error(f"--train-iters {args.train_iters}: need an even number >= 2")
+    rtol = args.rtol if args.rtol is not None else (0.0 if args.device == "cpu" else 1e-3)
+    env = env_for(args.device)
+    with tempfile.TemporaryDirectory(prefix="trainer_resume_") as tmp:
+        work = args.keep or tmp
+        os.makedirs(work, exist_ok=True)
+        data = build_data(work, env)
+        half = args.train_iters // 2
+        flags = trainer_flags(args.device, data, args.train_iters)
+        train = [sys.executable, "-m", "megatron_jreg.train"] + flags
+        full_metrics, resumed_metrics = (os.path.join(work, n) for n in ("full.jsonl", "resumed.jsonl"))
+        for path in (full_metrics, resumed_metrics):  # the sink appends
+            if os.path.exists(path):
+                os.remove(path)
+        saved = os.path.join(work, "ckpt_full")
+        out = run(train + ["--save", saved, "--save-interval", str(half), "--metrics-file", full_metrics],
+                  env, "the uninterrupted run")
+        print("uninterrupted run: " + out.strip().splitlines()[-1])
+        out = run(train + ["--load", saved, "--ckpt-step", str(half), "--save", os.path.join(work, "ckpt_resumed"),
+                           "--save-interval", str(half), "--metrics-file", resumed_metrics],
+                  env, "the resumed run")
+        print("resumed run:       " + out.strip().splitlines()[-1])
+        result = compare(losses(full_metrics), losses(resumed_metrics), half, args.train_iters)
+    precision = "bf16" if args.device == "cuda" else "fp32"
+    print(f"lm loss per step, resumed from the checkpoint of step {half} vs uninterrupted "
+          f"({args.device}, {precision}):")
+    print(f"  {'step':>4s} {'uninterrupted':>15s} {'resumed':>15s} {'|diff|':>10s} {'rel':>10s}")
+    for it, a, b, diff, rel in result["rows"]:
+        print(f"  {it:4d} {a:15.8f} {b:15.8f} {diff:10.3e} {rel:10.3e}")
+    ok = result["max_rel_diff"] <= rtol
+    print(f"largest |diff| {result['max_abs_diff']:.3e} (relative {result['max_rel_diff']:.3e}); "
+          f"tolerance {rtol:g} relative{' (bit-exact)' if rtol == 0 else ''}: {'ok' if ok else 'OVER'}")
+    print("RESULT " + json.dumps({
+        "device": args.device, "precision": precision, "resumed_from": half,
+        "steps_compared": [r[0] for r in result["rows"]], "max_abs_diff": result["max_abs_diff"],
+        "max_rel_diff": result["max_rel_diff"], "rtol": rtol, "ok": ok}), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
