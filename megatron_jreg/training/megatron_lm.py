@@ -49,7 +49,8 @@ TABLE = [
     Row("--no-rope-fusion", ACCEPTED, "RoPE is never fused here"),
     Row("--no-persist-layer-norm", ACCEPTED, "the persistent layer-norm kernel is never used"),
     Row("--no-gradient-accumulation-fusion", ACCEPTED,
-        "gradient accumulation is never fused into the weight-gradient GEMM here"),
+        "as in Megatron-LM: weight gradients are otherwise accumulated inside the GEMM where "
+        "apex's fused_weight_gradient_mlp_cuda imports (never on CPUs)"),
     Row("--no-position-embedding", ACCEPTED, "RoPE models have no position embedding (with "
         "learned absolute positions the flag is refused: such a model has no positions)"),
     Row("--use-flash-attn", NOTED, "ignored, as Megatron-LM 0.16 ignores it for megatron-core "
@@ -199,15 +200,15 @@ MegatronLMConfig = dataclasses.make_dataclass(
 MegatronLMConfig.__module__ = __name__
 
 
-def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, device: str) -> List[str]:
+def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: str) -> List[str]:
     """The lines the trainer prints for this run's Megatron-LM flags.
 
     given: the settings as given per section (``cli.parse``'s ``given``); impl: the resolved
-    transformer implementation; device: "cuda" or "cpu".
+    transformer implementation; backend: the run's process-group backend ("nccl" or "gloo",
+    ``platform.device.backend``).
     """
     out = []
     compat, given_here = experiment.megatron_lm, given.get("megatron_lm", {})
-    backend = "nccl" if device == "cuda" else "gloo"
     for row in TABLE:
         name = _name(row.flag)
         value = getattr(compat, name)

@@ -31,11 +31,11 @@ from megatron_jreg.distributed.setup import (
     initialize_model_parallel,
     print_rank_0,
     seed_everything,
-    use_cpu,
 )
 from megatron_jreg.model.builder import build_model, transformer_config
 from megatron_jreg.model.attention import resolve_attention_backend
-from megatron_jreg.ops.displacement import fused_available, kernel_status
+from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_status
+from megatron_jreg.platform import device as platform_device
 from megatron_jreg.model.config import resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
@@ -79,7 +79,7 @@ class Trainer:
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = self.tokenizer.vocab_size
         initialize_distributed(cfg.parallel.distributed_timeout_minutes)
-        self.device = torch.device("cpu") if use_cpu() else torch.device("cuda", torch.cuda.current_device())
+        self.device = platform_device.current_device()
         self._check_outputs()
         if cfg.jreg.impl == "fused" and not fused_available(self.device):
             raise ValueError(
@@ -87,12 +87,13 @@ class Trainer:
                 f"({kernel_status(self.device)}); reinstall with `pip install --no-build-isolation -e .` "
                 "or pass --jreg-impl torch (or auto)")
         self.checkpoints.take_save_lock()
+        jreg_impl, why = describe_impl(cfg.jreg.impl, self.device)
+        print_rank_0(f"JREG implementation: {jreg_impl} ({why})")
         impl, why = resolve_transformer_impl(cfg.model.transformer_impl)
         print_rank_0(f"transformer implementation: {impl} ({why})")
-        attention, why = resolve_attention_backend(cfg.model.attention_backend, impl,
-                                                   self.device.type)
+        attention, why = resolve_attention_backend(cfg.model.attention_backend, impl)
         print_rank_0(f"core attention: {attention} ({why})")
-        for line in notes(cfg, cfg.given, impl, self.device.type):  # Megatron-LM flags
+        for line in notes(cfg, cfg.given, impl, platform_device.backend()):  # Megatron-LM flags
             print_rank_0(line)
         cfg.model.transformer_impl = impl  # the saved run config records what ran
         self.checkpoints.resolve_padded_vocab()
@@ -154,7 +155,9 @@ class Trainer:
 
     def _build_model_and_optimizer(self) -> None:
         cfg = self.cfg
-        config = transformer_config(cfg.model, cfg.parallel)
+        config = transformer_config(
+            cfg.model, cfg.parallel,
+            no_gradient_accumulation_fusion=cfg.megatron_lm.no_gradient_accumulation_fusion)
         self.tracker = JregTracker(cfg.jreg, cfg.model.num_layers,
                                    sequence_parallel=cfg.parallel.sequence_parallel)
         chunks = build_model(cfg.model, cfg.parallel, self.tracker, config)
@@ -265,10 +268,8 @@ class Trainer:
         cfg = self.cfg
         values = jreg_summary(window, cfg.model.num_layers, cfg.jreg.lam)
         tps = len(window) * self.train_cfg.global_batch_size * cfg.model.seq_length / max(elapsed, 1e-9)
-        tflops = None
-        if self.device.type == "cuda":
-            per_token = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size())
-            tflops = per_token * tps / dist.get_world_size() / 1e12
+        per_token = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size())
+        tflops = per_token * tps / dist.get_world_size() / 1e12
         skipped = sum(w["skipped"] for w in window)
         values.update(consumed_samples=self.consumed_samples,
                       consumed_tokens=self.consumed_samples * cfg.model.seq_length,
@@ -308,7 +309,8 @@ class Trainer:
             if interval and self.iteration % interval == 0:
                 self.save()
                 last_saved = self.iteration
-            reason = self.signals.stop_reason(self.device, time_is_up=self._time_is_up())
+            reason = self.signals.stop_reason(self.device, self.iteration, self._time_is_up(),
+                                              at_save=last_saved == self.iteration)
             if reason:
                 why = "signal received" if reason == "signal" else (
                     f"--exit-duration-in-mins {t.exit_duration_in_mins} reached")

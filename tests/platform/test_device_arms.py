@@ -141,3 +141,30 @@ def test_kernel_dispatch_gpu_arm(monkeypatch):
     # the CPU arm
     assert displacement.describe_impl("auto", "cpu") == ("fused", "the C++/OpenMP kernel, --jreg-impl auto")
     assert displacement.describe_impl("torch", "cuda")[0] == "torch"
+
+
+def test_sdpa_reads_groups_gpu_arm(monkeypatch):
+    """On a GPU, grouped K/V go to SDPA unexpanded only where PyTorch's own check says
+    FlashAttention runs them (elsewhere enable_gqa would leave only the math kernel)."""
+    from types import SimpleNamespace
+
+    from megatron_jreg.model.attention import sdpa_reads_groups
+
+    asked = []
+    verdict = {"flash_enabled": True, "flash_runs": True}
+
+    def sdpa_params(*args):
+        asked.append(args)
+        return args
+
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: verdict["flash_enabled"])
+    monkeypatch.setattr(torch.backends.cuda, "SDPAParams", sdpa_params)
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention",
+                        lambda params: verdict["flash_runs"])
+    q, k, v = (SimpleNamespace(device=torch.device("cuda", 0)) for _ in range(3))
+    assert sdpa_reads_groups(q, k, v, None, 0.0, True) is True
+    assert asked == [(q, k, v, None, 0.0, True, True)]  # enable_gqa asked of the check
+    verdict["flash_runs"] = False  # e.g. fp32 or an explicit mask: K/V are expanded
+    assert sdpa_reads_groups(q, k, v, None, 0.0, True) is False
+    verdict.update(flash_enabled=False, flash_runs=True)  # FlashAttention turned off
+    assert sdpa_reads_groups(q, k, v, None, 0.0, True) is False
