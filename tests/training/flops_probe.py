@@ -13,7 +13,9 @@ from megatron_jreg.training.metrics import model_flops_per_token
 
 B, S, V = 2, 48, 256  # batch, sequence, vocabulary
 initialize_distributed()
-cfg = ModelConfig.from_preset("tiny", vocab_size=V, seq_length=S)
+# megatron's unfused attention: its score and context matmuls are aten matmuls the counter
+# sees in forward and backward (it has no formula for PyTorch's CPU flash attention kernel)
+cfg = ModelConfig.from_preset("tiny", vocab_size=V, seq_length=S, attention_backend="local")
 par = ParallelConfig()
 initialize_model_parallel(cfg, par)
 seed_everything(1)

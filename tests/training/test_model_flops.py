@@ -1,5 +1,5 @@
-"""The trainer's TFLOP/s/GPU figure (logged on GPU only) rests on model_flops_per_token; on
-CPU it is checked against torch's FlopCounterMode over a real forward+backward."""
+"""The trainer's TFLOP/s/GPU figure rests on model_flops_per_token; it is checked against
+torch's FlopCounterMode over a real forward+backward."""
 
 import json
 import os
