@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_jreg.checkpoint.manifest import verify_manifest, write_manifest
+from megatron_jreg.checkpoint.rng_state import rng_state, set_rng_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
@@ -147,27 +146,6 @@ def model_sharded_state_dict(model_chunks) -> Dict:
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
 
 
-def _rng_state() -> Dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: Dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -235,7 +213,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     state["train_state"] = train_state
     dist_checkpointing.save(state, partial, content_metadata=SHARDING_METADATA)
     os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
+    torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
     _barrier()
     if rank == 0:
         for name, text in {RUN_CONFIG: run_config_yaml, **(extra_files or {})}.items():
@@ -343,7 +321,7 @@ def _load_rng(path: str, rank: int) -> None:
         return
     try:
         state = torch.load(rng_file, weights_only=False)
-        _set_rng_state(state)
+        set_rng_state(state, _report_once, path)
     except Exception as err:
         raise CheckpointError(
             f"cannot read {rng_file} ({type(err).__name__}); the directory is damaged: load "

@@ -204,13 +204,13 @@ def init_world(device: str | torch.device = "cpu") -> torch.device:
             "of its LOCAL_RANK"
         )
     fresh = not dist.is_initialized()
-    initialize_distributed()
+    initialize_distributed(gpu=dev.index if dev.type == "cuda" else None)
     if fresh:
         atexit.register(_destroy_process_group)
     if dev.type != "cuda":
         return torch.device("cpu")
     if dev.index is not None:
-        torch.cuda.set_device(dev)
+        torch.cuda.set_device(dev)  # also where a process group was started before
         return dev
     return torch.device("cuda", torch.cuda.current_device())
 

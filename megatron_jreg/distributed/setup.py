@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from datetime import timedelta
+from typing import Optional
 
 import numpy as np
 import torch
@@ -23,10 +24,12 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def initialize_distributed(timeout_minutes: int = 30) -> None:
+def initialize_distributed(timeout_minutes: int = 30, gpu: Optional[int] = None) -> None:
     """Start the default process group (torchrun env, or a single local process).
 
-    On CPU this activates :mod:`megatron_jreg.platform.cpu` and uses gloo; on GPU NCCL.
+    On CPU this activates :mod:`megatron_jreg.platform.cpu` and uses gloo; on GPU NCCL, on
+    GPU ``gpu`` (a tool's ``--device cuda:N``) or else LOCAL_RANK's (setting a device
+    creates its CUDA context, so no other GPU is touched first).
     """
     mcore_fixes.apply()
     cpu = use_cpu()
@@ -35,7 +38,7 @@ def initialize_distributed(timeout_minutes: int = 30) -> None:
     if dist.is_initialized():
         return
     if not cpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu if gpu is not None else int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=timeout_minutes)
     if "RANK" not in os.environ:
         # plain `python -m ...`: a world of one, on an in-process store. No port is opened and

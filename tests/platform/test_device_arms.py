@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_jreg.analysis.devices import resolve_device
-from megatron_jreg.checkpoint import dist_checkpoint, model_loader
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from megatron_jreg.checkpoint import model_loader, rng_state
 from megatron_jreg.distributed import setup
 from megatron_jreg.errors import InputError
 from megatron_jreg.platform import cpu as cpu_platform
@@ -71,13 +73,19 @@ def test_initialize_distributed_gpu_arm(fake_gpu, monkeypatch):
 
 
 def test_init_world_gpu_arm(fake_gpu, monkeypatch):
-    """eval_jump/convert --device cuda[:N]: the named GPU, or LOCAL_RANK's under torchrun."""
-    monkeypatch.setattr(setup, "initialize_distributed", lambda *a, **k: None)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    """eval_jump/convert --device cuda[:N]: the named GPU, or LOCAL_RANK's under torchrun;
+    the process group starts on the named GPU (GPU 0 is never set first)."""
+    started = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(started))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: started.append(kw))
+    monkeypatch.setattr(model_loader.atexit, "register", lambda fn: None)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert model_loader.init_world("cuda:1") == torch.device("cuda", 1)
-    assert fake_gpu["set_device"] == [1]
+    assert fake_gpu["set_device"] == [1, 1] and started[0]["backend"] == "nccl"
     assert "MEGATRON_JREG_DEVICE" not in os.environ  # the CPU pin is for --device cpu only
     assert model_loader.init_world("cuda") == torch.device("cuda", 1)  # the current GPU
+    assert len(started) == 1
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(InputError, match="under torchrun give --device cuda"):
         model_loader.init_world("cuda:1")
@@ -92,24 +100,47 @@ def test_resolve_device_gpu_arm(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
 
 
-def test_rng_state_gpu_arm(monkeypatch):
-    """A checkpoint of a GPU run carries the CUDA generator's state, and a resume sets it."""
+def test_rng_state_gpu_arm(fake_gpu, monkeypatch):
+    """A checkpoint of a GPU run carries the CUDA generator's state, and a resume on a GPU
+    sets it with the tracker's streams."""
     saved_state = torch.arange(16, dtype=torch.uint8)
-    restored = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    restored, tracker_set = [], []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: saved_state.clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
-    state = dist_checkpoint._rng_state()
-    assert torch.equal(state["cuda"], saved_state)
-    dist_checkpoint._set_rng_state(state)
+    tracker = get_cuda_rng_tracker()
+    monkeypatch.setattr(tracker, "set_states", tracker_set.append)
+    state = rng_state.rng_state()
+    assert state["device"] == "cuda" and torch.equal(state["cuda"], saved_state)
+    rng_state.set_rng_state(state, pytest.fail)  # the same device: nothing to report
     assert len(restored) == 1 and torch.equal(restored[0], saved_state)
-    # the CPU arm: nothing of CUDA saved, nothing set
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    cpu_state = dist_checkpoint._rng_state()
-    assert "cuda" not in cpu_state
-    dist_checkpoint._set_rng_state(cpu_state)
-    assert len(restored) == 1
+    assert tracker_set == [state["tracker"]]
+
+
+def test_rng_state_across_devices(fake_gpu, monkeypatch):
+    """The tracker's streams are generator states of the device that saved them: a resume
+    on the other kind of device keeps this run's streams, restores the host generators and
+    says so once (a CPU state set into CUDA's generator raised at the first dropout)."""
+    tracker_set, reports = [], []
+    monkeypatch.setattr(get_cuda_rng_tracker(), "set_states", tracker_set.append)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: pytest.fail("CUDA state set"))
+    monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
+    torch.manual_seed(5)
+    saved_on_cpu = rng_state.rng_state()
+    assert saved_on_cpu["device"] == "cpu" and "cuda" not in saved_on_cpu
+    expected = torch.rand(3)
+    monkeypatch.delenv("MEGATRON_JREG_DEVICE")  # the resume runs on the (fake) GPU
+    rng_state.set_rng_state(saved_on_cpu, reports.append, "ckpt/iter_0000004")
+    assert torch.equal(torch.rand(3), expected)  # the host generator is restored
+    assert tracker_set == []
+    assert reports == ["model-parallel random streams not restored: ckpt/iter_0000004 was saved "
+                       "on cpu, this run is on cuda (its generators differ); they start from --seed"]
+    # a GPU run's checkpoint from before the device was recorded, resumed on a CPU
+    monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
+    old = {k: v for k, v in saved_on_cpu.items() if k != "device"}
+    old["cuda"] = torch.zeros(16, dtype=torch.uint8)
+    rng_state.set_rng_state(old, reports.append)
+    assert tracker_set == [] and "saved on cuda, this run is on cpu" in reports[-1]
 
 
 def test_memory_gib_gpu_arm(monkeypatch):
