@@ -153,16 +153,17 @@ def _barrier():
 
 def nonfinite_parameters(model_chunks) -> List[str]:
     """Names of this rank's parameters holding a NaN or inf (the first few)."""
-    bad = []
+    names, finite = [], []
     for i, chunk in enumerate(model_chunks):
         for name, param in chunk.named_parameters():
             while name.startswith("module."):  # DDP / Float16Module wrappers
                 name = name[len("module."):]
-            if not bool(torch.isfinite(param.detach()).all()):
-                bad.append(name if len(model_chunks) == 1 else f"chunk {i}: {name}")
-                if len(bad) == 3:
-                    return bad
-    return bad
+            names.append(name if len(model_chunks) == 1 else f"chunk {i}: {name}")
+            finite.append(torch.isfinite(param.detach()).all())
+    if not finite:
+        return []
+    flags = torch.stack(finite).tolist()  # one wait for the device, not one per parameter
+    return [name for name, ok in zip(names, flags) if not ok][:3]
 
 
 def _any_rank(flag: bool, device=None) -> bool:

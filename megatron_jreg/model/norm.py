@@ -42,7 +42,10 @@ class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
         _check(config, zero_centered_gamma, "RMSNorm")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+        # in the model's dtype, as megatron's own layers are built (a bf16 evaluation model
+        # has no Float16Module to cast it; fp32 weights under bf16 inputs miss torch's
+        # fused kernel)
+        super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         _mark_sequence_parallel(self, config)
 
 
@@ -55,7 +58,7 @@ class LayerNorm(torch.nn.LayerNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
         _check(config, zero_centered_gamma, "LayerNorm")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+        super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         _mark_sequence_parallel(self, config)
 
 

@@ -98,6 +98,19 @@ def test_save_refuses_nonfinite_parameters(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_nonfinite_parameters_names_the_first_three_in_order():
+    from megatron_jreg.checkpoint.dist_checkpoint import nonfinite_parameters
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(5)))
+    with torch.no_grad():
+        for i, value in ((1, float("inf")), (2, float("nan")), (3, float("-inf")), (4, float("nan"))):
+            model[i].weight[0, 1] = value
+        model[0].bias[1] = float("nan")
+    assert nonfinite_parameters([model]) == ["0.bias", "1.weight", "2.weight"]
+    assert nonfinite_parameters([torch.nn.Linear(2, 2)]) == []
+    assert nonfinite_parameters([model[0], model[3]]) == ["chunk 0: bias", "chunk 1: weight"]
+
+
 # ---- schedule on resume ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
