@@ -38,8 +38,34 @@ class JumpAccumulator:
             raise ValueError(f"JumpAccumulator: num_layers must be >= 1, got {num_layers}")
         self.num_layers = num_layers
         self.impl = impl
-        self.psi_sums: List[float] = [0.0] * num_layers  # float64 (Python floats)
-        self.counts: List[int] = [0] * num_layers
+        self._sums: List[float] = [0.0] * num_layers  # float64 (Python floats)
+        self._counts: List[int] = [0] * num_layers
+        # (layer, sum, count) of batches added on the device and not yet read: reading them
+        # one by one would wait for the GPU inside every layer's forward
+        self._pending: List[tuple] = []
+
+    def _flush(self) -> None:
+        """Fold the pending device sums into the float64 totals, in the order added (the
+        same totals as adding each at once), with one wait for the device."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        totals = torch.stack([total.double() for _, total, _ in pending])  # [n], one device
+        counts = torch.stack([torch.as_tensor(count, dtype=torch.float64, device=totals.device)
+                              for _, _, count in pending])  # exact below 2**53 tokens
+        for (layer, _, _), (total, count) in zip(pending, torch.stack([totals, counts], 1).tolist()):
+            self._sums[layer - 1] += total
+            self._counts[layer - 1] += int(count)
+
+    @property
+    def psi_sums(self) -> List[float]:
+        self._flush()
+        return self._sums
+
+    @property
+    def counts(self) -> List[int]:
+        self._flush()
+        return self._counts
 
     def _check_layer(self, layer: int) -> None:
         if not 1 <= layer <= self.num_layers:
@@ -64,8 +90,8 @@ class JumpAccumulator:
             total = masked_sum(psi.double(), mask)
         except ValueError as err:
             raise ValueError(f"JumpAccumulator.add: {err}") from None
-        count = psi.numel() if mask is None else int(mask.sum())
-        self.add_sums(layer, float(total), count)
+        count = psi.numel() if mask is None else mask.sum()
+        self._pending.append((layer, total, count))
 
     def add_states(
         self, states: Sequence[torch.Tensor], mask: Optional[torch.Tensor] = None
@@ -84,8 +110,9 @@ class JumpAccumulator:
         self._check_layer(layer)
         if count < 0:
             raise ValueError(f"JumpAccumulator.add_sums: count must be >= 0, got {count}")
-        self.psi_sums[layer - 1] += float(psi_sum)
-        self.counts[layer - 1] += int(count)
+        self._flush()
+        self._sums[layer - 1] += float(psi_sum)
+        self._counts[layer - 1] += int(count)
 
     def merge(self, other: "JumpAccumulator") -> None:
         """Add another accumulator's sums (e.g. from another data-parallel rank)."""

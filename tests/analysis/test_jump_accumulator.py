@@ -182,3 +182,31 @@ def test_zero_vectors_give_half_not_nan():
     acc.add(1, torch.zeros(1, 3, 4), torch.randn(1, 3, 4))
     assert acc.displacement() == [pytest.approx(0.5)]
     assert not math.isnan(acc.displacement()[0])
+
+
+def test_batches_are_read_once_not_per_layer(monkeypatch):
+    """add() leaves each layer's sum on the device (reading it per layer would wait for the
+    GPU inside every forward); the totals are read with one wait, and equal the float64
+    formula (psi itself is fp32 for fp32 inputs)."""
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(2, 5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen),
+                torch.rand(2, 5, generator=gen) > 0.3) for _ in range(6)]
+    expected_sums, expected_counts = [0.0, 0.0], [0, 0]
+    for i, (a, b, mask) in enumerate(batches):
+        psi = ((1 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1, eps=0)) / 2)
+        expected_sums[i % 2] += float(psi[mask].sum())
+        expected_counts[i % 2] += int(mask.sum())
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k:
+                            (reads.append(_n), _o(self, *a, **k))[1])
+    acc = JumpAccumulator(2, impl="torch")
+    for i, (a, b, mask) in enumerate(batches):
+        acc.add(i % 2 + 1, a, b, mask)
+    assert reads == []  # nothing read while batches are added
+    sums, counts = list(acc.psi_sums), list(acc.counts)
+    assert reads == ["tolist"]
+    monkeypatch.undo()
+    assert counts == expected_counts
+    assert sums == pytest.approx(expected_sums, rel=1e-6)
