@@ -50,6 +50,9 @@ def initialize_distributed(timeout_minutes: int = 30, gpu: Optional[int] = None)
     dist.init_process_group(backend=backend(), timeout=timeout)
 
 
+_LAYOUT: Optional[tuple] = None  # (layout, default group) megatron's groups were last made for
+
+
 def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     """megatron's TP/PP/DP groups; raises if the world does not fit the split.
 
@@ -62,15 +65,19 @@ def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
         raise ValueError(
             f"world size {world} is not divisible by TP {tp} x PP {pp}; launch a multiple of "
             f"{tp * pp} processes")
+    layout = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  virtual_pipeline_model_parallel_size=parallel.virtual_stages(model.num_layers),
+                  expert_model_parallel_size=parallel.expert_model_parallel_size)
+    global _LAYOUT
+    world_group = dist.distributed_c10d._get_default_group()
     if parallel_state.model_parallel_is_initialized():
+        if _LAYOUT == (layout, world_group):
+            # the same groups (eval_jump over a run's checkpoints): megatron's destroy drops
+            # its NCCL groups without freeing them, so each new set would hold GPU memory
+            return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=parallel.virtual_stages(model.num_layers),
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        create_gloo_process_groups=True,
-    )
+    parallel_state.initialize_model_parallel(**layout, create_gloo_process_groups=True)
+    _LAYOUT = (layout, world_group)
 
 
 def seed_everything(seed: int) -> None:
