@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)  # the preflight imports this checkout's package, as the checks do
 
 # Seconds each check of the CUDA plan may take on one H200 (a ceiling, not its usual
 # time; the model steps take 2 warm-up and 3 timed steps). Their sum leaves 120 s of the
@@ -164,11 +167,10 @@ def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
     try:
         import torch
 
-        cuda_version = torch.version.cuda
+        note = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
     except Exception:
-        cuda_version = None
-    torch = _import(p, "torch", True, "install a torch build (the CUDA one on a GPU machine)",
-                    f"built with CUDA {cuda_version}" if cuda_version else "a CPU build")
+        note = ""
+    torch = _import(p, "torch", True, "install a torch build (the CUDA one on a GPU machine)", note)
     _import(p, "numpy", True, pip_fix.replace("<package>", "numpy"))
     _import(p, "megatron.core", True, pip_fix.replace("<package>", "megatron-core==0.16.1"))
     failed = []
@@ -187,9 +189,7 @@ def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
         p.report("tensorboard", "installed (not needed: the checks set no --tensorboard-dir)")
     except ImportError:
         p.report("tensorboard", "not installed (not needed: the checks set no --tensorboard-dir)")
-    from megatron_jreg.model.config import transformer_engine_available
-
-    p.report("transformer_engine", "installed" if transformer_engine_available()
+    p.report("transformer_engine", "installed" if te_available()
              else "not installed (its checks are skipped)")
 
     importable, cuda_built, why = _kernel_state()
@@ -229,6 +229,16 @@ def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
         p.report("gpu", f"{torch.cuda.get_device_name(0)}, {props.total_memory / 2**30:.1f} GiB, "
                  f"compute capability {props.major}.{props.minor}, {torch.cuda.device_count()} visible")
     return p
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine imports (False where the package itself does not import:
+    the preflight has said so on its own line)."""
+    try:
+        from megatron_jreg.model.config import transformer_engine_available
+    except Exception:
+        return False
+    return transformer_engine_available()
 
 
 # ---- the checks -----------------------------------------------------------------------------
@@ -347,7 +357,12 @@ def run_check(cmd, limit: float, env=None, cwd: str = REPO, echo=True) -> CheckR
 def result_json(output: str):
     """The check's last ``RESULT {json}`` line, or None."""
     found = re.findall(r"^RESULT (\{.*\})\s*$", output, re.M)
-    return json.loads(found[-1]) if found else None
+    if not found:
+        return None
+    try:
+        return json.loads(found[-1])
+    except json.JSONDecodeError as err:
+        return {"unreadable": f"{err}: {found[-1][:200]}"}
 
 
 def key_figure(name: str, output: str, result) -> str:
@@ -401,19 +416,47 @@ def overhead_rows(rows):
     return out
 
 
+class RunError(Exception):
+    """A problem with how the run was asked for (its message is the one line to print)."""
+
+
+def _finite(value):
+    """``value`` with every non-finite float as a string ("nan", "inf"): JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 class Jsonl:
-    """The run's JSONL file: started afresh, one row appended (and synced) per call."""
+    """The run's JSONL file: taken for this run alone (a lock: a second run on the same file
+    stops at once), started afresh, one row appended and synced per call."""
 
     def __init__(self, path: str):
         self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path, "w").close()
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a")
+        except OSError as err:
+            raise RunError(f"the rows file {path}: cannot write there ({err.strerror or err}); pass "
+                           f"--jsonl FILE, or set OUT to a writable directory") from None
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RunError(f"the rows file {path}: another gpu_checks run is writing it; wait for it "
+                           "or pass another --jsonl") from None
+        self._file.truncate(0)
 
     def write(self, row: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self._file.write(json.dumps(_finite(row), allow_nan=False) + "\n")
+        self._file.flush()
+        try:
+            os.fsync(self._file.fileno())
+        except OSError:  # a file that cannot be synced (a pipe, /dev/null): written all the same
+            pass
 
 
 def print_summary(rows, device: str, quick: bool, te: bool) -> None:
@@ -443,20 +486,34 @@ def main() -> int:
     parser.add_argument("--quiet-preflight", action="store_true",
                         help="print only a missing requirement's line (gpu_checks.sh printed them all)")
     args = parser.parse_args()
+    try:
+        return run_plan(args)
+    except RunError as err:
+        print(f"gpu_checks: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpu_checks: interrupted before any check ran; nothing written", file=sys.stderr)
+        return 130
 
+
+def run_plan(args) -> int:
+    plan = checks(args.device, args.quick)
+    if args.only:
+        wanted = [text.lower() for text in args.only]
+        plan = [c for c in plan if any(text in c[0].lower() for text in wanted)]
+        if not plan:
+            names = ", ".join(repr(name) for name, _, _ in checks(args.device, args.quick))
+            raise RunError(f"--only {' '.join(args.only)}: no check of the {args.device} plan has "
+                           f"that in its name; the checks: {names}")
+    # the output is taken first: a bad --jsonl or a second run stops before the preflight
+    jsonl = None if args.preflight_only else Jsonl(args.jsonl or default_jsonl())
     pre = preflight(args.device, before_install=args.preflight_only, quiet=args.quiet_preflight)
     if not pre.ok:
         print("preflight: a requirement is missing (the MISSING line above says the fix); no check ran")
         return 2
     if args.preflight_only:
         return 0
-    from megatron_jreg.model.config import transformer_engine_available
-
-    te = transformer_engine_available()
-    plan = checks(args.device, args.quick)
-    if args.only:
-        plan = [c for c in plan if any(text in c[0] for text in args.only)]
-    jsonl = Jsonl(args.jsonl or default_jsonl())
+    te = te_available()
     total = sum(limit for _, _, limit in plan)
     print(f"preflight: ok; {len(plan)} checks, limits {total} s in all; a row per check goes to "
           f"{jsonl.path}", flush=True)
@@ -482,17 +539,26 @@ def main() -> int:
             row.update(status="skipped", figure="Transformer Engine not installed", seconds=0.0)
         else:
             print(f"==> {name} (limit {limit} s): {row['command']}", flush=True)
-            run = run_check(cmd, limit, env=env)
-            result = result_json(run.output)
-            ok = run.code == 0
-            tail = run.output.strip().splitlines()[-1:] or [""]
-            status = "ok" if ok else ("timeout" if run.code == "timeout" else f"FAIL ({run.code})")
-            figure = key_figure(name, run.output, result) if ok else (
-                f"killed after {limit} s" if run.code == "timeout" else tail[0][:120])
-            row.update(status=status, figure=figure, seconds=round(run.seconds, 1), rc=run.code,
+            done = run_check(cmd, limit, env=env)
+            result = result_json(done.output)
+            ok = done.code == 0
+            tail = done.output.strip().splitlines()[-1:] or [""]
+            status = "ok" if ok else ("timeout" if done.code == "timeout" else f"FAIL ({done.code})")
+            if ok and result and "unreadable" in result:
+                ok, status = False, "FAIL (RESULT)"
+                figure = f"its RESULT line is not JSON ({result['unreadable'][:100]})"
+            elif ok:
+                try:
+                    figure = key_figure(name, done.output, result)
+                except (KeyError, TypeError, ValueError, IndexError) as err:
+                    ok, status = False, "FAIL (RESULT)"
+                    figure = f"its RESULT has no usable figure ({type(err).__name__}: {err})"
+            else:
+                figure = f"killed after {limit} s" if done.code == "timeout" else tail[0][:120]
+            row.update(status=status, figure=figure, seconds=round(done.seconds, 1), rc=done.code,
                        result=result)
             if not ok:
-                row["tail"] = run.output[-3000:]
+                row["tail"] = done.output[-3000:]
         jsonl.write(row)
         rows.append(row)
         print(f"<== {name}: {row['status']} in {row['seconds']:.0f} s: {row['figure']}", flush=True)

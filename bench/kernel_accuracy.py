@@ -87,6 +87,9 @@ def main() -> int:
                          "with `pip install --no-build-isolation --no-deps -e .`")
     dtypes = args.dtype or (["fp32", "bf16"] if device.type == "cpu" else ["fp32", "bf16", "fp16"])
     shape = tuple(args.shape or SHAPE[device.type])
+    if min(shape) < 1 or shape[2] < 2:
+        raise SystemExit(f"kernel_accuracy: --shape {' '.join(map(str, shape))}: need S, B >= 1 and "
+                         "H >= 2 (one hidden unit has no direction to compare)")
     print(f"fused token_displacement vs the float64 reference, [s, b, h] = {list(shape)} on {device.type}")
     print(f"  {'dtype':5s} {'psi max |err|':>14s} {'grad a max err':>15s} {'grad b max err':>15s}   "
           "(gradients: relative to the largest |reference| gradient)")
@@ -104,7 +107,11 @@ def main() -> int:
     result["ok"] = not failed
     if failed:
         print("kernel_accuracy: over the limit: " + "; ".join(failed))
-    print("RESULT " + json.dumps(result), flush=True)
+    # a non-finite error is written as a string ("nan"), never as a bare NaN number
+    for errs in result["errors"].values():
+        for k, v in errs.items():
+            errs[k] = v if math.isfinite(v) else str(v)
+    print("RESULT " + json.dumps(result, allow_nan=False), flush=True)
     return 1 if failed else 0
 
 

@@ -21,8 +21,10 @@ Pass: bit-exact on CPU (fp32: the same operations in the same order), within --r
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,9 +45,18 @@ def env_for(device: str) -> dict:
     return env
 
 
+def _die_with_parent() -> None:
+    """In a child: SIGKILL when this script dies, even by SIGKILL (no trainer left behind)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run(cmd, env, what: str) -> str:
     """Runs ``cmd`` in the checkout (same process group: a timeout of the caller ends it too)."""
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          preexec_fn=_die_with_parent)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"{what} failed ({proc.returncode}): {' '.join(cmd)}\n{output[-4000:]}")
@@ -110,6 +121,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.train_iters < 2 or args.train_iters % 2:
         parser.error(f"--train-iters {args.train_iters}: need an even number >= 2")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("trainer_resume_check: --device cuda but no CUDA device is visible "
+                             "(a CUDA build of torch and a GPU; or --device cpu)")
     rtol = args.rtol if args.rtol is not None else (0.0 if args.device == "cpu" else 1e-3)
     env = env_for(args.device)
     with tempfile.TemporaryDirectory(prefix="trainer_resume_") as tmp:

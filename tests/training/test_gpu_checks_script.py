@@ -110,3 +110,44 @@ def test_a_cut_run_keeps_the_finished_checks_rows(tmp_path):
     rows = _rows(tmp_path / "gpu_checks.jsonl")
     assert [r.get("check") for r in rows if "check" in r] == ["kernel accuracy"]
     assert rows[1]["status"] == "ok" and rows[-1] == {"cut": "SIGTERM", "after_checks": 1}
+
+
+def _gpu_checks_run(args, tmp_path, **env):
+    return subprocess.run([sys.executable, "bench/gpu_checks.py", "--device", "cpu", "--quick",
+                           "--quiet-preflight"] + args, cwd=REPO, env=dict(run_env(), **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bad_requests_stop_before_the_preflight_with_one_line(tmp_path):
+    nothing = _gpu_checks_run(["--only", "nosuch"], tmp_path, OUT=str(tmp_path))
+    assert nothing.returncode == 2 and nothing.stderr.count("\n") == 1
+    assert "--only nosuch: no check of the cpu plan has that in its name" in nothing.stderr
+    assert not (tmp_path / "gpu_checks.jsonl").exists()
+    a_dir = _gpu_checks_run(["--only", "kernel", "--jsonl", str(tmp_path)], tmp_path)
+    assert a_dir.returncode == 2 and "cannot write there (Is a directory)" in a_dir.stderr
+    (tmp_path / "taken.jsonl").write_text('{"run": "another"}\n')
+    gc = _gpu_checks()
+    first = gc.Jsonl(str(tmp_path / "taken.jsonl"))  # a run holding it
+    second = _gpu_checks_run(["--only", "kernel", "--jsonl", str(tmp_path / "taken.jsonl")], tmp_path)
+    assert second.returncode == 2 and "another gpu_checks run is writing it" in second.stderr
+    first.write({"check": "x", "error": float("nan")})
+    assert _rows(tmp_path / "taken.jsonl") == [{"check": "x", "error": "nan"}]  # no bare NaN
+
+
+def test_a_check_with_an_unreadable_result_fails_its_row_and_the_rest_run(tmp_path, monkeypatch):
+    gc = _gpu_checks()
+    script = tmp_path / "bad_result.py"
+    script.write_text("print('RESULT {not json}')\n")
+    ok_script = tmp_path / "no_figure.py"
+    ok_script.write_text("print('RESULT {\"tokens_per_s\": 1.0}')\n")
+    monkeypatch.setattr(gc, "checks", lambda device, quick: [
+        ("kernel accuracy", [sys.executable, str(script)], 60),
+        ("trainer resume", [sys.executable, str(ok_script)], 60)])
+    monkeypatch.setattr(gc, "preflight", lambda *a, **k: gc.Preflight(quiet=True))
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the cut handlers stay off pytest
+    monkeypatch.setattr(sys, "argv", ["gpu_checks.py", "--device", "cpu", "--jsonl",
+                                      str(tmp_path / "rows.jsonl")])
+    assert gc.main() == 1
+    rows = _rows(tmp_path / "rows.jsonl")[1:]
+    assert [r["status"] for r in rows] == ["FAIL (RESULT)", "FAIL (RESULT)"]
+    assert "not JSON" in rows[0]["figure"] and "KeyError" in rows[1]["figure"]
