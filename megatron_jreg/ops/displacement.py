@@ -159,10 +159,9 @@ def kernel_build() -> str:
     if _C is None:
         return kernel_status("cpu")
     if _CUDA_BUILT:
-        return "built for CPU and CUDA"
-    why = _CUDA_SKIPPED.get(int(getattr(_C, "CUDA_SKIPPED", -1)),
-                            "the extension was built outside setup.py")
-    return f"built for CPU only ({why})"
+        return "the extension was built for CPU and CUDA"
+    why = _CUDA_SKIPPED.get(int(getattr(_C, "CUDA_SKIPPED", -1)), "built outside setup.py")
+    return f"the extension was built for CPU only ({why})"
 
 
 def describe_impl(impl: str, device: Union[torch.device, str]) -> Tuple[str, str]:
@@ -175,9 +174,8 @@ def describe_impl(impl: str, device: Union[torch.device, str]) -> Tuple[str, str
     if fused_available(device):
         kernel = "CUDA" if device_type == "cuda" else "C++/OpenMP"
         return "fused", f"the {kernel} kernel, --jreg-impl {impl}"
-    return "torch", (f"the PyTorch reference: no fused kernel for {device_type}, the extension "
-                     f"was {kernel_build()}; reinstall with `pip install --no-build-isolation "
-                     "-e .` to build it")
+    return "torch", (f"the PyTorch reference: no fused kernel for {device_type}: {kernel_build()}; "
+                     "reinstall with `pip install --no-build-isolation -e .` to build it")
 
 
 def resolve_impl(a: torch.Tensor, b: torch.Tensor, impl: str = "auto") -> str:

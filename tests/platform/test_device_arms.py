@@ -159,7 +159,8 @@ def test_kernel_dispatch_gpu_arm(monkeypatch):
 
     if torch.version.cuda is None:  # this install: a CPU torch left CUDA out, and _C says why
         assert _C.CUDA_SKIPPED == 2
-        assert displacement.kernel_build() == "built for CPU only (torch was a CPU build at install)"
+        assert displacement.kernel_build() == ("the extension was built for CPU only (torch was a "
+                                               "CPU build at install)")
     monkeypatch.setattr(displacement, "_CUDA_BUILT", True)
     assert displacement.fused_available("cuda")
     assert displacement.describe_impl("auto", "cuda") == ("fused", "the CUDA kernel, --jreg-impl auto")
@@ -168,10 +169,14 @@ def test_kernel_dispatch_gpu_arm(monkeypatch):
     monkeypatch.setattr(_C, "CUDA_SKIPPED", 3)
     impl, why = displacement.describe_impl("auto", "cuda")
     assert impl == "torch"
-    assert "no fused kernel for cuda" in why and "nvcc was missing at install" in why
+    assert why.startswith("the PyTorch reference: no fused kernel for cuda: the extension was built "
+                          "for CPU only (nvcc was missing at install); reinstall")
     # the CPU arm
     assert displacement.describe_impl("auto", "cpu") == ("fused", "the C++/OpenMP kernel, --jreg-impl auto")
     assert displacement.describe_impl("torch", "cuda")[0] == "torch"
+    monkeypatch.setattr(displacement, "_C", None)  # an extension that failed to import
+    assert displacement.describe_impl("auto", "cpu")[1].startswith(
+        "the PyTorch reference: no fused kernel for cpu: the extension megatron_jreg._C failed to import")
 
 
 def test_sdpa_reads_groups_gpu_arm(monkeypatch):
