@@ -3,10 +3,24 @@ by the benchmarks that time training steps (jreg_overhead.py, gpu_model_step.py)
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _close() -> None:
+    """megatron's groups (gloo ones included) and the default group, torn down before the
+    interpreter exits, as the trainer does: a gloo group's threads left to the interpreter's
+    exit may abort it ("terminate called without an active exception") after its result."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def start(device: str):
@@ -18,6 +32,7 @@ def start(device: str):
     from megatron_jreg.distributed.setup import initialize_distributed
 
     initialize_distributed()
+    atexit.register(_close)
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
