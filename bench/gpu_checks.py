@@ -307,8 +307,9 @@ class CheckRun:
     pgid: int  # the check's process group (all of it is gone when run_check returns)
 
 
-def _die_with_parent() -> None:
-    """In the check's first process: SIGKILL when this script dies (even by SIGKILL)."""
+def die_with_parent() -> None:
+    """In a child (a check's first process, the resume check's trainers): SIGKILL when
+    its parent dies, even by SIGKILL."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -331,7 +332,7 @@ def run_check(cmd, limit: float, env=None, cwd: str = REPO, echo=True) -> CheckR
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
     CURRENT_GROUP[:] = [proc.pid]
     lines = []
 

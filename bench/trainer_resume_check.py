@@ -21,15 +21,15 @@ Pass: bit-exact on CPU (fp32: the same operations in the same order), within --r
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_checks import die_with_parent  # noqa: E402  (bench/, this script's folder)
 
 
 def env_for(device: str) -> dict:
@@ -45,18 +45,10 @@ def env_for(device: str) -> dict:
     return env
 
 
-def _die_with_parent() -> None:
-    """In a child: SIGKILL when this script dies, even by SIGKILL (no trainer left behind)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run(cmd, env, what: str) -> str:
     """Runs ``cmd`` in the checkout (same process group: a timeout of the caller ends it too)."""
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          preexec_fn=_die_with_parent)
+                          preexec_fn=die_with_parent)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"{what} failed ({proc.returncode}): {' '.join(cmd)}\n{output[-4000:]}")

@@ -39,10 +39,10 @@ def set_rng_state(state: Dict, report: Callable[[str], None], source: str = "the
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     # checkpoints written before the device was recorded: a GPU run's carries "cuda"
-    saved_on = state.get("device", "cuda" if "cuda" in state else "cpu")
-    if saved_on != device_type():
+    saved_on, here = state.get("device", "cuda" if "cuda" in state else "cpu"), device_type()
+    if saved_on != here:
         report(f"model-parallel random streams not restored: {source} was saved on {saved_on}, "
-               f"this run is on {device_type()} (its generators differ); they start from --seed")
+               f"this run is on {here} (its generators differ); they start from --seed")
         return
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():

@@ -69,7 +69,7 @@ def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
                   virtual_pipeline_model_parallel_size=parallel.virtual_stages(model.num_layers),
                   expert_model_parallel_size=parallel.expert_model_parallel_size)
     global _LAYOUT
-    world_group = dist.distributed_c10d._get_default_group()
+    world_group = dist.group.WORLD
     if parallel_state.model_parallel_is_initialized():
         if _LAYOUT == (layout, world_group):
             # the same groups (eval_jump over a run's checkpoints): megatron's destroy drops

@@ -34,7 +34,7 @@ from megatron_jreg.distributed.setup import (
 )
 from megatron_jreg.model.builder import build_model, transformer_config
 from megatron_jreg.model.attention import resolve_attention_backend
-from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_status
+from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_build
 from megatron_jreg.platform import device as platform_device
 from megatron_jreg.model.config import resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
@@ -84,7 +84,7 @@ class Trainer:
         if cfg.jreg.impl == "fused" and not fused_available(self.device):
             raise ValueError(
                 f"--jreg-impl fused: the fused kernel is not built for {self.device.type} "
-                f"({kernel_status(self.device)}); reinstall with `pip install --no-build-isolation -e .` "
+                f"({kernel_build()}); reinstall with `pip install --no-build-isolation -e .` "
                 "or pass --jreg-impl torch (or auto)")
         self.checkpoints.take_save_lock()
         jreg_impl, why = describe_impl(cfg.jreg.impl, self.device)
