@@ -23,7 +23,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # input formats of tools/preprocess_data.py: .zst, Parquet, --split-sentences
     "data": ["zstandard", "pyarrow", "nltk"],
-    "hf": ["transformers", "safetensors"],
+    "hf": ["transformers", "safetensors", "gguf"],
     "plot": ["matplotlib"],
     "stats": ["scipy"],
     # tools/eval_downstream.py: lm-evaluation-harness's Python API and its hf backend

@@ -39,3 +39,15 @@ def pytest_collection_modifyitems(config, items):
         return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order, a file's tests stay together
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct as a plain fp32 Hugging Face directory, built once per run."""
+    from real_model import build_smollm2_hf
+    from session_cache import build_once
+
+    return build_once(tmp_path_factory, "smollm2_hf", build_smollm2_hf)

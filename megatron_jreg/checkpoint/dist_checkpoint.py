@@ -36,6 +36,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
 RUN_CONFIG = "run_config.yaml"
 CHAT_TEMPLATE = "chat_template.jinja"  # an SFT run's chat template, for the HF export
+TOKENIZER_DIR = "tokenizer"  # an imported model's Hugging Face tokenizer files (convert_from_hf)
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                      "chained_optim_avoid_prefix": True}
 
@@ -185,11 +186,13 @@ def nonfinite_anywhere(model_chunks) -> Optional[str]:
 
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
                     run_config_yaml: str, train_state: Dict, run_id: str = "0",
-                    extra_files: Optional[Dict[str, str]] = None) -> str:
+                    extra_files: Optional[Dict[str, str]] = None,
+                    extra_dirs: Optional[Dict[str, str]] = None) -> str:
     """Write iteration ``iteration`` under ``root``; collective over all ranks.
 
     ``run_id`` (the same on every rank) names the temporary directory and tracker file,
-    so no two runs share one. ``extra_files`` (name -> text) go beside the run config.
+    so no two runs share one. ``extra_files`` (name -> text) go beside the run config, and
+    ``extra_dirs`` (name -> directory) are copied there (a carried tokenizer).
     Raises CheckpointError, having written nothing, when any parameter is non-finite."""
     from megatron.core import dist_checkpointing
 
@@ -220,6 +223,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         for name, text in {RUN_CONFIG: run_config_yaml, **(extra_files or {})}.items():
             with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
                 f.write(text)
+        for name, source in (extra_dirs or {}).items():
+            shutil.copytree(source, os.path.join(partial, name))
     _barrier()
     write_manifest(partial)  # every rank hashes its share of the files
     if rank == 0:

@@ -56,6 +56,7 @@ import torch
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.model_loader import (
     build_run_tokenizer,
+    carried_tokenizer,
     checkpoint_iterations,
     launched_world_size,
     load_model,
@@ -239,8 +240,18 @@ def convert(
             if os.path.exists(template_file):
                 with open(template_file, encoding="utf-8") as f:
                     template = f.read()
-            warnings += export_tokenizer(loaded.configs, tmp, tokenizer_model, template)
+            carried = carried_tokenizer(loaded.path)
             from transformers import AutoTokenizer
+
+            if carried and tokenizer_model is None:
+                # the Hugging Face tokenizer files the checkpoint carries (an imported
+                # model's): written back as they came, chat template included
+                carried_tok = AutoTokenizer.from_pretrained(carried)
+                if template:
+                    carried_tok.chat_template = template
+                carried_tok.save_pretrained(tmp)
+            else:
+                warnings += export_tokenizer(loaded.configs, tmp, tokenizer_model, template)
 
             tok = AutoTokenizer.from_pretrained(tmp)
             config.bos_token_id = tok.bos_token_id
@@ -250,7 +261,7 @@ def convert(
         model = model_class(config).eval()
         missing, unexpected = model.load_state_dict(hf_state, strict=False)
         missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")
-                   and not (family == "gpt2" and k == "lm_head.weight")]
+                   and not (config.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
             raise RuntimeError(
                 f"weight mapping incomplete: missing {missing}, unexpected {unexpected}"

@@ -56,17 +56,18 @@ class _StateReader:
 
 def megatron_to_hf_state_dict(
     state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, num_groups: int, head_dim: int,
-    dense_mlp: bool = True,
+    dense_mlp: bool = True, tied: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """HF Llama names for a TP1 GPTModel state dict (``_extra_state`` entries ignored).
-    ``dense_mlp=False``: the MLP tensors were mapped by the caller (Mixtral's experts)."""
+    ``dense_mlp=False``: the MLP tensors were mapped by the caller (Mixtral's experts);
+    ``tied``: the output layer is the embedding (the model has no output_layer weight)."""
     take = _StateReader(state)
 
     out = {
         "model.embed_tokens.weight": take("embedding.word_embeddings.weight"),
         "model.norm.weight": take("decoder.final_layernorm.weight"),
-        "lm_head.weight": take("output_layer.weight"),
     }
+    out["lm_head.weight"] = out["model.embed_tokens.weight"] if tied else take("output_layer.weight")
     for i in range(num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
@@ -103,7 +104,7 @@ def llama_config_kwargs(model_cfg, padded_vocab: int) -> Dict[str, object]:
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
-        tie_word_embeddings=False,
+        tie_word_embeddings=not model_cfg.untie_embeddings_and_output_weights,
         initializer_range=float(model_cfg.init_method_std),
     )
 
@@ -176,7 +177,8 @@ def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.
             extra[dst + "mlp.experts.gate_up_proj"] = torch.stack(fc1).contiguous()
             extra[dst + "mlp.experts.down_proj"] = torch.stack(fc2).contiguous()
     out = megatron_to_hf_state_dict(state, model_cfg.num_layers, heads, groups, head_dim,
-                                    dense_mlp=family != "mixtral")
+                                    dense_mlp=family != "mixtral",
+                                    tied=not model_cfg.untie_embeddings_and_output_weights)
     out.update(extra)
     return out
 

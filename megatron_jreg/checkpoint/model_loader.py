@@ -96,12 +96,23 @@ def read_run_configs(path: str) -> Dict[str, object]:
     if text is None:
         raise InputError(f"{path}: no {ckpt.RUN_CONFIG}; cannot rebuild the model")
     try:
-        return from_yaml_text(text, SECTIONS)
+        configs = from_yaml_text(text, SECTIONS)
     except Exception as err:  # yaml errors, unknown keys (TypeError), validation (ValueError)
         raise InputError(
             f"{os.path.join(path, ckpt.RUN_CONFIG)}: cannot rebuild the run config "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         ) from None
+    carried = carried_tokenizer(path)
+    if carried and configs["data"].tokenizer_type == "HuggingFaceTokenizer":
+        configs["data"].tokenizer_model = carried  # the files the run used, wherever it moved
+    return configs
+
+
+def carried_tokenizer(path: str) -> Optional[str]:
+    """The Hugging Face tokenizer directory saved inside iteration directory ``path``
+    (an imported model's, and every save of a HuggingFaceTokenizer run), or None."""
+    carried = os.path.join(path, ckpt.TOKENIZER_DIR)
+    return carried if os.path.isfile(os.path.join(carried, "tokenizer.json")) else None
 
 
 def saved_vocab_rows(path: str, model_cfg) -> int:

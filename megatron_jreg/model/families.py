@@ -7,9 +7,9 @@ from __future__ import annotations
 def family_of(model) -> str:
     """llama, gpt2, qwen3 or mixtral: the Hugging Face family the architecture of ``model``
     (a ModelConfig) maps to, or "other" for a mix no family has (docs/families.md)."""
+    # tied or untied embeddings alike (SmolLM2, Llama 3.2 1B and Qwen3 0.6B tie them)
     llama = (model.swiglu and model.normalization == "RMSNorm"
-             and model.position_embedding_type == "rope" and not model.add_bias_linear
-             and model.untie_embeddings_and_output_weights)
+             and model.position_embedding_type == "rope" and not model.add_bias_linear)
     if llama and not model.add_qkv_bias:
         if model.num_experts:
             return "mixtral" if not model.qk_layernorm else "other"

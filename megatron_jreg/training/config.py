@@ -206,6 +206,9 @@ class DataConfig:
     sft: bool = field(default=False, metadata=_flag(
         "--sft", "supervised fine-tuning on chat data from preprocess_data.py --sft: one "
         "conversation per sample, padded, loss on assistant tokens only"))
+    imported_from: Optional[str] = field(default=None, metadata={
+        "cli": False, "help": "the Hugging Face model a tools/convert_from_hf.py checkpoint "
+        "was converted from (its run config has no data)"})
 
     def __post_init__(self):
         if self.tokenizer_type not in TOKENIZER_TYPES:
@@ -220,9 +223,16 @@ class DataConfig:
         if self.reset_attention_mask:
             raise ValueError("--reset-attention-mask: not supported yet (attention is causal "
                              "over the whole sample); drop it")
-        if not self.data_path:
+
+    @classmethod
+    def from_values(cls, values: dict) -> "DataConfig":
+        """A training run's data settings: --data-path is required (a saved run config
+        of an imported model, read with the class itself, has none)."""
+        data = cls(**values)
+        if not data.data_path:
             raise ValueError("--data-path is missing; pass the prefix tools/preprocess_data.py wrote "
                              "(e.g. data/demo_text_document)")
+        return data
 
 
 @dataclass(kw_only=True)
@@ -289,4 +299,4 @@ SECTIONS = {
 }
 
 # presets, and Megatron-LM's architecture defaults under a Megatron-LM sizing
-BUILDERS = {"model": ModelConfig.from_values}
+BUILDERS = {"model": ModelConfig.from_values, "data": DataConfig.from_values}

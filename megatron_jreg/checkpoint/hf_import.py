@@ -1,0 +1,445 @@
+"""A Hugging Face causal LM as a megatron-jreg checkpoint: the inverse of ``hf_export``.
+
+    python tools/convert_from_hf.py --hf-model DIR --save CKPT
+
+The architecture becomes the run config's model section (the flags a trainer run with
+this architecture would have been given), the weights become megatron-core GPTModel
+tensors under the names ``hf_export``'s docstring lists, and the tokenizer files are
+copied into the iteration directory (``tokenizer/``), so the checkpoint needs nothing
+else later. The checkpoint is written by the trainer's own save (dist-checkpointing,
+manifest, completion marker, renamed when whole) at iteration 0, so ``--load``,
+``--pretrained-checkpoint``, ``eval_jump --load`` and ``convert_to_hf --load`` read it.
+
+dist-checkpointing stores each tensor whole, whatever layout wrote it, and reshards it at
+load: the files are the same for every TP/PP. ``--tensor-model-parallel-size`` and
+``--pipeline-model-parallel-size`` check that the model splits at that layout (heads,
+query groups, FFN and vocabulary by TP; layers by PP) before anything is written, and
+are recorded as the layout the checkpoint was prepared for.
+
+What the model families here cannot represent is refused by name, never approximated:
+RoPE scaling (Llama 3.x ``llama3``, ``yarn``, ...), sliding-window attention, biases or
+activations the family does not have, a head dim other than hidden / heads, and model
+types that are not Llama, Qwen3, Mixtral or GPT-2.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+from megatron_jreg.errors import InputError
+
+FAMILIES = {"llama": "Llama", "qwen3": "Qwen3", "mixtral": "Mixtral", "gpt2": "GPT-2"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# seq_length of the saved run config: the longest context, at most this (a trainer run
+# sets its own --seq-length; RoPE has no weights that depend on it)
+DEFAULT_SEQ_LENGTH = 2048
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _rope_parameters(config) -> Tuple[float, Optional[str]]:
+    """(RoPE base, scaling type or None) of a transformers config, old and new spellings."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    base = params.get("rope_theta", getattr(config, "rope_theta", None))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if base is None:
+        base = 10000.0
+    return float(base), (None if kind in (None, "default") else str(kind))
+
+
+def _refuse(family: str, what: str, fix: str = "") -> InputError:
+    return InputError(f"the {family} model has {what}, which the {family} form here cannot "
+                      f"represent{'; ' + fix if fix else ''}; it is not converted")
+
+
+def model_values(config) -> Dict[str, object]:
+    """ModelConfig fields for a transformers config; InputError for what cannot be built."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        name = model_type or type(config).__name__
+        raise InputError(
+            f"model type {name!r} is not one of the families here (Llama, Qwen3, Mixtral, "
+            "GPT-2; docs/families.md): it cannot be converted")
+    family = FAMILIES[model_type]
+    if model_type == "gpt2":
+        return _gpt2_values(config)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim * heads != config.hidden_size:
+        raise _refuse(family, f"head_dim {head_dim} x {heads} heads != hidden size "
+                      f"{config.hidden_size}", "--kv-channels other than hidden / heads is "
+                      "not supported")
+    base, scaling = _rope_parameters(config)
+    if scaling is not None:
+        raise _refuse(family, f"RoPE scaling of type {scaling!r}",
+                      "only unscaled RoPE is implemented (--use-rope-scaling is not supported)")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise _refuse(family, f"hidden_act {config.hidden_act!r}", "the MLP here is SwiGLU (silu)")
+    if getattr(config, "attention_bias", False):
+        raise _refuse(family, "attention biases (attention_bias: true)")
+    if getattr(config, "mlp_bias", False):
+        raise _refuse(family, "MLP biases (mlp_bias: true)")
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", model_type != "qwen3") and window:
+        raise _refuse(family, f"sliding-window attention (sliding_window {window})")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise _refuse(family, "sliding-window attention layers (layer_types)")
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    max_positions = int(config.max_position_embeddings)
+    values: Dict[str, object] = dict(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        num_attention_heads=heads, num_query_groups=groups, group_query_attention=True,
+        ffn_hidden_size=config.intermediate_size, seq_length=min(max_positions, DEFAULT_SEQ_LENGTH),
+        max_position_embeddings=max_positions, vocab_size=config.vocab_size,
+        padded_vocab=config.vocab_size, rotary_base=_int_if_whole(base),
+        norm_epsilon=float(config.rms_norm_eps),
+        init_method_std=float(getattr(config, "initializer_range", 0.02)),
+        swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not bool(getattr(config, "tie_word_embeddings", False)),
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=model_type == "qwen3")
+    if model_type == "mixtral":
+        values.update(num_experts=config.num_local_experts,
+                      moe_router_topk=config.num_experts_per_tok,
+                      moe_ffn_hidden_size=config.intermediate_size,
+                      moe_aux_loss_coeff=float(getattr(config, "router_aux_loss_coef", 0.0)))
+    return values
+
+
+def _int_if_whole(value: float):
+    return int(value) if float(value).is_integer() else value
+
+
+def _gpt2_values(config) -> Dict[str, object]:
+    if config.activation_function != "gelu":
+        raise _refuse("GPT-2", f"activation_function {config.activation_function!r}",
+                      "the GeLU MLP here is the exact GeLU ('gelu'; --openai-gelu is not "
+                      "supported)")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(config, flag, False):
+            raise _refuse("GPT-2", f"{flag}: true")
+    if not getattr(config, "scale_attn_weights", True):
+        raise _refuse("GPT-2", "scale_attn_weights: false")
+    return dict(
+        num_layers=config.n_layer, hidden_size=config.n_embd, num_attention_heads=config.n_head,
+        num_query_groups=None, group_query_attention=False,
+        ffn_hidden_size=config.n_inner or 4 * config.n_embd,
+        seq_length=min(config.n_positions, DEFAULT_SEQ_LENGTH),
+        max_position_embeddings=config.n_positions, vocab_size=config.vocab_size,
+        padded_vocab=config.vocab_size, norm_epsilon=float(config.layer_norm_epsilon),
+        init_method_std=float(config.initializer_range), swiglu=False,
+        normalization="LayerNorm", position_embedding_type="learned_absolute",
+        untie_embeddings_and_output_weights=False, add_bias_linear=True, add_qkv_bias=False,
+        qk_layernorm=False)
+
+
+def check_split(model_cfg, tp: int, pp: int) -> None:
+    """The model must split at TP x PP; InputError naming the sizes that fit otherwise."""
+    if tp < 1 or pp < 1:
+        raise InputError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                         "must be >= 1")
+    checks = [("attention heads", model_cfg.num_attention_heads),
+              ("key/value heads", model_cfg.query_groups),
+              ("FFN size", model_cfg.ffn_size),
+              ("vocabulary rows", model_cfg.padded_vocab_size())]
+    if model_cfg.num_experts:
+        checks.append(("expert FFN size", model_cfg.moe_ffn_size))
+    for what, value in checks:
+        if value % tp:
+            raise InputError(f"{value} {what}: TP must divide {value} "
+                             f"({', '.join(map(str, _divisors(value)))}); "
+                             f"--tensor-model-parallel-size {tp} does not")
+    layers = model_cfg.num_layers
+    if layers % pp:
+        raise InputError(f"{layers} layers: PP must divide {layers} "
+                         f"({', '.join(map(str, _divisors(layers)))}); "
+                         f"--pipeline-model-parallel-size {pp} does not")
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+
+class _HFReader:
+    """The HF state dict read key by key; a tensor no key read is an error at the end."""
+
+    def __init__(self, state: Dict[str, torch.Tensor]):
+        self.state = dict(state)
+        self.used = set()
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise InputError(f"the Hugging Face model has no {key}; the weight files do not "
+                             "match config.json")
+        self.used.add(key)
+        return self.state[key]
+
+    def check_all_read(self, family: str, ignore=()) -> None:
+        left = sorted(k for k in set(self.state) - self.used
+                      if not k.endswith("rotary_emb.inv_freq") and k not in ignore)
+        if left:
+            raise InputError(f"Hugging Face tensors with no {family} counterpart here: "
+                             f"{left[:5]}; the model is not converted")
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+              num_groups: int, head_dim: int) -> torch.Tensor:
+    """q, k, v projections -> megatron's fused rows [q heads of g; k_g; v_g] per group g
+    (the inverse of ``hf_families.split_qkv``); weights [rows, in] or biases [rows, 1]."""
+    per_group = num_heads // num_groups
+    tail = q.shape[1:]
+    grouped = torch.cat([q.reshape(num_groups, per_group, head_dim, *tail),
+                         k.reshape(num_groups, 1, head_dim, *tail),
+                         v.reshape(num_groups, 1, head_dim, *tail)], dim=1)
+    return grouped.reshape(num_groups * (per_group + 2) * head_dim, *tail).contiguous()
+
+
+def megatron_state_dict(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
+    """TP1 GPTModel tensors (megatron-core's local layer spec names) for HF weights."""
+    family = model_cfg.family
+    if family == "gpt2":
+        return _gpt2_megatron(hf_state, model_cfg)
+    take = _HFReader(hf_state)
+    heads, groups, d = model_cfg.num_attention_heads, model_cfg.query_groups, model_cfg.head_dim
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
+           "decoder.final_layernorm.weight": take("model.norm.weight")}
+    if not tied:
+        out["output_layer.weight"] = take("lm_head.weight")
+    for i in range(model_cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        out[dst + "self_attention.linear_qkv.weight"] = merge_qkv(
+            take(src + "self_attn.q_proj.weight"), take(src + "self_attn.k_proj.weight"),
+            take(src + "self_attn.v_proj.weight"), heads, groups, d)
+        out[dst + "self_attention.linear_proj.weight"] = take(src + "self_attn.o_proj.weight")
+        if family == "qwen3":
+            out[dst + "self_attention.q_layernorm.weight"] = take(src + "self_attn.q_norm.weight")
+            out[dst + "self_attention.k_layernorm.weight"] = take(src + "self_attn.k_norm.weight")
+        if family == "mixtral":
+            out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight")
+            gate_up, down = take(src + "mlp.experts.gate_up_proj"), take(src + "mlp.experts.down_proj")
+            for e in range(model_cfg.num_experts):
+                expert = dst + f"mlp.experts.local_experts.{e}."
+                out[expert + "linear_fc1.weight"] = gate_up[e].contiguous()
+                out[expert + "linear_fc2.weight"] = down[e].contiguous()
+            continue
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]).contiguous()
+        out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.down_proj.weight")
+    take.check_all_read(FAMILIES[family if family != "other" else "llama"],
+                        ignore=("lm_head.weight",) if tied else ())
+    return out
+
+
+def _gpt2_megatron(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
+    take = _HFReader(hf_state)
+    heads, d = model_cfg.num_attention_heads, model_cfg.head_dim
+
+    def per_head(tensor: torch.Tensor) -> torch.Tensor:  # [q; k; v] rows -> per head
+        flat = tensor.reshape(tensor.shape[0], -1)
+        q, k, v = flat.chunk(3, dim=0)
+        return merge_qkv(q, k, v, heads, heads, d).reshape(-1, *tensor.shape[1:])
+
+    out = {"embedding.word_embeddings.weight": take("transformer.wte.weight"),
+           "embedding.position_embeddings.weight": take("transformer.wpe.weight"),
+           "decoder.final_layernorm.weight": take("transformer.ln_f.weight"),
+           "decoder.final_layernorm.bias": take("transformer.ln_f.bias")}
+    for i in range(model_cfg.num_layers):
+        src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
+        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            out[dst + f"{ours}.weight"] = take(src + f"{theirs}.weight")
+            out[dst + f"{ours}.bias"] = take(src + f"{theirs}.bias")
+        out[dst + "self_attention.linear_qkv.weight"] = per_head(
+            take(src + "attn.c_attn.weight").t().contiguous())
+        out[dst + "self_attention.linear_qkv.bias"] = per_head(
+            take(src + "attn.c_attn.bias")[:, None])[:, 0].contiguous()
+        out[dst + "self_attention.linear_proj.weight"] = take(src + "attn.c_proj.weight").t().contiguous()
+        out[dst + "self_attention.linear_proj.bias"] = take(src + "attn.c_proj.bias")
+        out[dst + "mlp.linear_fc1.weight"] = take(src + "mlp.c_fc.weight").t().contiguous()
+        out[dst + "mlp.linear_fc1.bias"] = take(src + "mlp.c_fc.bias")
+        out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.c_proj.weight").t().contiguous()
+        out[dst + "mlp.linear_fc2.bias"] = take(src + "mlp.c_proj.bias")
+    # the causal-mask buffers of older transformers versions are not weights
+    take.check_all_read("GPT-2", ignore={k for k in hf_state if k.endswith((".attn.bias",
+                                                                           ".attn.masked_bias"))}
+                        | {"lm_head.weight"})
+    return out
+
+
+# ---- the checkpoint -------------------------------------------------------------------------
+
+
+def _check_save(save: str) -> None:
+    from megatron_jreg.atomic_write import check_output_dir
+
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+        raise InputError(f"--save {save}: already exists and is not an empty directory; "
+                         "remove it or choose a new directory")
+    check_output_dir(os.path.dirname(os.path.abspath(save)) or ".", "--save", save)
+
+
+def run_config_yaml(model_values_: Dict[str, object], tp: int, pp: int, tokenizer_dir: str,
+                    dtype: str, source: str) -> str:
+    """The run config of the import: the architecture, the layout it was checked for, and
+    the copied tokenizer (read back with the checkpoint's own ``tokenizer/``)."""
+    from megatron_jreg.training.experiment import ExperimentConfig
+    from megatron_jreg.training.config import SECTIONS
+
+    values = {name: {} for name in SECTIONS}
+    values["model"] = {**model_values_, "bf16": dtype == "bfloat16"}
+    values["parallel"] = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    values["data"] = {"data_path": None, "tokenizer_type": "HuggingFaceTokenizer",
+                      "tokenizer_model": tokenizer_dir, "imported_from": source}
+    experiment = ExperimentConfig.from_sections(
+        {name: cls(**values[name]) for name, cls in SECTIONS.items()})
+    return experiment.to_yaml()
+
+
+def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "float32",
+            progress=print) -> Dict[str, object]:
+    """Write ``hf_model`` as a checkpoint under ``save`` (a new or empty directory, filled
+    by renaming a temporary sibling when whole). Returns a summary for the closing line."""
+    import time
+
+    from megatron_jreg.checkpoint.model_loader import init_world, launched_world_size
+    from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
+    from megatron_jreg.hf_models import load_causal_lm, resolve_hf_model
+    from megatron_jreg.model.builder import build_model
+    from megatron_jreg.model.config import ModelConfig, ParallelConfig
+
+    t0 = time.time()
+    if dtype not in _DTYPES:
+        raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
+    if launched_world_size() > 1:
+        raise InputError("convert_from_hf runs on one process (dist-checkpointing reshards at "
+                         "load, so one process writes every layout); run it with python, not "
+                         "torchrun")
+    _check_save(save)
+    path = resolve_hf_model(hf_model)
+    import transformers
+
+    if os.path.isdir(path):  # the architecture is checked before any weight is read
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+        except Exception as err:
+            from megatron_jreg.hf_models import brief
+
+            raise InputError(f"--hf-model {hf_model}: cannot read config.json ({brief(err)})") from None
+        values = model_values(config)
+        check_split(ModelConfig(**values), tp, pp)
+    progress(f"reading {hf_model}")
+    hf, tokenizer, path = load_causal_lm(hf_model, dtype=torch.float32)
+    values = model_values(hf.config)
+    model_cfg = ModelConfig(**{**values, "transformer_impl": "local"})
+    check_split(model_cfg, tp, pp)
+    if model_cfg.family == "other":  # a mix of flags no family has (cannot happen above)
+        raise InputError(f"--hf-model {hf_model}: not a Llama, Qwen3, Mixtral or GPT-2 model")
+    if not getattr(tokenizer, "is_fast", False):
+        raise InputError(f"--hf-model {hf_model}: its tokenizer has no tokenizer.json (a slow "
+                         "tokenizer only); save it with a fast tokenizer first")
+    state = megatron_state_dict(hf.state_dict(), model_cfg)
+    del hf
+
+    parent = os.path.dirname(os.path.abspath(save)) or "."
+    final_root = os.path.abspath(save)
+    tmp_root = tempfile.mkdtemp(prefix=f".{os.path.basename(final_root)}.", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_root, 0o777 & ~umask)
+    try:
+        staged_tok = os.path.join(tmp_root, ".tokenizer")
+        tokenizer.save_pretrained(staged_tok)
+        final_tok = os.path.join(ckpt.iteration_dir(final_root, 0), ckpt.TOKENIZER_DIR)
+        text = run_config_yaml(values, tp, pp, final_tok, dtype, os.path.abspath(path))
+        torch_device = init_world("cpu")
+        build_cfg = ModelConfig(**{**values, "transformer_impl": "local",
+                                   "bf16": dtype == "bfloat16"})
+        parallel = ParallelConfig()
+        initialize_model_parallel(build_cfg, parallel)
+        seed_everything(1234)  # megatron draws an init that the loaded weights replace
+        (model,) = build_model(build_cfg, parallel, tracker=None)
+        model.to(torch_device)
+        own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+        missing, extra = sorted(own - set(state)), sorted(set(state) - own)
+        if missing or extra:
+            raise RuntimeError(f"weight mapping incomplete: missing {missing[:5]}, "
+                               f"unexpected {extra[:5]}")
+        target = _DTYPES[dtype]
+        model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=False)
+        progress(f"writing {save}")
+        ckpt.save_checkpoint(tmp_root, 0, [model], None, None, text, {"consumed_samples": 0},
+                             run_id=uuid.uuid4().hex[:8],
+                             extra_dirs={ckpt.TOKENIZER_DIR: staged_tok})
+        shutil.rmtree(staged_tok)
+        if os.path.isdir(final_root):
+            os.rmdir(final_root)  # empty, checked above
+        os.rename(tmp_root, final_root)
+    except BaseException:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+        raise
+    return {"family": FAMILIES[model_cfg.family], "layers": model_cfg.num_layers,
+            "parameters": sum(v.numel() for v in state.values()), "seconds": time.time() - t0}
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+PROG = "convert_from_hf"
+
+
+@dataclass(kw_only=True)
+class ImportConfig:
+    """The flags of ``convert_from_hf``; ``main`` hands them to ``convert``."""
+
+    hf_model: str = field(metadata={
+        "metavar": "REF", "help": "a Hugging Face causal LM: a directory written by "
+        "save_pretrained, a .gguf file, or a hub id already in the local cache (offline)"})
+    save: str = field(metadata={"metavar": "CKPT", "help": "a new (or empty) checkpoint "
+                                "directory to write"})
+    tensor_model_parallel_size: int = field(default=1, metadata={
+        "metavar": "N", "help": "check that the model splits over N tensor-parallel ranks "
+        "(the files serve every layout: dist-checkpointing reshards at load)"})
+    pipeline_model_parallel_size: int = field(default=1, metadata={
+        "metavar": "M", "help": "check that the layers split over M pipeline stages"})
+    dtype: str = field(default="float32", metadata={
+        "choices": sorted(_DTYPES), "help": "dtype of the saved weights (bfloat16 sets --bf16 "
+        "in the run config)"})
+
+
+def build_parser():
+    from megatron_jreg.cli import tool_parser
+
+    return tool_parser(
+        {None: ImportConfig}, prog=PROG,
+        description="Convert a Hugging Face causal LM (Llama, Qwen3, Mixtral or GPT-2 form) "
+        "into a megatron-jreg checkpoint that --load, --pretrained-checkpoint (with "
+        "--use-checkpoint-args), eval_jump --load and convert_to_hf read. The tokenizer is "
+        "copied into the checkpoint. See docs/families.md.")
+
+
+def main(argv=None) -> int:
+    import sys
+
+    args = build_parser().parse_args(argv)
+    try:
+        summary = convert(args.hf_model, args.save, tp=args.tensor_model_parallel_size,
+                          pp=args.pipeline_model_parallel_size, dtype=args.dtype,
+                          progress=lambda line: print(line, flush=True))
+    except InputError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.save}: {summary['family']}, {summary['layers']} layers, "
+          f"{summary['parameters'] / 1e6:.1f}M parameters ({args.dtype}), iteration 0, "
+          f"in {summary['seconds']:.1f}s")
+    return 0
