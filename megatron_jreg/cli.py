@@ -257,12 +257,15 @@ def _from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
 
 def parse(sections: Sections, argv: Sequence[str] | None = None, description: str = "",
           build: Mapping[str, Any] | None = None,
-          given: Dict[str, Dict[str, Any]] | None = None) -> Dict[str, Any]:
+          given: Dict[str, Dict[str, Any]] | None = None,
+          resolve: Any = None) -> Dict[str, Any]:
     """Parse flags (and ``--config``) into one config object per section.
 
     ``build`` may map a section to a callable(values) that constructs it (presets).
     ``given``, when a dict, receives the settings as given (flags over YAML, before any
     default), per section: what a caller needs to tell "set" from "left at its default".
+    ``resolve``, when given, may rewrite the settings (a callable(values), before any
+    section is built; the checkpoint's architecture of --use-checkpoint-args).
     Dataclass validation errors become argparse errors: one line, exit code 2.
     """
     parser = build_parser(sections, description)
@@ -276,6 +279,8 @@ def parse(sections: Sections, argv: Sequence[str] | None = None, description: st
             values[section][name] = value
         if given is not None:
             given.update({section: dict(v) for section, v in values.items()})
+        if resolve is not None:
+            resolve(values)
         configs = {}
         for section, cls in sections.items():
             maker = (build or {}).get(section, lambda v, cls=cls: cls(**v))

@@ -14,6 +14,9 @@ the three; nothing is downloaded (the hub is read offline, from the cache only).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
 import shutil
 import tempfile
@@ -22,6 +25,10 @@ from typing import Optional
 from megatron_jreg.errors import InputError, missing_extra
 
 GGUF_SUFFIX = ".gguf"
+# accelerate's placements (``from_pretrained(device_map=...)``): "auto" and "balanced" spread
+# the layers evenly over the GPUs, then the CPU; "balanced_low_0" keeps GPU 0 light;
+# "sequential" fills the GPUs in order. Without a GPU every one of them is the CPU.
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def brief(error: BaseException) -> str:
@@ -32,6 +39,67 @@ def brief(error: BaseException) -> str:
 
 def is_gguf(reference: str) -> bool:
     return reference.lower().endswith(GGUF_SUFFIX)
+
+
+def default_label(reference: str) -> str:
+    """A model's name in reports: the directory's or file's name (``.gguf`` left off), or
+    the name part of a hub id."""
+    name = os.path.basename(os.path.normpath(reference))
+    return name[: -len(GGUF_SUFFIX)] if is_gguf(name) and len(name) > len(GGUF_SUFFIX) else name
+
+
+def check_device_map(device_map: Optional[str], flag: str = "--device-map") -> None:
+    """Fail fast (before any model loads) on a placement accelerate cannot make."""
+    if device_map is None:
+        return
+    if device_map not in DEVICE_MAPS:
+        raise InputError(f"{flag} {device_map}: choose one of {', '.join(DEVICE_MAPS)}")
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise InputError(f"{flag} {device_map} needs the accelerate package; install it with "
+                         f"`pip install accelerate`, or drop {flag}") from None
+
+
+def _dtype_kwarg() -> str:
+    """``from_pretrained``'s name for the dtype: ``dtype`` from transformers 4.56 on."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _dense_gguf_kwargs() -> dict:
+    """Ask transformers for dense weights: versions that can keep a GGUF's blocks packed
+    (``GgufConfig(dequantize=False)``, matmuls in GGML kernels) would give other numbers
+    than the same weights dequantized; older versions always dequantize."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+@contextlib.contextmanager
+def _quiet_gguf_progress():
+    """transformers draws its GGUF conversion bar with tqdm directly, past
+    ``disable_progress_bar``; the tools draw their own progress."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _looks_like_hub_id(reference: str) -> bool:
@@ -50,6 +118,14 @@ def cached_snapshot(repo_id: str) -> Optional[str]:
     except Exception:  # not cached (LocalEntryNotFoundError), or an invalid id
         return None
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def _cache_dir_shown() -> str:
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return ""
+    return f" {constants.HF_HUB_CACHE}"
 
 
 def resolve_hf_model(reference: str, flag: str = "--hf-model") -> str:
@@ -76,8 +152,9 @@ def resolve_hf_model(reference: str, flag: str = "--hf-model") -> str:
             return snapshot
         raise InputError(
             f"{flag} {reference}: no such directory, and no snapshot of a hub model of that "
-            "name in the local Hugging Face cache (read offline); download it first with "
-            f"`huggingface-cli download {reference}` or give a local directory")
+            f"name in the local Hugging Face cache{_cache_dir_shown()} (read offline, never "
+            f"downloaded); download it first with `hf download {reference}`, point HF_HOME "
+            "(or HF_HUB_CACHE) at the cache that holds it, or give a local directory")
     raise InputError(f"{flag} {reference}: no such directory; check the path")
 
 
@@ -89,8 +166,13 @@ def _import_transformers(purpose: str):
     return transformers
 
 
-def load_gguf(path: str, dtype=None, flag: str = "--hf-model"):
-    """(model, tokenizer) from a GGUF file, dequantized by transformers (needs ``gguf``)."""
+def load_gguf(path: str, dtype=None, flag: str = "--hf-model", device_map: Optional[str] = None,
+              plain: bool = True):
+    """(model, tokenizer) from a GGUF file, dequantized by transformers (needs ``gguf``).
+
+    The weights are dense, in ``dtype`` (fp32 by default). ``device_map`` places them with
+    accelerate; ``plain`` (only without ``device_map``, which a rebuilt model would lose)
+    returns a model that is not marked as quantized, so ``save_pretrained`` takes it."""
     import torch
 
     transformers = _import_transformers(flag)
@@ -104,16 +186,23 @@ def load_gguf(path: str, dtype=None, flag: str = "--hf-model"):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    kwargs = {_dtype_kwarg(): dtype or torch.float32, **_dense_gguf_kwargs()}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, gguf_file=name, dtype=dtype or torch.float32)
+        with _quiet_gguf_progress():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=name, **kwargs)
     except Exception as err:
         raise InputError(
             f"{flag} {path}: transformers cannot read this GGUF file ({brief(err)}); "
             "check that it is a causal LM of an architecture transformers reads from GGUF"
         ) from None
-    return plain_model(model), tokenizer
+    model.eval()
+    if plain and device_map is None:
+        model = plain_model(model)
+    return model, tokenizer
 
 
 def plain_model(model):
@@ -132,6 +221,12 @@ def plain_model(model):
     with torch.device("meta"):
         fresh = type(model)(config)
     fresh.load_state_dict(state, strict=True, assign=True)
+    # buffers outside the state dict (RoPE's inv_freq) would stay on the meta device
+    for name, buffer in model.named_buffers():
+        owner, _, attr = name.rpartition(".")
+        module = fresh.get_submodule(owner)
+        if attr in module._buffers and module._buffers[attr].is_meta:
+            module._buffers[attr] = buffer
     fresh.tie_weights()
     fresh.eval()
     return fresh if isinstance(fresh, transformers.PreTrainedModel) else model
@@ -163,26 +258,23 @@ def load_causal_lm(reference: str, dtype=None, device_map: Optional[str] = None,
                    flag: str = "--hf-model"):
     """(model, tokenizer, local path) for any ``reference`` :func:`resolve_hf_model` takes.
 
-    ``device_map`` (e.g. ``auto``) spreads the layers over the visible devices with
-    accelerate, for models larger than one GPU."""
+    The model is in eval mode, in ``dtype`` (fp32 by default), on the CPU unless
+    ``device_map`` (e.g. ``auto``) spreads its layers over the visible devices with
+    accelerate, for models larger than one GPU (without a GPU: all of it on the CPU)."""
     import torch
 
     path = resolve_hf_model(reference, flag)
+    check_device_map(device_map)
     dtype = dtype or torch.float32
     if is_gguf(path):
-        model, tokenizer = load_gguf(path, dtype, flag)
-        return model.to(dtype), tokenizer, path
+        model, tokenizer = load_gguf(path, dtype, flag, device_map=device_map)
+        return model, tokenizer, path
     transformers = _import_transformers(flag)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    kwargs = {"dtype": dtype}
+    kwargs = {_dtype_kwarg(): dtype}
     if device_map is not None:
-        try:
-            import accelerate  # noqa: F401
-        except ImportError:
-            raise InputError(f"--device-map {device_map} needs accelerate; pip install "
-                             "accelerate (or drop --device-map)") from None
         kwargs["device_map"] = device_map
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -196,4 +288,4 @@ def load_causal_lm(reference: str, dtype=None, device_map: Optional[str] = None,
         raise InputError(
             f"{flag} {reference}: cannot load its tokenizer ({brief(err)}); the directory "
             "needs the tokenizer files written by tokenizer.save_pretrained") from None
-    return model, tokenizer, path
+    return model.eval(), tokenizer, path

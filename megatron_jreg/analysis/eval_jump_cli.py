@@ -139,6 +139,10 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
     layout_flags = layout_flags_given(args)
     if layout_flags and not getattr(args, "load", None):
         raise InputError(f"{' and '.join(layout_flags)} only apply to --load CKPT")
+    if getattr(args, "device_map", None) and not getattr(args, "hf_model", None):
+        raise InputError(f"--device-map {args.device_map} applies to --hf-model only; a --load "
+                         "checkpoint too large for one device runs under torchrun with "
+                         "--tensor-model-parallel-size/--pipeline-model-parallel-size")
     report_files = list(args.reports)
     if args.compare is not None:
         if len(args.compare) not in (0, 2):

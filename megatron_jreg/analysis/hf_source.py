@@ -1,4 +1,9 @@
-"""Hidden states of any Hugging Face causal LM directory, captured with layer hooks.
+"""Hidden states of any Hugging Face causal LM, captured with layer hooks.
+
+The model is a directory, a hub id already in the local cache, or a GGUF file
+(:mod:`megatron_jreg.hf_models` resolves and loads all three, offline). With
+``--device-map`` accelerate spreads the layers over the visible devices; each layer's
+pair (h_{l-1}, h_l) is brought to one device before psi is computed (in fp32).
 
 h_0 is the input of decoder layer 1 (the embedding output, after any scaling the model
 applies, e.g. Gemma's sqrt(hidden)); h_l is the output of decoder layer l; h_L is taken
@@ -21,8 +26,9 @@ from megatron_jreg.analysis.devices import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
+from megatron_jreg import hf_models
 from megatron_jreg.cli import add_fields
-from megatron_jreg.errors import InputError, missing_extra
+from megatron_jreg.errors import InputError
 
 # (decoder layers, final norm) attribute paths, tried in order.
 _LAYOUTS: Tuple[Tuple[str, str], ...] = (
@@ -58,32 +64,16 @@ def find_decoder_layers(model: torch.nn.Module) -> Tuple[torch.nn.ModuleList, to
     )
 
 
-def _dtype_kwarg() -> str:
-    import transformers
-
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
-def _brief(error: Exception) -> str:
-    """The exception's type and first line: transformers' messages run to paragraphs."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-def check_hf_model_dir(path: str) -> None:
-    """Fail fast on a path that cannot be a Hugging Face model directory."""
-    if not os.path.exists(path):
-        raise InputError(f"--hf-model {path}: no such directory; check the path")
-    if not os.path.isdir(path):
-        raise InputError(
-            f"--hf-model {path}: not a directory; give a directory written by save_pretrained"
-        )
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise InputError(
-            f"--hf-model {path}: not a Hugging Face model directory (no config.json); "
-            "give a directory written by save_pretrained or tools/convert_to_hf.py"
-        )
+def _input_device(model: torch.nn.Module) -> torch.device:
+    """Where the token ids go: the input embedding's device (under a device map, where the
+    first layers run; accelerate's hooks move what each later layer needs)."""
+    weight = getattr(model.get_input_embeddings(), "weight", None)
+    if weight is not None and not weight.is_meta:
+        return weight.device
+    for param in model.parameters():
+        if not param.is_meta:
+            return param.device
+    return torch.device("cpu")
 
 
 class HFCausalLMSource:
@@ -103,7 +93,7 @@ class HFCausalLMSource:
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
         self.pad_id = int(pad) if pad is not None else 0
-        self.device = next(model.parameters()).device
+        self.device = _input_device(model)
         self._capture = LayerCapture(name, list(enumerate(self.layers, start=1)),
                                      self.num_layers, self.final_norm, include_final_norm)
 
@@ -123,41 +113,33 @@ class HFCausalLMSource:
         )
 
 
+def check_device_flags(device: str, device_map: Optional[str]) -> None:
+    """--device-map places the layers itself: it cannot be combined with a --device GPU."""
+    hf_models.check_device_map(device_map)
+    if device_map is not None and device != "cpu":
+        raise InputError(
+            f"--device {device} and --device-map {device_map}: the device map places the layers "
+            "on the visible GPUs itself (the CPU without one); drop --device")
+
+
 def load_hf_source(
     path: str,
     include_final_norm: bool = False,
     device: str = "cpu",
     dtype: str = "float32",
     name: Optional[str] = None,
+    device_map: Optional[str] = None,
 ) -> HFCausalLMSource:
-    """Load model and tokenizer from ``path`` with transformers (fp32 on CPU by default)."""
-    check_hf_model_dir(path)
-    dev = resolve_device(device)
+    """Load model and tokenizer of ``path`` (a directory, a cached hub id or a .gguf file)
+    with transformers: fp32 on the CPU by default, spread by accelerate with ``device_map``."""
     if dtype not in _DTYPES:
         raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError:
-        raise missing_extra("transformers", "hf", "--hf-model") from None
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # eval_jump draws its own progress over tokens
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **{_dtype_kwarg(): _DTYPES[dtype]})
-    except Exception as e:
-        raise InputError(
-            f"--hf-model {path}: cannot load a causal LM ({_brief(e)}); "
-            "check config.json and the weight files"
-        ) from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises OSError/ValueError/KeyError variously
-        raise InputError(
-            f"--hf-model {path}: cannot load its tokenizer ({_brief(e)}); "
-            "the directory needs the tokenizer files written by tokenizer.save_pretrained"
-        ) from None
-    model.to(dev)
-    label = name or os.path.basename(os.path.normpath(path))
+    check_device_flags(device, device_map)
+    dev = resolve_device(device)
+    model, tokenizer, _ = hf_models.load_causal_lm(path, _DTYPES[dtype], device_map=device_map)
+    if device_map is None:
+        model.to(dev)
+    label = name or hf_models.default_label(path)
     return HFCausalLMSource(model, tokenizer, label, include_final_norm=include_final_norm)
 
 
@@ -166,10 +148,18 @@ class HFSourceFlags:
     """The flags that select Hugging Face models to measure."""
 
     hf_model: Optional[List[str]] = dataclasses.field(default=None, metadata={
-        "metavar": "DIR",
-        "help": "Hugging Face causal LM directories (Llama, Qwen, Gemma, Mistral, ...); "
-        "several go on one plot. Needs the hf extra: `pip install --no-build-isolation -e "
+        "metavar": "MODEL",
+        "help": "Hugging Face causal LMs (Llama, Qwen, Gemma, Mistral, ...): a directory "
+        "written by save_pretrained, a hub id already in the local Hugging Face cache (read "
+        "offline, never downloaded), or a .gguf file (dequantized by transformers); several "
+        "go on one plot. Needs the hf extra: `pip install --no-build-isolation -e "
         "'.[hf]'` from the repository root."})
+    device_map: Optional[str] = dataclasses.field(default=None, metadata={
+        "choices": list(hf_models.DEVICE_MAPS),
+        "help": "--hf-model only, for a model larger than one GPU: accelerate spreads its "
+        "layers over the visible GPUs (auto: evenly, then the CPU when they are full); "
+        "without a GPU all of it runs on the CPU. Replaces --device; combine with --dtype "
+        "bfloat16 (psi is still computed in fp32). Needs accelerate."})
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -180,18 +170,23 @@ def _build(args: argparse.Namespace) -> List[SourceEntry]:
     include_final_norm = bool(getattr(args, "include_final_norm", False))
     device = getattr(args, "device", "cpu")
     dtype = getattr(args, "dtype", "float32")
+    device_map = getattr(args, "device_map", None)
+    check_device_flags(device, device_map)
     entries = []
-    for path in args.hf_model:
-        check_hf_model_dir(path)
+    for reference in args.hf_model:
+        local = hf_models.resolve_hf_model(reference)  # fails fast, before any model loads
+        hub_id = os.path.abspath(local) != os.path.abspath(reference)
 
-        def open_source(path: str = path) -> HFCausalLMSource:
-            return load_hf_source(path, include_final_norm, device, dtype)
+        def open_source(reference: str = reference) -> HFCausalLMSource:
+            return load_hf_source(reference, include_final_norm, device, dtype,
+                                  device_map=device_map)
 
         entries.append(
             SourceEntry(
-                label=os.path.basename(os.path.normpath(path)),
+                label=hf_models.default_label(reference),
                 open=open_source,
-                describe=os.path.abspath(path),
+                describe=reference if hub_id else os.path.abspath(reference),
+                extra={"snapshot": local} if hub_id else {},
             )
         )
     return entries

@@ -50,8 +50,10 @@ class JumpAccumulator:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        totals = torch.stack([total.double() for _, total, _ in pending])  # [n], one device
-        counts = torch.stack([torch.as_tensor(count, dtype=torch.float64, device=totals.device)
+        # one device: the layers of a model spread by a device map add on their own devices
+        device = pending[0][1].device
+        totals = torch.stack([total.to(device, torch.float64) for _, total, _ in pending])
+        counts = torch.stack([torch.as_tensor(count, dtype=torch.float64, device=device)
                               for _, _, count in pending])  # exact below 2**53 tokens
         for (layer, _, _), (total, count) in zip(pending, torch.stack([totals, counts], 1).tolist()):
             self._sums[layer - 1] += total
@@ -81,11 +83,16 @@ class JumpAccumulator:
     ) -> None:
         """Add one batch of layer ``layer`` (1-based): h_prev = h_{l-1}, h_next = h_l.
 
-        h_prev, h_next: [..., h] in any layout ([b, s, h] or Megatron's [s, b, h]);
+        h_prev, h_next: [..., h] in any layout ([b, s, h] or Megatron's [s, b, h]), in any
+        dtype and on any devices (h_prev and the mask are moved to h_next's); psi is fp32.
         mask: bool of the token shape [...] (True = counted; padding is False), or None.
         """
         self._check_layer(layer)
-        psi = token_displacement(h_prev.detach(), h_next.detach(), impl=self.impl)  # [...] fp32
+        # a pair from a model spread over devices is combined on h_next's device
+        h_prev = h_prev.detach().to(h_next.device)
+        if mask is not None:
+            mask = mask.to(h_next.device)
+        psi = token_displacement(h_prev, h_next.detach(), impl=self.impl)  # [...] fp32
         try:
             total = masked_sum(psi.double(), mask)
         except ValueError as err:

@@ -4,7 +4,9 @@ The one capture of every source: Hugging Face models, and our checkpoints on one
 or spread over a torchrun world. Layer ``l``'s input is ``h_{l-1}`` and its output
 ``h_l``; ``h_L`` gets the final norm only on request. A source hooks the layers it holds
 (all of them on one process, its pipeline stage's under torchrun) by their global 1-based
-numbers, and passes the token mask in the layout of the hidden states it sees.
+numbers, and passes the token mask in the layout of the hidden states it sees. A model
+spread over devices (``--device-map``) hands over pairs whose halves live on different
+devices: both go to the device of ``h_l`` before they are combined.
 """
 
 from __future__ import annotations
@@ -61,7 +63,11 @@ class LayerCapture:
             h_next = _layer_output(output)
             if layer_number == self.num_layers and self.include_final_norm:
                 h_next = self.final_norm(h_next)
-            mask = self._mask.to(h_prev.device)
+            # Under a device map (accelerate) a layer's input can still be on the previous
+            # layer's device (its hook moves it only inside the call), and the final norm
+            # can sit on another device: the pair and the mask meet on h_l's device.
+            h_prev = h_prev.to(h_next.device)
+            mask = self._mask.to(h_next.device)
             if mask.shape != h_prev.shape[:-1]:
                 raise RuntimeError(
                     f"layer {layer_number}: hidden states {tuple(h_prev.shape)} do not match "

@@ -36,7 +36,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
 RUN_CONFIG = "run_config.yaml"
 CHAT_TEMPLATE = "chat_template.jinja"  # an SFT run's chat template, for the HF export
-TOKENIZER_DIR = "tokenizer"  # an imported model's Hugging Face tokenizer files (convert_from_hf)
+TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer's files, carried (see carry_tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "added_tokens.json")
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                      "chained_optim_avoid_prefix": True}
 
@@ -187,12 +189,13 @@ def nonfinite_anywhere(model_chunks) -> Optional[str]:
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
                     run_config_yaml: str, train_state: Dict, run_id: str = "0",
                     extra_files: Optional[Dict[str, str]] = None,
-                    extra_dirs: Optional[Dict[str, str]] = None) -> str:
+                    tokenizer_dir: Optional[str] = None) -> str:
     """Write iteration ``iteration`` under ``root``; collective over all ranks.
 
     ``run_id`` (the same on every rank) names the temporary directory and tracker file,
     so no two runs share one. ``extra_files`` (name -> text) go beside the run config, and
-    ``extra_dirs`` (name -> directory) are copied there (a carried tokenizer).
+    ``tokenizer_dir``'s Hugging Face tokenizer files are copied into ``tokenizer/``
+    (:func:`carry_tokenizer`).
     Raises CheckpointError, having written nothing, when any parameter is non-finite."""
     from megatron.core import dist_checkpointing
 
@@ -223,8 +226,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         for name, text in {RUN_CONFIG: run_config_yaml, **(extra_files or {})}.items():
             with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        for name, source in (extra_dirs or {}).items():
-            shutil.copytree(source, os.path.join(partial, name))
+        if tokenizer_dir:
+            carry_tokenizer(tokenizer_dir, os.path.join(partial, TOKENIZER_DIR))
     _barrier()
     write_manifest(partial)  # every rank hashes its share of the files
     if rank == 0:
@@ -245,6 +248,18 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         os.replace(tmp, os.path.join(root, TRACKER))
     _barrier()
     return final
+
+
+def carry_tokenizer(source: str, target: str) -> None:
+    """Copy the tokenizer files of directory ``source`` (a tokenizer.json file: it and the
+    files beside it) into ``target``: the checkpoint then holds the tokenizer it was
+    trained with, wherever the original moves."""
+    if os.path.isfile(source):
+        source = os.path.dirname(source) or "."
+    os.makedirs(target, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
 
 
 SCHEDULER_FLAGS = {  # scheduler state key -> (flag, unit: samples per flag unit or None)

@@ -381,7 +381,7 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
         progress(f"writing {save}")
         ckpt.save_checkpoint(tmp_root, 0, [model], None, None, text, {"consumed_samples": 0},
                              run_id=uuid.uuid4().hex[:8],
-                             extra_dirs={ckpt.TOKENIZER_DIR: staged_tok})
+                             tokenizer_dir=staged_tok)
         shutil.rmtree(staged_tok)
         if os.path.isdir(final_root):
             os.rmdir(final_root)  # empty, checked above

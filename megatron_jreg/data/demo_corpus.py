@@ -38,6 +38,9 @@ class DemoCorpusConfig:
     (``{"messages": [...], "source": ...}`` with --chat)."""
     max_docs: int | None = None
     """Stop after this many documents (None: no limit; 500 conversations with --chat)."""
+    skip_docs: int = 0
+    """Leave out the first this many documents: ``--max-docs N`` and ``--skip-docs N`` give
+    two corpora without a document in common (held-out text)."""
     max_mb: float | None = None
     """Stop once this many MB of text are written (None: no limit)."""
     min_chars: int = 200
@@ -53,6 +56,8 @@ class DemoCorpusConfig:
             raise ValueError(f"--max-docs must be at least 1, got {self.max_docs}")
         if self.max_mb is not None and self.max_mb <= 0:
             raise ValueError(f"--max-mb must be positive, got {self.max_mb}")
+        if self.skip_docs < 0:
+            raise ValueError(f"--skip-docs must be >= 0, got {self.skip_docs}")
         if self.min_chars < 1:
             raise ValueError(f"--min-chars must be at least 1, got {self.min_chars}")
 
@@ -226,7 +231,8 @@ def write_demo_corpus(config: DemoCorpusConfig) -> tuple[int, int]:
     try:
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
             limit = config.max_docs or (DEMO_CHATS if config.chat else None)
-            for doc in iter_demo_chats() if config.chat else iter_demo_documents(config):
+            source = iter_demo_chats() if config.chat else iter_demo_documents(config)
+            for doc in itertools.islice(source, config.skip_docs, None):
                 if limit is not None and docs >= limit:
                     break
                 if max_bytes is not None and written >= max_bytes:

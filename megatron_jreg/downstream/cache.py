@@ -2,8 +2,8 @@
 
 An entry is one JSON file named by the SHA-256 of its key. The key holds the model's
 identity (a checkpoint: its directory, iteration and the checksum manifest of that
-iteration; a Hugging Face directory: its path, config.json and the size and mtime of each
-weight file), the task and a digest of its resolved config (an edited local YAML is a new
+iteration; a Hugging Face directory or a cached hub id's snapshot: its path, config.json and
+the size and mtime of each weight file; a GGUF file: its path, size and mtime), the task and a digest of its resolved config (an edited local YAML is a new
 task), the limit, the few-shot count, the dtype and lm-eval's version. The device and the
 batch size are not part of it: they change the numbers only by rounding.
 """
@@ -32,6 +32,14 @@ def hf_model_identity(model_dir: str) -> Dict[str, object]:
             weights[name] = [st.st_size, st.st_mtime_ns]
     return {"hf_model": model_dir, "config": file_sha256(config) if os.path.isfile(config) else None,
             "weights": weights}
+
+
+def gguf_identity(path: str) -> Dict[str, object]:
+    """A GGUF file by its path, size and mtime (hashing gigabytes on every run would cost
+    more than the tasks the cache saves)."""
+    path = os.path.realpath(path)
+    st = os.stat(path)
+    return {"gguf": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def checkpoint_identity(iteration_dir: str, root: str, iteration: int) -> Dict[str, object]:

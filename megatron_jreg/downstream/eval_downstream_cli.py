@@ -6,6 +6,9 @@ dataset fails before a checkpoint is exported. A checkpoint (``--load``, any TP/
 is exported to a temporary Hugging Face directory by ``checkpoint.hf_export`` in a child
 process (megatron's process group and its CPU redirections stay out of the evaluating
 process), then evaluated like ``--hf-model``; only the tasks missing from the cache are.
+``--hf-model`` takes a directory, a hub id already in the local Hugging Face cache (its
+snapshot directory, read offline) or a ``.gguf`` file, which is dequantized into a
+temporary directory for lm-eval's ``hf`` backend (removed afterwards, also on error).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence
 
-from megatron_jreg import strict_json
+from megatron_jreg import hf_models, strict_json
 from megatron_jreg.atomic_write import check_output_dir, check_output_path, write_text_atomic
 from megatron_jreg.cli import tool_parser
 from megatron_jreg.downstream import cache as cache_mod
@@ -41,8 +44,11 @@ class DownstreamConfig:
 
     load: Optional[List[str]] = _flag(metavar="CKPT", exclusive="model", group="models",
                                       help="--save directories of training runs (any TP/PP)")
-    hf_model: Optional[List[str]] = _flag(metavar="DIR", exclusive="model", group="models",
-                                          help="Hugging Face model directories")
+    hf_model: Optional[List[str]] = _flag(
+        metavar="MODEL", exclusive="model", group="models",
+        help="Hugging Face causal LMs: directories written by save_pretrained, hub ids already "
+        "in the local Hugging Face cache (read offline, never downloaded), or .gguf files "
+        "(dequantized into a temporary directory, removed afterwards)")
     iteration: Optional[int] = _flag(metavar="N", group="models", default_help="the latest",
                                      help="the iteration of each --load run")
     label: Optional[List[str]] = _flag(action="append", metavar="NAME", group="models",
@@ -62,6 +68,11 @@ class DownstreamConfig:
     device: str = _flag("cpu", group="how to run the model", help="torch device, e.g. cuda:0")
     dtype: str = _flag("float32", choices=["float32", "bfloat16", "float16"],
                        group="how to run the model", help="dtype the model runs in")
+    device_map: Optional[str] = _flag(
+        choices=list(hf_models.DEVICE_MAPS), group="how to run the model",
+        help="for a model larger than one GPU: accelerate spreads its layers over the visible "
+        "GPUs (auto: evenly, then the CPU when they are full; lm-eval's parallelize=True); "
+        "without a GPU all of it runs on the CPU. Replaces --device. Needs accelerate.")
     json: Optional[str] = _flag(metavar="OUT.json", group="outputs",
                                 help="write one object per model (a list when there are several)")
     csv: Optional[str] = _flag(metavar="OUT.csv", group="outputs",
@@ -81,10 +92,11 @@ def build_parser():
 class ModelEntry:
     label: str
     kind: str  # "load" or "hf_model"
-    path: str
+    path: str  # as given: the report's source
     iteration: Optional[int] = None
     seed: Optional[int] = None
     identity: dict = dataclasses.field(default_factory=dict)
+    local: Optional[str] = None  # --hf-model: the directory or .gguf file it resolved to
 
 
 def _entries(args) -> List[ModelEntry]:
@@ -99,19 +111,17 @@ def _entries(args) -> List[ModelEntry]:
     labels = args.label or []
     if labels and len(labels) != len(paths):
         raise InputError(f"{len(labels)} --label for {len(paths)} models; give one per model")
-    names = [os.path.basename(os.path.normpath(p)) for p in paths]
+    names = [hf_models.default_label(p) for p in paths]
     if len(set(names)) < len(names):
         names = [os.path.normpath(p) for p in paths]
     entries = []
     for path, name in zip(paths, labels or names):
         if kind == "hf_model":
-            if not os.path.isdir(path):
-                raise InputError(f"--hf-model {path}: no such directory; check the path")
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise InputError(f"--hf-model {path}: no config.json, not a Hugging Face model "
-                                 "directory; export a checkpoint with tools/convert_to_hf.py")
-            entries.append(ModelEntry(name, kind, path,
-                                      identity=cache_mod.hf_model_identity(path)))
+            # a directory, a cached hub id's snapshot or a .gguf file; InputError otherwise
+            local = hf_models.resolve_hf_model(path)
+            identity = (cache_mod.gguf_identity(local) if hf_models.is_gguf(local)
+                        else cache_mod.hf_model_identity(local))
+            entries.append(ModelEntry(name, kind, path, identity=identity, local=local))
             continue
         (iteration,) = checkpoint_iterations(path, iteration=args.iteration)
         it_dir = ckpt.iteration_dir(path, iteration)
@@ -166,16 +176,27 @@ def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limi
     if not missing:
         return results
     run = dict(dtype=args.dtype, device=args.device, batch_size=args.batch_size, limit=limit,
-               num_fewshot=args.num_fewshot)
+               num_fewshot=args.num_fewshot, device_map=args.device_map)
     print(f"{PROG}: {entry.label}: evaluating {', '.join(missing)}", file=sys.stderr)
-    if entry.kind == "hf_model":
-        fresh = harness.evaluate_hf(entry.path, missing, manager, **run)
+    if entry.kind == "hf_model" and not hf_models.is_gguf(entry.local) and not args.device_map:
+        fresh = harness.evaluate_hf(entry.local, missing, manager, **run)
     else:
+        # a checkpoint's export, a GGUF file's dense weights and accelerate's offload folder
+        # live here, and go with it (also on an error or Ctrl-C)
         with tempfile.TemporaryDirectory(prefix="eval_downstream.") as tmp:
-            out = os.path.join(tmp, "hf")
-            for warning in export_checkpoint(entry.path, entry.iteration, out):
-                print(f"{PROG}: warning: {entry.label}: {warning}", file=sys.stderr)
-            fresh = harness.evaluate_hf(out, missing, manager, **run)
+            if entry.kind == "load":
+                model_dir = os.path.join(tmp, "hf")
+                for warning in export_checkpoint(entry.path, entry.iteration, model_dir):
+                    print(f"{PROG}: warning: {entry.label}: {warning}", file=sys.stderr)
+            elif hf_models.is_gguf(entry.local):
+                print(f"{PROG}: {entry.label}: dequantizing {entry.local} into {tmp}",
+                      file=sys.stderr)
+                model_dir = hf_models.dequantize_gguf(entry.local, os.path.join(tmp, "hf"))
+            else:
+                model_dir = entry.local
+            if args.device_map:
+                run["offload_folder"] = os.path.join(tmp, "offload")
+            fresh = harness.evaluate_hf(model_dir, missing, manager, **run)
     for t in missing:
         cache.put(keys[t], fresh[t])
         results[t] = fresh[t]
@@ -191,6 +212,11 @@ def run(args) -> List[DownstreamReport]:
     if args.num_fewshot < 0:
         raise InputError(f"--num-fewshot {args.num_fewshot}: must be >= 0")
     limit = _limit(args.limit)
+    hf_models.check_device_map(args.device_map)
+    if args.device_map and args.device != "cpu":
+        raise InputError(f"--device {args.device} and --device-map {args.device_map}: the device "
+                         "map places the layers on the visible GPUs itself (the CPU without "
+                         "one); drop --device")
     names = resolve_tasks(args.tasks)
     entries = _entries(args)
     manager = harness.task_manager(args.include_path)

@@ -3,7 +3,7 @@
 The tasks are loaded once before any model (a checkpoint's export included), so an unknown
 task name or a dataset that is neither cached nor reachable fails first, with one line
 saying how to fix it. The model is lm-eval's ``hf`` backend (``simple_evaluate(model="hf",
-model_args="pretrained=DIR,dtype=...")``), so the numbers are lm-eval's own.
+model_args={"pretrained": DIR, "dtype": ...})``), so the numbers are lm-eval's own.
 """
 
 from __future__ import annotations
@@ -112,18 +112,43 @@ def _stable(value) -> str:
     return str(value)
 
 
+def model_args(model_dir: str, dtype: str, device_map: Optional[str] = None,
+               offload_folder: Optional[str] = None) -> dict:
+    """lm-eval's ``hf`` model arguments. With ``device_map`` it is lm-eval's
+    ``parallelize=True``, which gives accelerate only the GPUs' memory: the CPU's is added
+    (as ``from_pretrained(device_map="auto")`` does), so that a model larger than the GPUs
+    is kept in CPU memory and, without a GPU, runs on the CPU instead of going to disk."""
+    args = {"pretrained": model_dir, "dtype": dtype}
+    if device_map is not None:
+        from accelerate.utils import get_max_memory
+
+        args.update(parallelize=True, device_map=device_map,
+                    max_cpu_memory=int(get_max_memory()["cpu"]))
+        if offload_folder is not None:
+            args["offload_folder"] = offload_folder
+    return args
+
+
 def evaluate_hf(model_dir: str, names: List[str], manager, *, dtype: str, device: str,
-                batch_size: str, limit: Optional[float], num_fewshot: int) -> Dict[str, dict]:
+                batch_size: str, limit: Optional[float], num_fewshot: int,
+                device_map: Optional[str] = None,
+                offload_folder: Optional[str] = None) -> Dict[str, dict]:
     """lm-eval's results for ``names`` on the HF directory: {task: {"metrics": {..},
-    "samples": n}}, from one ``simple_evaluate`` call (one model load)."""
+    "samples": n}}, from one ``simple_evaluate`` call (one model load). ``device_map``
+    spreads the model over the visible GPUs (the CPU without one); lm-eval's inputs then
+    start on the first GPU."""
     from lm_eval import simple_evaluate
 
+    if device_map is not None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     # lm-eval prints progress lines ("bootstrapping for stddev") to stdout: the table owns it
     with contextlib.redirect_stdout(sys.stderr):
         out = simple_evaluate(
-            model="hf", model_args=f"pretrained={model_dir},dtype={dtype}", tasks=list(names),
-            task_manager=manager, device=device, batch_size=batch_size, limit=limit,
-            num_fewshot=num_fewshot, log_samples=False)
+            model="hf", model_args=model_args(model_dir, dtype, device_map, offload_folder),
+            tasks=list(names), task_manager=manager, device=device, batch_size=batch_size,
+            limit=limit, num_fewshot=num_fewshot, log_samples=False)
     from megatron_jreg.downstream.tasks import task_metrics
 
     samples = out.get("n-samples", {})

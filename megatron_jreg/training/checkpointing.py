@@ -169,9 +169,13 @@ class Checkpointer:
         if not self.cfg.save:
             return
         t0 = time.time()
+        data = self.experiment.data
+        carried = (data.tokenizer_model if data.tokenizer_type == "HuggingFaceTokenizer"
+                   else None)  # its files go with the weights (a moved tokenizer still loads)
         path = save_checkpoint(self.cfg.save, iteration, model, optimizer, scheduler,
                                self.experiment.to_yaml(), {"consumed_samples": consumed_samples},
-                               run_id=self.run_id, extra_files=self.extra_files)
+                               run_id=self.run_id, extra_files=self.extra_files,
+                               tokenizer_dir=carried)
         print_rank_0(f"saved checkpoint {path} in {time.time() - t0:.1f}s")
 
     def close(self) -> None:

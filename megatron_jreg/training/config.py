@@ -254,6 +254,10 @@ class CheckpointConfig:
     pretrained_checkpoint: Optional[str] = field(default=None, metadata=_flag(
         "--pretrained-checkpoint", "weights to start from when --load is unset or holds no "
         "checkpoint yet (implies --finetune for them; any TP/PP layout)"))
+    use_checkpoint_args: bool = field(default=False, metadata=_flag(
+        "--use-checkpoint-args", "take the architecture (and the tokenizer, when no tokenizer "
+        "flag is given) from the checkpoint of --load, else --pretrained-checkpoint; an "
+        "architecture flag that differs from it is refused", const=True))
     ckpt_format: str = field(default="torch_dist", metadata=_flag("--ckpt-format", "torch_dist"))
     no_load_rng: bool = field(default=False, metadata=_flag(
         "--no-load-rng", "on --load, do not restore the saved random state"))

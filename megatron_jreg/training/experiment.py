@@ -58,8 +58,11 @@ class ExperimentConfig:
     def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "ExperimentConfig":
         """Flags (and ``--config FILE.yaml``); a bad flag exits 2 with a one-line message."""
         given: Dict[str, dict] = {}
+        from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
+
         experiment = cls.from_sections(cli.parse(SECTIONS, argv, description=DESCRIPTION,
-                                                 build=BUILDERS, given=given))
+                                                 build=BUILDERS, given=given,
+                                                 resolve=apply_checkpoint_args))
         experiment.given = given
         return experiment
 

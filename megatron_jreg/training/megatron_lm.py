@@ -129,8 +129,6 @@ TABLE = [
     Row("--empty-unused-memory-level", NOTED, "PyTorch's cached memory is not emptied between "
         "steps", int, 0, (0, 1, 2), (0,)),
     # ---- checkpoints ----------------------------------------------------------------------
-    Row("--use-checkpoint-args", REFUSED, "pass the model flags (or --model-preset); the "
-        "trainer checks them against the checkpoint"),
     Row("--async-save", NOTED, "checkpoints are saved synchronously"),
     Row("--exit-on-missing-checkpoint", ACCEPTED, "always so here: a --load that holds no "
         "checkpoint stops the run before any work (unless --pretrained-checkpoint is given)"),
@@ -161,7 +159,7 @@ SECTION_FLAGS: Dict[str, List[str]] = {
                  "--exit-duration-in-mins", "--eval-iters"],
     "data": ["--dataloader-type", "--tokenizer-type", "--vocab-file", "--merge-file",
              "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"],
-    "checkpoint": ["--save-interval"],
+    "checkpoint": ["--save-interval", "--use-checkpoint-args"],
 }
 
 

@@ -1,0 +1,96 @@
+"""``--use-checkpoint-args``: the architecture from the checkpoint a run starts from.
+
+Megatron-LM's flag: the model's shape comes from the checkpoint instead of the command
+line. The checkpoint is ``--load``'s when it holds one (a resumed run), else
+``--pretrained-checkpoint``'s (an imported Hugging Face model, a pretraining run to
+fine-tune). Its architecture fields replace the model flags; a flag given on the command
+line (or in ``--config``) for one of them must agree with the checkpoint, else the run
+stops naming the flag. ``--seq-length`` and the fields that do not change the weights
+(dropout, precision, attention implementation, MoE dispatch) are the run's own, with the
+trainer's defaults. Without a tokenizer flag the tokenizer is the checkpoint's too (the
+files an imported model carries in its ``tokenizer/`` directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict
+
+from megatron_jreg.model.config import ModelConfig
+
+# the ModelConfig fields a checkpoint's weights do not pin
+RUN_FIELDS = ("model_preset", "seq_length", "padded_vocab", "hidden_dropout",
+              "attention_dropout", "attention_backend", "attention_softmax_in_fp32", "bf16",
+              "fp16", "transformer_impl", "moe_token_dispatcher_type", "moe_grouped_gemm",
+              "moe_aux_loss_coeff", "moe_router_load_balancing_type", "init_method_std",
+              "make_vocab_size_divisible_by")
+ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                            if f.name not in RUN_FIELDS)
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+def _flag(name: str) -> str:
+    return ModelConfig.__dataclass_fields__[name].metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+def _holds_checkpoint(root) -> bool:
+    from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, complete_iterations
+
+    return bool(root) and (os.path.exists(os.path.join(root, TRACKER))
+                           or bool(complete_iterations(root)))
+
+
+def checkpoint_configs(checkpoint: Dict[str, object]):
+    """(flag, directory, the saved config sections) of the checkpoint the run starts from."""
+    from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+    from megatron_jreg.checkpoint.model_loader import read_run_configs
+
+    load, pretrained = checkpoint.get("load"), checkpoint.get("pretrained_checkpoint")
+    if _holds_checkpoint(load):
+        flag, root, step = "--load", load, checkpoint.get("ckpt_step")
+    elif pretrained:
+        flag, root, step = "--pretrained-checkpoint", pretrained, None
+    else:
+        raise ValueError("--use-checkpoint-args reads the architecture from a checkpoint: pass "
+                         "--load (holding one) or --pretrained-checkpoint")
+    if not os.path.isdir(root):
+        raise ValueError(f"{flag} {root!r} does not exist")
+    try:
+        iteration = ckpt.resolve_iteration(root, step, root_flag=flag)
+        return flag, root, read_run_configs(ckpt.iteration_dir(root, iteration))
+    except (ckpt.CheckpointError, ValueError) as err:
+        raise ValueError(f"--use-checkpoint-args: {err}") from None
+
+
+def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
+    """cli.parse's ``resolve`` hook: rewrite the model (and tokenizer) settings."""
+    if not values["checkpoint"].get("use_checkpoint_args"):
+        return
+    flag, root, saved = checkpoint_configs(values["checkpoint"])
+    model, given = saved["model"], values["model"]
+    where = f"(--use-checkpoint-args takes the architecture from {flag} {root})"
+    if given.get("model_preset"):
+        raise ValueError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
+                         f"{where}; drop it")
+    for name in ARCHITECTURE_FIELDS:
+        if name in given and given[name] != getattr(model, name):
+            raise ValueError(f"{_flag(name)} {given[name]} differs from the checkpoint's "
+                             f"{getattr(model, name)} {where}; drop {_flag(name)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                if f.default is not dataclasses.MISSING}
+    merged = {**{k: defaults[k] for k in RUN_FIELDS if k in defaults},
+              **{k: getattr(model, k) for k in ARCHITECTURE_FIELDS},
+              "seq_length": model.seq_length, "padded_vocab": None, "model_preset": None}
+    merged.update({k: v for k, v in given.items() if k in RUN_FIELDS})
+    if merged["max_position_embeddings"] is not None and \
+            merged["seq_length"] > merged["max_position_embeddings"]:
+        raise ValueError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's "
+                         f"--max-position-embeddings {merged['max_position_embeddings']} {where}")
+    values["model"] = merged
+    data = values["data"]
+    if not any(name in data for name in TOKENIZER_FIELDS):
+        for name in TOKENIZER_FIELDS:
+            value = getattr(saved["data"], name)
+            if value is not None:
+                data[name] = value
