@@ -17,6 +17,8 @@ os.environ["MEGATRON_JREG_DEVICE"] = "cpu"
 
 SLOW_FIRST = [
     "training/test_example_scripts.py",
+    "training/test_continued_pretraining_example.py",
+    "analysis/test_convert_from_hf.py",
     "training/test_reliability.py",
     "training/test_training_runs.py",
     "analysis/test_downstream_workflow.py",
