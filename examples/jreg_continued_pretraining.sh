@@ -57,7 +57,7 @@ python tools/eval_jump.py \
   --load "$OUT/start" "$OUT/lambda0/checkpoints" "$OUT/lambda$JREG_LAMBDA/checkpoints" \
   --label start --label baseline --label jreg \
   --jsonl "$DATA/held_out.jsonl" --seq-length 128 --max-tokens "$EVAL_TOKENS" --batch-size 8 \
-  --compare --json "$OUT/jump.json" --csv "$OUT/jump.csv" --plot "$OUT/jump.png"
+  --json "$OUT/jump.json" --csv "$OUT/jump.csv" --plot "$OUT/jump.png"
 
 python - "$OUT" "$JREG_LAMBDA" <<'EOF'
 import json, sys

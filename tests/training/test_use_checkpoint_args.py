@@ -136,3 +136,25 @@ def test_an_agreeing_flag_is_accepted_and_a_missing_checkpoint_named(imported, t
     assert "--use-checkpoint-args reads the architecture from a checkpoint: pass --load" in proc.stderr
     json.dumps(proc.stderr)  # one line of text, no traceback
     assert "Traceback" not in proc.stderr
+
+
+def test_sft_from_the_import_at_tp2_equals_one_rank(imported, tmp_path):
+    tokenizer = os.path.join(imported["ckpt"], "iter_0000000", "tokenizer")
+    chat, prefix = tmp_path / "chat.jsonl", tmp_path / "chat"
+    _run(["tools/make_demo_corpus.py", "--chat", "--output", chat, "--max-docs", "60"])
+    _run(["tools/preprocess_data.py", "--sft", "--input", chat, "--output-prefix", prefix,
+          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer,
+          "--workers", "1"])
+
+    def sft_args(name):
+        argv = _args(imported, tmp_path, name, "--sft", "--split", "90,10,0")
+        argv[argv.index("--data-path") + 1] = str(prefix) + "_sft_document"
+        argv[argv.index("--seq-length") + 1] = "128"
+        return argv
+
+    one = read_metrics_of(train(sft_args("sft1")), tmp_path / "sft1.jsonl")
+    two = read_metrics_of(train(sft_args("sft2") + ["--tensor-model-parallel-size", "2"], nproc=2),
+                          tmp_path / "sft2.jsonl")
+    assert len(one) == 3 and all(r["jreg_penalty"] > 0 for r in one)
+    for a, b in zip(one, two):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
