@@ -67,3 +67,15 @@ def write_text_atomic(path: str, text: str) -> None:
             f.write(text)
 
     write_atomic(path, write)
+
+
+def temp_dir_beside(path: str) -> str:
+    """A new empty directory beside ``path`` (same file system: it can be renamed to
+    ``path``), with the permissions the umask gives a new directory (mkdtemp's 0700 would
+    survive the rename)."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(path))}.", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp

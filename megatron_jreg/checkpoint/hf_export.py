@@ -47,7 +47,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -61,7 +60,7 @@ from megatron_jreg.checkpoint.model_loader import (
     launched_world_size,
     load_model,
 )
-from megatron_jreg.atomic_write import check_output_dir
+from megatron_jreg.atomic_write import check_output_dir, temp_dir_beside
 from megatron_jreg.checkpoint.hf_families import (  # noqa: F401 (also this module's API)
     HF_CLASSES,
     check_exportable,
@@ -227,11 +226,7 @@ def convert(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    parent = os.path.dirname(os.path.abspath(output))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(output))}.", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would survive the rename
+    tmp = temp_dir_beside(output)
     warnings: List[str] = []
     try:
         if not skip_tokenizer:

@@ -1,9 +1,9 @@
-"""The weight and config mapping of each model family's Hugging Face export.
+"""The weight and config mapping of each model family's Hugging Face export and import.
 
 megatron-core GPTModel state dict (TP1, as ``model_loader.load_model`` rebuilds it) ->
 ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` or ``GPT2LMHeadModel``
 names and config; ``hf_export`` writes the directory. The names are listed in
-``hf_export``'s docstring.
+``hf_export``'s docstring. :func:`megatron_state_dict` is the inverse, for ``hf_import``.
 """
 
 from __future__ import annotations
@@ -211,4 +211,118 @@ def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads:
         out[dst + "mlp.c_proj.weight"] = take(src + "mlp.linear_fc2.weight").t().contiguous()
         out[dst + "mlp.c_proj.bias"] = take(src + "mlp.linear_fc2.bias")
     take.check_all_read("GPT-2")
+    return out
+
+
+_FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "mixtral": "Mixtral", "gpt2": "GPT-2"}
+
+
+# ---- Hugging Face -> megatron-core (hf_import) --------------------------------------------------------------------------------
+
+
+class _HFReader:
+    """The HF state dict read key by key; a tensor no key read is an error at the end."""
+
+    def __init__(self, state: Dict[str, torch.Tensor]):
+        self.state = dict(state)
+        self.used = set()
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise InputError(f"the Hugging Face model has no {key}; the weight files do not "
+                             "match config.json")
+        self.used.add(key)
+        return self.state[key]
+
+    def check_all_read(self, family: str, ignore=()) -> None:
+        left = sorted(k for k in set(self.state) - self.used
+                      if not k.endswith("rotary_emb.inv_freq") and k not in ignore)
+        if left:
+            raise InputError(f"Hugging Face tensors with no {family} counterpart here: "
+                             f"{left[:5]}; the model is not converted")
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+              num_groups: int, head_dim: int) -> torch.Tensor:
+    """q, k, v projections -> megatron's fused rows [q heads of g; k_g; v_g] per group g
+    (the inverse of ``hf_families.split_qkv``); weights [rows, in] or biases [rows, 1]."""
+    per_group = num_heads // num_groups
+    tail = q.shape[1:]
+    grouped = torch.cat([q.reshape(num_groups, per_group, head_dim, *tail),
+                         k.reshape(num_groups, 1, head_dim, *tail),
+                         v.reshape(num_groups, 1, head_dim, *tail)], dim=1)
+    return grouped.reshape(num_groups * (per_group + 2) * head_dim, *tail).contiguous()
+
+
+def megatron_state_dict(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
+    """TP1 GPTModel tensors (megatron-core's local layer spec names) for HF weights."""
+    family = model_cfg.family
+    if family == "gpt2":
+        return _gpt2_megatron(hf_state, model_cfg)
+    take = _HFReader(hf_state)
+    heads, groups, d = model_cfg.num_attention_heads, model_cfg.query_groups, model_cfg.head_dim
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
+           "decoder.final_layernorm.weight": take("model.norm.weight")}
+    if not tied:
+        out["output_layer.weight"] = take("lm_head.weight")
+    for i in range(model_cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        out[dst + "self_attention.linear_qkv.weight"] = merge_qkv(
+            take(src + "self_attn.q_proj.weight"), take(src + "self_attn.k_proj.weight"),
+            take(src + "self_attn.v_proj.weight"), heads, groups, d)
+        out[dst + "self_attention.linear_proj.weight"] = take(src + "self_attn.o_proj.weight")
+        if family == "qwen3":
+            out[dst + "self_attention.q_layernorm.weight"] = take(src + "self_attn.q_norm.weight")
+            out[dst + "self_attention.k_layernorm.weight"] = take(src + "self_attn.k_norm.weight")
+        if family == "mixtral":
+            out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight")
+            gate_up, down = take(src + "mlp.experts.gate_up_proj"), take(src + "mlp.experts.down_proj")
+            for e in range(model_cfg.num_experts):
+                expert = dst + f"mlp.experts.local_experts.{e}."
+                out[expert + "linear_fc1.weight"] = gate_up[e].contiguous()
+                out[expert + "linear_fc2.weight"] = down[e].contiguous()
+            continue
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]).contiguous()
+        out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.down_proj.weight")
+    take.check_all_read(_FAMILY_NAMES.get(family, family),
+                        ignore=("lm_head.weight",) if tied else ())
+    return out
+
+
+def _gpt2_megatron(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
+    take = _HFReader(hf_state)
+    heads, d = model_cfg.num_attention_heads, model_cfg.head_dim
+
+    def per_head(tensor: torch.Tensor) -> torch.Tensor:  # [q; k; v] rows -> per head
+        flat = tensor.reshape(tensor.shape[0], -1)
+        q, k, v = flat.chunk(3, dim=0)
+        return merge_qkv(q, k, v, heads, heads, d).reshape(-1, *tensor.shape[1:])
+
+    out = {"embedding.word_embeddings.weight": take("transformer.wte.weight"),
+           "embedding.position_embeddings.weight": take("transformer.wpe.weight"),
+           "decoder.final_layernorm.weight": take("transformer.ln_f.weight"),
+           "decoder.final_layernorm.bias": take("transformer.ln_f.bias")}
+    for i in range(model_cfg.num_layers):
+        src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
+        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            out[dst + f"{ours}.weight"] = take(src + f"{theirs}.weight")
+            out[dst + f"{ours}.bias"] = take(src + f"{theirs}.bias")
+        out[dst + "self_attention.linear_qkv.weight"] = per_head(
+            take(src + "attn.c_attn.weight").t().contiguous())
+        out[dst + "self_attention.linear_qkv.bias"] = per_head(
+            take(src + "attn.c_attn.bias")[:, None])[:, 0].contiguous()
+        out[dst + "self_attention.linear_proj.weight"] = take(src + "attn.c_proj.weight").t().contiguous()
+        out[dst + "self_attention.linear_proj.bias"] = take(src + "attn.c_proj.bias")
+        out[dst + "mlp.linear_fc1.weight"] = take(src + "mlp.c_fc.weight").t().contiguous()
+        out[dst + "mlp.linear_fc1.bias"] = take(src + "mlp.c_fc.bias")
+        out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.c_proj.weight").t().contiguous()
+        out[dst + "mlp.linear_fc2.bias"] = take(src + "mlp.c_proj.bias")
+    # the causal-mask buffers of older transformers versions are not weights
+    take.check_all_read("GPT-2", ignore={k for k in hf_state if k.endswith((".attn.bias",
+                                                                           ".attn.masked_bias"))}
+                        | {"lm_head.weight"})
     return out
