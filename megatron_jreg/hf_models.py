@@ -48,10 +48,16 @@ def default_label(reference: str) -> str:
     return name[: -len(GGUF_SUFFIX)] if is_gguf(name) and len(name) > len(GGUF_SUFFIX) else name
 
 
-def check_device_map(device_map: Optional[str], flag: str = "--device-map") -> None:
-    """Fail fast (before any model loads) on a placement accelerate cannot make."""
+def check_device_map(device_map: Optional[str], device: str = "cpu",
+                     flag: str = "--device-map") -> None:
+    """Fail fast (before any model loads) on a placement accelerate cannot make, or one
+    given with a GPU ``--device``: the device map places the layers itself."""
     if device_map is None:
         return
+    if device != "cpu":
+        raise InputError(
+            f"--device {device} and {flag} {device_map}: the device map places the layers on "
+            "the visible GPUs itself (the CPU without one); drop --device")
     if device_map not in DEVICE_MAPS:
         raise InputError(f"{flag} {device_map}: choose one of {', '.join(DEVICE_MAPS)}")
     try:
@@ -232,12 +238,12 @@ def plain_model(model):
     return fresh if isinstance(fresh, transformers.PreTrainedModel) else model
 
 
-def dequantize_gguf(path: str, output: str, flag: str = "--hf-model") -> str:
-    """Write GGUF file ``path`` as a plain fp32 Hugging Face directory ``output``
-    (atomically: a temporary directory renamed). Returns ``output``."""
+def dequantize_gguf(path: str, output: str, flag: str = "--hf-model", dtype=None) -> str:
+    """Write GGUF file ``path`` as a plain Hugging Face directory ``output`` in ``dtype``
+    (fp32 by default), atomically: a temporary directory renamed. Returns ``output``."""
     if os.path.exists(output):
         raise InputError(f"{output}: already exists; remove it or choose a new directory")
-    model, tokenizer = load_gguf(path, flag=flag)
+    model, tokenizer = load_gguf(path, dtype, flag=flag)
     parent = os.path.dirname(os.path.abspath(output)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(output))}.", dir=parent)

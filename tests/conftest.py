@@ -19,6 +19,7 @@ SLOW_FIRST = [
     "training/test_example_scripts.py",
     "training/test_continued_pretraining_example.py",
     "analysis/test_convert_from_hf.py",
+    "analysis/test_hf_model_references.py",
     "training/test_reliability.py",
     "training/test_training_runs.py",
     "analysis/test_downstream_workflow.py",

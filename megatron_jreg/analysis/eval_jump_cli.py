@@ -139,10 +139,6 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
     layout_flags = layout_flags_given(args)
     if layout_flags and not getattr(args, "load", None):
         raise InputError(f"{' and '.join(layout_flags)} only apply to --load CKPT")
-    if getattr(args, "device_map", None) and not getattr(args, "hf_model", None):
-        raise InputError(f"--device-map {args.device_map} applies to --hf-model only; a --load "
-                         "checkpoint too large for one device runs under torchrun with "
-                         "--tensor-model-parallel-size/--pipeline-model-parallel-size")
     report_files = list(args.reports)
     if args.compare is not None:
         if len(args.compare) not in (0, 2):
@@ -245,6 +241,10 @@ def nonfinite_message(measured: Sequence[Tuple[SourceEntry, JumpReport]]) -> str
 
 
 def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
+    if getattr(args, "device_map", None) and not getattr(args, "hf_model", None):
+        raise InputError(f"--device-map {args.device_map} applies to --hf-model only; a --load "
+                         "checkpoint too large for one device runs under torchrun with "
+                         "--tensor-model-parallel-size/--pipeline-model-parallel-size")
     entries = build_sources(args, list(kinds))
     output = _is_output_rank()
 

@@ -22,11 +22,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_jreg import hf_models
 from megatron_jreg.analysis.devices import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
-from megatron_jreg import hf_models
 from megatron_jreg.cli import add_fields
 from megatron_jreg.errors import InputError
 
@@ -113,15 +113,6 @@ class HFCausalLMSource:
         )
 
 
-def check_device_flags(device: str, device_map: Optional[str]) -> None:
-    """--device-map places the layers itself: it cannot be combined with a --device GPU."""
-    hf_models.check_device_map(device_map)
-    if device_map is not None and device != "cpu":
-        raise InputError(
-            f"--device {device} and --device-map {device_map}: the device map places the layers "
-            "on the visible GPUs itself (the CPU without one); drop --device")
-
-
 def load_hf_source(
     path: str,
     include_final_norm: bool = False,
@@ -134,7 +125,7 @@ def load_hf_source(
     with transformers: fp32 on the CPU by default, spread by accelerate with ``device_map``."""
     if dtype not in _DTYPES:
         raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
-    check_device_flags(device, device_map)
+    hf_models.check_device_map(device_map, device)
     dev = resolve_device(device)
     model, tokenizer, _ = hf_models.load_causal_lm(path, _DTYPES[dtype], device_map=device_map)
     if device_map is None:
@@ -171,7 +162,7 @@ def _build(args: argparse.Namespace) -> List[SourceEntry]:
     device = getattr(args, "device", "cpu")
     dtype = getattr(args, "dtype", "float32")
     device_map = getattr(args, "device_map", None)
-    check_device_flags(device, device_map)
+    hf_models.check_device_map(device_map, device)
     entries = []
     for reference in args.hf_model:
         local = hf_models.resolve_hf_model(reference)  # fails fast, before any model loads

@@ -3,9 +3,10 @@
 An entry is one JSON file named by the SHA-256 of its key. The key holds the model's
 identity (a checkpoint: its directory, iteration and the checksum manifest of that
 iteration; a Hugging Face directory or a cached hub id's snapshot: its path, config.json and
-the size and mtime of each weight file; a GGUF file: its path, size and mtime), the task and a digest of its resolved config (an edited local YAML is a new
-task), the limit, the few-shot count, the dtype and lm-eval's version. The device and the
-batch size are not part of it: they change the numbers only by rounding.
+the size and mtime of each weight file; a GGUF file: its path, size and mtime), the task
+and a digest of its resolved config (an edited local YAML is a new task), the limit, the
+few-shot count, the dtype and lm-eval's version. The device, the device map and the batch
+size are not part of it: they change the numbers only by rounding.
 """
 
 from __future__ import annotations

@@ -165,6 +165,12 @@ def _limit(value: Optional[float]):
     return int(value) if value >= 1 and value == int(value) else value
 
 
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limit) -> dict:
     """{task: lm-eval result} for one model, from the cache where it can."""
     settings = dict(limit=limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
@@ -191,7 +197,9 @@ def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limi
             elif hf_models.is_gguf(entry.local):
                 print(f"{PROG}: {entry.label}: dequantizing {entry.local} into {tmp}",
                       file=sys.stderr)
-                model_dir = hf_models.dequantize_gguf(entry.local, os.path.join(tmp, "hf"))
+                # in the dtype the model runs in: half the disk of fp32 for bf16
+                model_dir = hf_models.dequantize_gguf(entry.local, os.path.join(tmp, "hf"),
+                                                      dtype=_torch_dtype(args.dtype))
             else:
                 model_dir = entry.local
             if args.device_map:
@@ -212,11 +220,7 @@ def run(args) -> List[DownstreamReport]:
     if args.num_fewshot < 0:
         raise InputError(f"--num-fewshot {args.num_fewshot}: must be >= 0")
     limit = _limit(args.limit)
-    hf_models.check_device_map(args.device_map)
-    if args.device_map and args.device != "cpu":
-        raise InputError(f"--device {args.device} and --device-map {args.device_map}: the device "
-                         "map places the layers on the visible GPUs itself (the CPU without "
-                         "one); drop --device")
+    hf_models.check_device_map(args.device_map, args.device)
     names = resolve_tasks(args.tasks)
     entries = _entries(args)
     manager = harness.task_manager(args.include_path)

@@ -139,10 +139,10 @@ def evaluate_hf(model_dir: str, names: List[str], manager, *, dtype: str, device
     start on the first GPU."""
     from lm_eval import simple_evaluate
 
-    if device_map is not None:
-        import torch
+    if device_map is not None:  # lm-eval's inputs go where the first layers went
+        from megatron_jreg.platform.device import device_type
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = device_type()
     # lm-eval prints progress lines ("bootstrapping for stddev") to stdout: the table owns it
     with contextlib.redirect_stdout(sys.stderr):
         out = simple_evaluate(

@@ -50,6 +50,13 @@ def _redirect_device(fn):
 def _patch_torch_devices() -> None:
     # optimizer/optimizer.py (found_inf, _scale), optimizer/clip_grads.py (total_norm),
     # pipeline_parallel/schedules.py (loss tensors), distributed buffers: device="cuda".
+    # torch's `with torch.device(...)` mode knows its factories by identity, from a list it
+    # builds once: built here, it holds torch's own factories, which the wrappers call, so
+    # the mode still places them (transformers builds models under torch.device("meta");
+    # built after the patch, RoPE buffers of a later from_pretrained held garbage)
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         fn = getattr(torch, name)
         if not getattr(fn, "_megatron_jreg_cpu", False):

@@ -8,34 +8,13 @@ import pytest
 import torch
 from session_cache import build_once
 
-VOCAB_WORDS = [f"w{i}" for i in range(90)]
-SPECIAL = ["[UNK]", "[PAD]", "<s>", "</s>"]
+from tiny_tokenizer import SPECIAL, VOCAB_WORDS
+from tiny_tokenizer import save_tokenizer as _save_tokenizer
 
 
 def _documents(n: int, seed: int = 0):
     rng = random.Random(seed)
     return [" ".join(rng.choice(VOCAB_WORDS) for _ in range(rng.randint(3, 20))) for _ in range(n)]
-
-
-def _save_tokenizer(path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + VOCAB_WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # The tokenizer adds <s> itself, so "special tokens as the tokenizer adds them" matters.
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-    fast.save_pretrained(path)
 
 
 @pytest.fixture(scope="session")

@@ -47,3 +47,33 @@ def test_cpu_platform_carries_no_megatron_core_fix(checks):
     assert checks["mcore_fixes_applied"] is False
     assert checks["checkpoint_without_output_fp8"] is True
     assert checks["writer_queue_is_local"] is False
+
+
+HF_AFTER_ACTIVATE = r"""
+import json, sys, torch
+from megatron_jreg.platform import cpu
+cpu.activate()  # before anything has placed a tensor under `with torch.device(...)`
+import transformers
+config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, vocab_size=96, rope_theta=5000.0)
+transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+with torch.device("meta"):
+    meta = torch.arange(4)  # the wrapped factory, placed by the device mode
+print(json.dumps({"inv_freq": model.model.rotary_emb.inv_freq.tolist(), "meta": meta.device.type}))
+"""
+
+
+def test_device_mode_still_places_the_wrapped_factories(tmp_path):
+    """A Hugging Face model loaded after activate() (eval_jump --load, then --hf-model in one
+    process): transformers builds it under torch.device("meta"), whose mode must still see
+    the factories the redirection wraps, else RoPE's inv_freq is uninitialised memory."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "-c", HF_AFTER_ACTIVATE, str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = [5000.0 ** (-i / 8) for i in range(0, 8, 2)]  # base^(-2i/d), head dim 8
+    assert got["inv_freq"] == pytest.approx(want, rel=1e-6)
+    assert got["meta"] == "meta"

@@ -204,3 +204,33 @@ def test_sdpa_reads_groups_gpu_arm(monkeypatch):
     assert sdpa_reads_groups(q, k, v, None, 0.0, True) is False
     verdict.update(flash_enabled=False, flash_runs=True)  # FlashAttention turned off
     assert sdpa_reads_groups(q, k, v, None, 0.0, True) is False
+
+
+def test_device_map_with_a_gpu_device_is_refused(fake_gpu):
+    from megatron_jreg.hf_models import check_device_map
+
+    with pytest.raises(InputError, match="--device cuda:1 and --device-map auto: the device map "
+                                         "places the layers"):
+        check_device_map("auto", "cuda:1")
+    check_device_map("auto", "cpu")  # the CPU arm: accelerate places the layers
+    check_device_map(None, "cuda")  # no device map: --device alone decides
+
+
+def test_downstream_device_map_inputs_follow_the_device_mapping(fake_gpu, monkeypatch):
+    """eval_downstream --device-map: lm-eval's inputs start on the GPU on a GPU machine,
+    on the CPU where the run is pinned there."""
+    import sys
+    import types
+
+    from megatron_jreg.downstream import harness
+
+    seen = []
+    fake = types.ModuleType("lm_eval")
+    fake.simple_evaluate = lambda **kw: seen.append(kw["device"]) or {"results": {}}
+    monkeypatch.setitem(sys.modules, "lm_eval", fake)
+    for pinned, want in ((None, "cuda"), ("cpu", "cpu")):
+        if pinned:
+            monkeypatch.setenv("MEGATRON_JREG_DEVICE", pinned)
+        harness.evaluate_hf("dir", [], None, dtype="float32", device="cpu", batch_size="1",
+                            limit=None, num_fewshot=0, device_map="auto")
+        assert seen[-1] == want
