@@ -287,3 +287,20 @@ def test_save_must_be_new_and_bad_references_are_named(tmp_path):
                  tmp_path / "x"], check=False)
     assert proc.returncode == 2 and "no such directory" in proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["held"]
+
+
+def test_bfloat16_import_holds_the_rounded_weights(tmp_path):
+    """--dtype bfloat16: the run config says --bf16 and the export gives each original
+    tensor rounded to bf16 (torch's own rounding), nothing else."""
+    from safetensors.torch import load_file
+
+    hf_dir = _save_tiny("llama", tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    _run(["tools/convert_from_hf.py", "--hf-model", hf_dir, "--save", ckpt, "--dtype", "bfloat16"])
+    assert "bf16: true" in (ckpt / "iter_0000000" / "run_config.yaml").read_text()
+    _run(["tools/convert_to_hf.py", "--load", ckpt, "--output", tmp_path / "back"])
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    for key, tensor in original.items():
+        assert torch.equal(back[key], tensor.to(torch.bfloat16).to(torch.float32)), key
+    assert any(not torch.equal(back[k], t) for k, t in original.items())  # it did round
