@@ -260,6 +260,22 @@ def dequantize_gguf(path: str, output: str, flag: str = "--hf-model", dtype=None
     return output
 
 
+def check_loading_info(info: dict, what: str) -> None:
+    """transformers fills a weight that config.json asks for and the files lack with a
+    random init (and only logs it): that is an error here, as are tensors no layer takes."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.endswith("inv_freq"))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ())
+                        if not k.endswith(("inv_freq", ".attn.bias", ".attn.masked_bias")))
+    if missing:
+        raise InputError(f"{what}: the weight files lack {len(missing)} tensors config.json "
+                         f"asks for (e.g. {missing[0]}); the files and config.json do not "
+                         "belong together")
+    if unexpected:
+        raise InputError(f"{what}: the weight files hold {len(unexpected)} tensors the model "
+                         f"of config.json has no place for (e.g. {unexpected[0]}); the files "
+                         "and config.json do not belong together")
+
+
 def load_causal_lm(reference: str, dtype=None, device_map: Optional[str] = None,
                    flag: str = "--hf-model"):
     """(model, tokenizer, local path) for any ``reference`` :func:`resolve_hf_model` takes.
@@ -283,11 +299,13 @@ def load_causal_lm(reference: str, dtype=None, device_map: Optional[str] = None,
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            path, output_loading_info=True, **kwargs)
     except Exception as err:
         raise InputError(
             f"{flag} {reference}: cannot load a causal LM ({brief(err)}); "
             "check config.json and the weight files") from None
+    check_loading_info(info, f"{flag} {reference}")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as err:

@@ -270,9 +270,14 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
                              run_id=uuid.uuid4().hex[:8],
                              tokenizer_dir=staged_tok)
         shutil.rmtree(staged_tok)
-        if os.path.isdir(final_root):
-            os.rmdir(final_root)  # empty, checked above
-        os.rename(tmp_root, final_root)
+        try:
+            if os.path.isdir(final_root):
+                os.rmdir(final_root)  # empty, checked above
+            os.rename(tmp_root, final_root)
+        except OSError:  # another process wrote --save meanwhile: its checkpoint stays
+            raise InputError(f"--save {save}: another process wrote there while this "
+                             "conversion ran; its files are kept, this one's removed: choose "
+                             "a new directory") from None
     except BaseException:
         shutil.rmtree(tmp_root, ignore_errors=True)
         raise
@@ -318,7 +323,15 @@ def build_parser():
 def main(argv=None) -> int:
     import sys
 
+    import signal
+
     args = build_parser().parse_args(argv)
+
+    def stop(signum, frame):  # the temporary directory is removed on the way out
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
     try:
         summary = convert(args.hf_model, args.save, tp=args.tensor_model_parallel_size,
                           pp=args.pipeline_model_parallel_size, dtype=args.dtype,
@@ -326,6 +339,10 @@ def main(argv=None) -> int:
     except InputError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stopped:
+        print(f"{PROG}: stopped ({stopped.args[0] if stopped.args else 'SIGINT'}); nothing "
+              f"written to {args.save}", file=sys.stderr)
+        return 130
     print(f"wrote {args.save}: {summary['family']}, {summary['layers']} layers, "
           f"{summary['parameters'] / 1e6:.1f}M parameters ({args.dtype}), iteration 0, "
           f"in {summary['seconds']:.1f}s")

@@ -74,7 +74,10 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
         raise ValueError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
                          f"{where}; drop it")
     for name in ARCHITECTURE_FIELDS:
-        if name in given and given[name] != getattr(model, name):
+        saved_value = getattr(model, name)
+        if name == "kv_channels" and saved_value is None:  # None: hidden / heads
+            saved_value = given[name] if given.get(name) == model.head_dim else None
+        if name in given and given[name] != saved_value:
             raise ValueError(f"{_flag(name)} {given[name]} differs from the checkpoint's "
                              f"{getattr(model, name)} {where}; drop {_flag(name)}")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)

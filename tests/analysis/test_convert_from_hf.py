@@ -304,3 +304,34 @@ def test_bfloat16_import_holds_the_rounded_weights(tmp_path):
     for key, tensor in original.items():
         assert torch.equal(back[key], tensor.to(torch.bfloat16).to(torch.float32)), key
     assert any(not torch.equal(back[k], t) for k, t in original.items())  # it did round
+
+
+def test_weights_that_do_not_match_config_are_refused(tmp_path):
+    """transformers fills what config.json asks for and the files lack with a random init;
+    the import refuses it instead of converting random layers."""
+    hf_dir = _save_tiny("llama", tmp_path / "hf")
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    config["num_hidden_layers"] = 5
+    json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
+    proc = _run(["tools/convert_from_hf.py", "--hf-model", hf_dir, "--save", tmp_path / "ck"],
+                check=False)
+    assert proc.returncode == 2
+    assert "the weight files lack 9 tensors config.json asks for (e.g. model.layers.4." in proc.stderr
+    assert not (tmp_path / "ck").exists()
+
+
+def test_sigterm_while_writing_leaves_nothing(smollm2_hf, tmp_path):
+    import signal
+
+    save = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "tools/convert_from_hf.py", "--hf-model", smollm2_hf,
+                             "--save", str(save)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the weights are read; the save has begun
+        if line.startswith("writing"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert f"convert_from_hf: stopped (SIGTERM); nothing written to {save}" in err
+    assert os.listdir(tmp_path) == []  # neither --save nor the temporary directory
