@@ -19,16 +19,25 @@ import functools
 import inspect
 import os
 import shutil
-import tempfile
 from typing import Optional
 
+from megatron_jreg.atomic_write import temp_dir_beside
 from megatron_jreg.errors import InputError, missing_extra
 
 GGUF_SUFFIX = ".gguf"
+# the --dtype names of the tools that load or write Hugging Face models
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # accelerate's placements (``from_pretrained(device_map=...)``): "auto" and "balanced" spread
 # the layers evenly over the GPUs, then the CPU; "balanced_low_0" keeps GPU 0 light;
 # "sequential" fills the GPUs in order. Without a GPU every one of them is the CPU.
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a --dtype name (one of DTYPE_NAMES)."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def brief(error: BaseException) -> str:
@@ -244,12 +253,8 @@ def dequantize_gguf(path: str, output: str, flag: str = "--hf-model", dtype=None
     if os.path.exists(output):
         raise InputError(f"{output}: already exists; remove it or choose a new directory")
     model, tokenizer = load_gguf(path, dtype, flag=flag)
-    parent = os.path.dirname(os.path.abspath(output)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(output))}.", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    os.makedirs(os.path.dirname(os.path.abspath(output)) or ".", exist_ok=True)
+    tmp = temp_dir_beside(output)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -39,7 +39,6 @@ _LAYOUTS: Tuple[Tuple[str, str], ...] = (
     ("transformer.h", "transformer.ln_f"),  # GPT-2, GPT-J, Falcon, BLOOM
 )
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _get_path(obj: object, path: str) -> Optional[object]:
@@ -123,11 +122,12 @@ def load_hf_source(
 ) -> HFCausalLMSource:
     """Load model and tokenizer of ``path`` (a directory, a cached hub id or a .gguf file)
     with transformers: fp32 on the CPU by default, spread by accelerate with ``device_map``."""
-    if dtype not in _DTYPES:
-        raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
+    if dtype not in hf_models.DTYPE_NAMES:
+        raise InputError(f"--dtype {dtype}: choose one of {sorted(hf_models.DTYPE_NAMES)}")
     hf_models.check_device_map(device_map, device)
     dev = resolve_device(device)
-    model, tokenizer, _ = hf_models.load_causal_lm(path, _DTYPES[dtype], device_map=device_map)
+    model, tokenizer, _ = hf_models.load_causal_lm(path, hf_models.torch_dtype(dtype),
+                                                    device_map=device_map)
     if device_map is None:
         model.to(dev)
     label = name or hf_models.default_label(path)

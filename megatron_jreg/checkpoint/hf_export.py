@@ -72,9 +72,9 @@ from megatron_jreg.checkpoint.hf_families import (  # noqa: F401 (also this modu
 )
 from megatron_jreg.cli import tool_parser
 from megatron_jreg.errors import InputError, missing_extra
+from megatron_jreg.hf_models import DTYPE_NAMES, torch_dtype
 
 PROG = "convert_to_hf"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---- tokenizers ----------------------------------------------------------------------------
@@ -202,8 +202,8 @@ def convert(
 ) -> List[str]:
     """Write the HF directory ``output`` (atomically: a temp dir renamed); returns warnings."""
     _check_output(output)
-    if dtype not in _DTYPES:
-        raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise InputError(f"--dtype {dtype}: choose one of {sorted(DTYPE_NAMES)}")
     if tokenizer_model is not None and not os.path.exists(tokenizer_model):
         raise InputError(f"--tokenizer-model {tokenizer_model}: no such file or directory")
     if launched_world_size() > 1:
@@ -261,7 +261,7 @@ def convert(
             raise RuntimeError(
                 f"weight mapping incomplete: missing {missing}, unexpected {unexpected}"
             )
-        model.to(_DTYPES[dtype])
+        model.to(torch_dtype(dtype))
         model.save_pretrained(tmp, safe_serialization=True)
         os.rename(tmp, output)
     except BaseException:
@@ -279,7 +279,7 @@ class ExportConfig:
         "metavar": "N", "default_help": "the latest", "help": "the iteration to export"})
     output: str = field(metadata={"metavar": "DIR", "help": "a new directory to write"})
     dtype: str = field(default="float32", metadata={
-        "choices": sorted(_DTYPES), "help": "dtype of the saved weights"})
+        "choices": sorted(DTYPE_NAMES), "help": "dtype of the saved weights"})
     tokenizer_model: Optional[str] = field(default=None, metadata={
         "metavar": "PATH", "help": "the run's tokenizer file, when it moved since training"})
     no_tokenizer: bool = field(default=False, metadata={

@@ -38,20 +38,58 @@ class _StateReader:
     """A TP1 GPTModel state dict read key by key (``_extra_state`` entries ignored); a tensor
     no key read is an error at the end, so no weight is silently dropped."""
 
+    SKIP = ("_extra_state",)  # key suffixes that are not weights
+
     def __init__(self, state: Dict[str, torch.Tensor]):
-        self.state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+        self.state = {k: v for k, v in state.items() if not k.endswith(self.SKIP)}
         self.used = set()
 
     def __call__(self, key: str) -> torch.Tensor:
         if key not in self.state:
-            raise KeyError(f"the checkpoint's model has no {key}")
+            raise self.missing(key)
         self.used.add(key)
         return self.state[key]
 
-    def check_all_read(self, family: str) -> None:
-        left = sorted(set(self.state) - self.used)
+    def check_all_read(self, family: str, ignore=()) -> None:
+        left = sorted(k for k in set(self.state) - self.used if k not in ignore)
         if left:
-            raise KeyError(f"checkpoint tensors with no {family} counterpart: {left[:5]}")
+            raise self.unread(family, left[:5])
+
+    @staticmethod
+    def missing(key: str) -> Exception:
+        return KeyError(f"the checkpoint's model has no {key}")
+
+    @staticmethod
+    def unread(family: str, keys) -> Exception:
+        return KeyError(f"checkpoint tensors with no {family} counterpart: {keys}")
+
+
+class _HFReader(_StateReader):
+    """The Hugging Face side (hf_import): what is missing or left over is the user's
+    files' fault, an InputError."""
+
+    SKIP = ("rotary_emb.inv_freq",)
+
+    @staticmethod
+    def missing(key: str) -> Exception:
+        return InputError(f"the Hugging Face model has no {key}; the weight files do not "
+                          "match config.json")
+
+    @staticmethod
+    def unread(family: str, keys) -> Exception:
+        return InputError(f"Hugging Face tensors with no {family} counterpart here: {keys}; "
+                          "the model is not converted")
+
+
+# GPT-2 names (megatron-core's, Hugging Face's): the same table read in both directions
+_GPT2_WHOLE = (("embedding.word_embeddings.weight", "transformer.wte.weight"),
+               ("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+               ("decoder.final_layernorm.weight", "transformer.ln_f.weight"),
+               ("decoder.final_layernorm.bias", "transformer.ln_f.bias"))
+_GPT2_NORMS = (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
+# HF's Conv1D weights are stored [in, out]: transposed against megatron's [out, in]
+_GPT2_CONV1D = (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
+                ("mlp.linear_fc2", "mlp.c_proj"))
 
 
 def megatron_to_hf_state_dict(
@@ -192,54 +230,27 @@ def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads:
         return torch.cat([parts["q_proj"], parts["k_proj"], parts["v_proj"]]).reshape(
             -1, *tensor.shape[1:])
 
-    out = {"transformer.wte.weight": take("embedding.word_embeddings.weight"),
-           "transformer.wpe.weight": take("embedding.position_embeddings.weight"),
-           "transformer.ln_f.weight": take("decoder.final_layernorm.weight"),
-           "transformer.ln_f.bias": take("decoder.final_layernorm.bias")}
+    out = {theirs: take(ours) for ours, theirs in _GPT2_WHOLE}
     out["lm_head.weight"] = out["transformer.wte.weight"]
     for i in range(num_layers):
         src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+        for ours, theirs in _GPT2_NORMS:
             out[dst + f"{theirs}.weight"] = take(src + f"{ours}.weight")
             out[dst + f"{theirs}.bias"] = take(src + f"{ours}.bias")
         out[dst + "attn.c_attn.weight"] = qkv_cat(take(src + "self_attention.linear_qkv.weight")).t().contiguous()
         out[dst + "attn.c_attn.bias"] = qkv_cat(take(src + "self_attention.linear_qkv.bias")[:, None])[:, 0]
-        out[dst + "attn.c_proj.weight"] = take(src + "self_attention.linear_proj.weight").t().contiguous()
-        out[dst + "attn.c_proj.bias"] = take(src + "self_attention.linear_proj.bias")
-        out[dst + "mlp.c_fc.weight"] = take(src + "mlp.linear_fc1.weight").t().contiguous()
-        out[dst + "mlp.c_fc.bias"] = take(src + "mlp.linear_fc1.bias")
-        out[dst + "mlp.c_proj.weight"] = take(src + "mlp.linear_fc2.weight").t().contiguous()
-        out[dst + "mlp.c_proj.bias"] = take(src + "mlp.linear_fc2.bias")
+        for ours, theirs in _GPT2_CONV1D:
+            out[dst + f"{theirs}.weight"] = take(src + f"{ours}.weight").t().contiguous()
+            out[dst + f"{theirs}.bias"] = take(src + f"{ours}.bias")
     take.check_all_read("GPT-2")
     return out
 
 
-_FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "mixtral": "Mixtral", "gpt2": "GPT-2"}
+# the model types hf_import converts, by name
+FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "mixtral": "Mixtral", "gpt2": "GPT-2"}
 
 
-# ---- Hugging Face -> megatron-core (hf_import) --------------------------------------------------------------------------------
-
-
-class _HFReader:
-    """The HF state dict read key by key; a tensor no key read is an error at the end."""
-
-    def __init__(self, state: Dict[str, torch.Tensor]):
-        self.state = dict(state)
-        self.used = set()
-
-    def __call__(self, key: str) -> torch.Tensor:
-        if key not in self.state:
-            raise InputError(f"the Hugging Face model has no {key}; the weight files do not "
-                             "match config.json")
-        self.used.add(key)
-        return self.state[key]
-
-    def check_all_read(self, family: str, ignore=()) -> None:
-        left = sorted(k for k in set(self.state) - self.used
-                      if not k.endswith("rotary_emb.inv_freq") and k not in ignore)
-        if left:
-            raise InputError(f"Hugging Face tensors with no {family} counterpart here: "
-                             f"{left[:5]}; the model is not converted")
+# ---- Hugging Face -> megatron-core (hf_import) -------------------------------------------
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
@@ -288,7 +299,7 @@ def megatron_state_dict(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[st
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]).contiguous()
         out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.down_proj.weight")
-    take.check_all_read(_FAMILY_NAMES.get(family, family),
+    take.check_all_read(FAMILY_NAMES.get(family, family),
                         ignore=("lm_head.weight",) if tied else ())
     return out
 
@@ -302,25 +313,19 @@ def _gpt2_megatron(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, to
         q, k, v = flat.chunk(3, dim=0)
         return merge_qkv(q, k, v, heads, heads, d).reshape(-1, *tensor.shape[1:])
 
-    out = {"embedding.word_embeddings.weight": take("transformer.wte.weight"),
-           "embedding.position_embeddings.weight": take("transformer.wpe.weight"),
-           "decoder.final_layernorm.weight": take("transformer.ln_f.weight"),
-           "decoder.final_layernorm.bias": take("transformer.ln_f.bias")}
+    out = {ours: take(theirs) for ours, theirs in _GPT2_WHOLE}
     for i in range(model_cfg.num_layers):
         src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+        for ours, theirs in _GPT2_NORMS:
             out[dst + f"{ours}.weight"] = take(src + f"{theirs}.weight")
             out[dst + f"{ours}.bias"] = take(src + f"{theirs}.bias")
         out[dst + "self_attention.linear_qkv.weight"] = per_head(
             take(src + "attn.c_attn.weight").t().contiguous())
         out[dst + "self_attention.linear_qkv.bias"] = per_head(
             take(src + "attn.c_attn.bias")[:, None])[:, 0].contiguous()
-        out[dst + "self_attention.linear_proj.weight"] = take(src + "attn.c_proj.weight").t().contiguous()
-        out[dst + "self_attention.linear_proj.bias"] = take(src + "attn.c_proj.bias")
-        out[dst + "mlp.linear_fc1.weight"] = take(src + "mlp.c_fc.weight").t().contiguous()
-        out[dst + "mlp.linear_fc1.bias"] = take(src + "mlp.c_fc.bias")
-        out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.c_proj.weight").t().contiguous()
-        out[dst + "mlp.linear_fc2.bias"] = take(src + "mlp.c_proj.bias")
+        for ours, theirs in _GPT2_CONV1D:
+            out[dst + f"{ours}.weight"] = take(src + f"{theirs}.weight").t().contiguous()
+            out[dst + f"{ours}.bias"] = take(src + f"{theirs}.bias")
     # the causal-mask buffers of older transformers versions are not weights
     take.check_all_read("GPT-2", ignore={k for k in hf_state if k.endswith((".attn.bias",
                                                                            ".attn.masked_bias"))}

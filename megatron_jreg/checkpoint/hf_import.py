@@ -33,11 +33,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint.hf_families import _FAMILY_NAMES, megatron_state_dict
+from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
+from megatron_jreg.checkpoint.hf_families import megatron_state_dict
 from megatron_jreg.errors import InputError
 
-FAMILIES = _FAMILY_NAMES  # the model types converted, by name
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # of the saved weights; bfloat16 sets --bf16 in the run config
 # seq_length of the saved run config: the longest context, at most this (a trainer run
 # sets its own --seq-length; RoPE has no weights that depend on it)
 DEFAULT_SEQ_LENGTH = 2048
@@ -204,13 +204,13 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
 
     from megatron_jreg.checkpoint.model_loader import init_world, launched_world_size
     from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
-    from megatron_jreg.hf_models import load_causal_lm, resolve_hf_model
+    from megatron_jreg.hf_models import load_causal_lm, resolve_hf_model, torch_dtype
     from megatron_jreg.model.builder import build_model
     from megatron_jreg.model.config import ModelConfig, ParallelConfig
 
     t0 = time.time()
-    if dtype not in _DTYPES:
-        raise InputError(f"--dtype {dtype}: choose one of {sorted(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
     if launched_world_size() > 1:
         raise InputError("convert_from_hf runs on one process (dist-checkpointing reshards at "
                          "load, so one process writes every layout); run it with python, not "
@@ -233,8 +233,6 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
     values = model_values(hf.config)
     model_cfg = ModelConfig(**{**values, "transformer_impl": "local"})
     check_split(model_cfg, tp, pp)
-    if model_cfg.family == "other":  # a mix of flags no family has (cannot happen above)
-        raise InputError(f"--hf-model {hf_model}: not a Llama, Qwen3, Mixtral or GPT-2 model")
     if not getattr(tokenizer, "is_fast", False):
         raise InputError(f"--hf-model {hf_model}: its tokenizer has no tokenizer.json (a slow "
                          "tokenizer only); save it with a fast tokenizer first")
@@ -263,7 +261,7 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
         if missing or extra:
             raise RuntimeError(f"weight mapping incomplete: missing {missing[:5]}, "
                                f"unexpected {extra[:5]}")
-        target = _DTYPES[dtype]
+        target = torch_dtype(dtype)
         model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=False)
         progress(f"writing {save}")
         ckpt.save_checkpoint(tmp_root, 0, [model], None, None, text, {"consumed_samples": 0},
@@ -305,7 +303,7 @@ class ImportConfig:
     pipeline_model_parallel_size: int = field(default=1, metadata={
         "metavar": "M", "help": "check that the layers split over M pipeline stages"})
     dtype: str = field(default="float32", metadata={
-        "choices": sorted(_DTYPES), "help": "dtype of the saved weights (bfloat16 sets --bf16 "
+        "choices": sorted(DTYPES), "help": "dtype of the saved weights (bfloat16 sets --bf16 "
         "in the run config)"})
 
 

@@ -165,12 +165,6 @@ def _limit(value: Optional[float]):
     return int(value) if value >= 1 and value == int(value) else value
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limit) -> dict:
     """{task: lm-eval result} for one model, from the cache where it can."""
     settings = dict(limit=limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
@@ -199,7 +193,7 @@ def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limi
                       file=sys.stderr)
                 # in the dtype the model runs in: half the disk of fp32 for bf16
                 model_dir = hf_models.dequantize_gguf(entry.local, os.path.join(tmp, "hf"),
-                                                      dtype=_torch_dtype(args.dtype))
+                                                      dtype=hf_models.torch_dtype(args.dtype))
             else:
                 model_dir = entry.local
             if args.device_map:

@@ -73,13 +73,14 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
     if given.get("model_preset"):
         raise ValueError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
                          f"{where}; drop it")
+
+    def resolved(name: str, value):  # --kv-channels unset means hidden / heads
+        return model.head_dim if name == "kv_channels" and value is None else value
+
     for name in ARCHITECTURE_FIELDS:
-        saved_value = getattr(model, name)
-        if name == "kv_channels" and saved_value is None:  # None: hidden / heads
-            saved_value = given[name] if given.get(name) == model.head_dim else None
-        if name in given and given[name] != saved_value:
+        if name in given and resolved(name, given[name]) != resolved(name, getattr(model, name)):
             raise ValueError(f"{_flag(name)} {given[name]} differs from the checkpoint's "
-                             f"{getattr(model, name)} {where}; drop {_flag(name)}")
+                             f"{resolved(name, getattr(model, name))} {where}; drop {_flag(name)}")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                 if f.default is not dataclasses.MISSING}
     merged = {**{k: defaults[k] for k in RUN_FIELDS if k in defaults},
