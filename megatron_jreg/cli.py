@@ -14,6 +14,11 @@ defaults to False is a switch, metadata ``positional=True`` makes a positional a
 ``group`` an argument group, ``exclusive`` a mutually exclusive group, ``metavar`` the
 placeholder; the help text is metadata ``help`` or else the field's docstring, followed by
 its default (metadata ``default_help`` words it when the value alone says too little).
+
+Every value is checked where it enters, by ``config_values``: a flag after argparse has
+converted it (a float must be finite; metadata ``min``, ``gt``, ``max``, ``lt`` bound it),
+a ``--config`` value against its field's type as well, named by its key. The YAML file
+itself is bounded: ``MAX_CONFIG_BYTES``, and ``MAX_CONFIG_NODES`` after alias expansion.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import typing
 from typing import Any, Dict, Mapping, Sequence, Tuple, Type
 
 import yaml
+
+from megatron_jreg import config_values
 
 Sections = Mapping[str, Type]
 
@@ -59,6 +66,23 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Parse, then check each field's value as its metadata says (``config_values``):
+        argparse converts a flag to int or float, and float("inf") or -1 would go through."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            check = getattr(action, "value_check", None)
+            if check is None or not hasattr(namespace, action.dest):
+                continue
+            value = getattr(namespace, action.dest)
+            if value is action.default:  # the program's own default, not a user's value
+                continue
+            try:
+                config_values.check_range(check[0], value, check[1])
+            except ValueError as err:
+                self.error(str(err))
+        return namespace, extras
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -174,6 +198,7 @@ def add_fields(container: Any, cls: Type, title: str | None = None, *,
         else:
             action = target.add_argument(flag, *meta.get("aliases", ()), dest=field.name, **kwargs)
         action.default_help = meta.get("default_help")
+        action.value_check = (flag, meta)
 
 
 def tool_values(sections: Mapping[str | None, Type], argv: Sequence[str] | None = None,
@@ -218,40 +243,91 @@ def build_parser(sections: Sections, description: str = "") -> argparse.Argument
                 group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
                                    action=argparse.BooleanOptionalAction, help=help_text)
             elif is_list or field.metadata.get("nargs"):
-                group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
-                                   nargs=field.metadata.get("nargs", "+"), type=kind,
-                                   help=help_text, metavar=metavar)
+                action = group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
+                                            nargs=field.metadata.get("nargs", "+"), type=kind,
+                                            help=help_text, metavar=metavar)
+                action.value_check = (flag, field.metadata)
             else:
-                group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest, type=kind,
-                                   help=help_text, metavar=metavar,
-                                   choices=field.metadata.get("choices"))
+                action = group.add_argument(flag, *field.metadata.get("aliases", ()), dest=dest,
+                                            type=kind, help=help_text, metavar=metavar,
+                                            choices=field.metadata.get("choices"))
+                action.value_check = (flag, field.metadata)
     return parser
 
 
-def _from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
+# A settings file is a few KiB: one near this size is the wrong file (a dataset, a log).
+MAX_CONFIG_BYTES = 1 << 20
+# Values after expanding YAML aliases: a "billion laughs" file (aliases of aliases) is
+# refused from its node graph, before any of it is built or walked.
+MAX_CONFIG_NODES = 100_000
+
+
+def _expanded_size(node: yaml.Node, sizes: Dict[int, float]) -> float:
+    """Values in ``node`` with every alias expanded; shared nodes are counted once per use
+    but computed once, and a node that contains itself is infinite."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = float("inf")  # until done: a cycle back to it is endless
+    if isinstance(node, yaml.MappingNode):
+        total = 1 + sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        total = 1 + sum(_expanded_size(v, sizes) for v in node.value)
+    else:
+        total = 1
+    sizes[id(node)] = total
+    return total
+
+
+def _load_settings(path: str) -> Any:
+    """The YAML of ``--config``, bounded in bytes and in alias expansion."""
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
         raise ValueError(f"--config {path}: cannot read it ({err.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a settings "
+                         "file is a few KiB: pass the right file")
+    loader = yaml.SafeLoader(raw)
+    try:
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node, {}) > MAX_CONFIG_NODES:
+            raise ValueError(f"--config {path}: its aliases expand to more than "
+                             f"{MAX_CONFIG_NODES} values; write the settings out")
+        return None if node is None else loader.construct_document(node)
     except yaml.YAMLError as err:
-        raise ValueError(f"--config {path}: not valid YAML ({err})") from None
+        raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(err).split())})") from None
+    except RecursionError:
+        raise ValueError(f"--config {path}: nested too deeply to be a settings file") from None
+    finally:
+        loader.dispose()
+
+
+def _from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
+    data = _load_settings(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of settings")
     out: Dict[str, Dict[str, Any]] = {s: {} for s in sections}
-    owner = {f.name: s for s, cls in sections.items() for f in dataclasses.fields(cls)}
+    fields = {s: {f.name: f for f in dataclasses.fields(cls)} for s, cls in sections.items()}
+    hints = {s: typing.get_type_hints(cls) for s, cls in sections.items()}
+    owner = {name: s for s in sections for name in fields[s]}
+
+    def take(section: str, name: str, value: Any, where: str) -> None:
+        # the check a flag gets from argparse and its metadata, named by the key
+        out[section][name] = config_values.check_value(
+            where, value, hints[section][name], fields[section][name].metadata)
+
     for key, value in data.items():
         if key in sections and isinstance(value, dict):
-            names = {f.name for f in dataclasses.fields(sections[key])}
             for name, v in value.items():
-                if name not in names:
+                if name not in fields[key]:
                     raise ValueError(f"--config {path}: unknown setting {key}.{name}")
-                out[key][name] = v
+                take(key, name, v, f"--config {path}: {key}.{name}")
         else:
-            name = key.replace("-", "_").lstrip("_")
+            name = str(key).replace("-", "_").lstrip("_")
             if name not in owner:
                 raise ValueError(f"--config {path}: unknown setting {key!r}")
-            out[owner[name]][name] = value
+            take(owner[name], name, value, f"--config {path}: {key}")
     return out
 
 

@@ -100,6 +100,11 @@ class CheckpointSource:
         from megatron_jreg.model.builder import causal_attention_mask
 
         batch, seq = input_ids.shape
+        cfg = self.loaded.model_config
+        if cfg.position_embedding_type == "learned_absolute" and seq > cfg.max_positions:
+            raise InputError(f"--seq-length {seq}: the model has learned positions for "
+                             f"{cfg.max_positions} tokens only; pass --seq-length {cfg.max_positions} "
+                             "or less")
         tokens = input_ids.to(self.device)
         positions = torch.arange(seq, device=self.device).expand(batch, seq)
         # right padding + a causal mask: real tokens never attend to padding

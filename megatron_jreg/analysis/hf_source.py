@@ -101,6 +101,11 @@ class HFCausalLMSource:
 
     @torch.no_grad()
     def accumulate(self, input_ids: torch.Tensor, mask: torch.Tensor, acc: JumpAccumulator) -> None:
+        config = self.model.config
+        limit = getattr(config, "n_positions", None)  # learned positions (GPT-2): a hard limit
+        if limit is not None and input_ids.shape[1] > limit:
+            raise InputError(f"--seq-length {input_ids.shape[1]}: the model has learned positions "
+                             f"for {limit} tokens only; pass --seq-length {limit} or less")
         self._capture.run(
             acc,
             mask.to(self.device),  # [b, s], like the hidden states

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -349,6 +350,35 @@ def build_run_tokenizer(configs: Dict[str, object], tokenizer_model: Optional[st
                 "directory holding its vocab.json and merges.txt"
             )
     try:
-        return build_tokenizer(kind, model_file, **kwargs)
+        tokenizer = build_tokenizer(kind, model_file, **kwargs)
     except (FileNotFoundError, ValueError) as err:
         raise InputError(f"cannot build the run's {kind} ({err}); {fix}") from None
+    _check_pinned(configs, tokenizer, model_file, tokenizer_model)
+    return tokenizer
+
+
+_WARNED: set = set()
+
+
+def _check_pinned(configs, tokenizer, model_file, override: Optional[str]) -> None:
+    """The tokenizer built must be the one the run trained with (its saved identity): a
+    file retrained in place is refused; one passed with --tokenizer-model is used as
+    asked, said once."""
+    from megatron_jreg.data.tokenizers import describe_tokenizer, tokenizer_identity
+
+    data, vocab = configs["data"], configs["model"].vocab_size
+    pinned = getattr(data, "tokenizer_identity", None)
+    now = tokenizer_identity(tokenizer)
+    if not pinned or now == pinned:
+        return
+    was = describe_tokenizer(data.tokenizer_type, vocab, pinned)
+    got = describe_tokenizer(data.tokenizer_type, tokenizer.vocab_size, now)
+    if override is None:
+        raise InputError(
+            f"the run's tokenizer {model_file} is now {got}, not the {was} the run trained with; "
+            "pass that tokenizer with --tokenizer-model (or this one, to use it anyway)")
+    message = (f"--tokenizer-model {override}: {got} is not the {was} the run trained with; "
+               "using it as asked")
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)

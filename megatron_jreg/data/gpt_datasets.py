@@ -13,6 +13,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+from megatron_jreg.data.token_range import index_key
+
 _SPLIT_HELP = "comma-separated train,valid,test weights, e.g. 969,30,1"
 # megatron-core's .idx header: magic (9 bytes), version (Q), dtype code (B), sequence count
 # (Q), document-boundary count (Q); then int32 lengths, int64 pointers, int64 boundaries.
@@ -166,6 +168,9 @@ def build_gpt_datasets(
         eod_mask_loss=config.eod_mask_loss,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
+    # megatron-core keys its index cache by path and config: the .idx digests make a prefix
+    # rebuilt with other documents get new indices, never the stale ones (token_range)
+    gpt_config.data_content = {p: index_key(p) for p in prefixes}
     sizes = [train_samples, valid_samples, test_samples]
     if weights is not None:
         # megatron-core needs a size for every split of a weighted blend (a None size
@@ -176,6 +181,10 @@ def build_gpt_datasets(
             if not sizes[i]:
                 gpt_config.split_matrix[i] = None
                 sizes[i] = 0
+    for prefix in prefixes:
+        if weights is not None or len(prefixes) == 1:  # an unweighted blend builds one epoch
+            refuse_empty_splits(prefix, gpt_config.split_matrix, sizes, config.split,
+                                sized=weights is not None)
     builder = BlendedMegatronDatasetBuilder(
         token_masked_gpt_dataset_class(),
         sizes,
@@ -185,6 +194,36 @@ def build_gpt_datasets(
     with _single_rank_group_if_needed(), _index_cache_lock(cache_dir):
         train, valid, test = builder.build()
     return train, valid, test
+
+
+def refuse_empty_splits(prefix: str, split_matrix, sizes, split: str, sized: bool) -> None:
+    """Refuse a split that megatron-core would build with a sample count from no tokens:
+    ``GPTDataset._get_num_epochs`` adds epochs of zero tokens until they hold the count,
+    forever. ``split_matrix`` and the per-split ``sizes`` are the builder's; ``sized``: a
+    weighted blend, where every built split gets a count. One line naming the split and
+    the prefix, and the fix."""
+    import numpy
+
+    sequences = struct.unpack("<QBQQ", _idx_head(prefix))[2]
+    lengths = numpy.fromfile(prefix + ".idx", numpy.int32, sequences, offset=_IDX_HEADER_BYTES)
+    for name, bounds, size in zip(("train", "validation", "test"), split_matrix, sizes):
+        if bounds is None or (size is None and not sized):
+            continue
+        # megatron-core's own rounding of the split into documents
+        first, end = int(round(bounds[0] * sequences)), int(round(bounds[1] * sequences))
+        if int(lengths[first:end].sum(dtype=numpy.int64)) == 0:
+            fix = " (or --eval-interval 0 for no validation)" if name == "validation" else ""
+            raise ValueError(
+                f"--split {split} gives the {name} split {end - first} of the {sequences} "
+                f"documents of --data-path {prefix!r}, and no tokens: give it more weight in "
+                f"--split or add documents{fix}")
+
+
+def _idx_head(prefix: str) -> bytes:
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+    with open(prefix + ".idx", "rb") as f:
+        return f.read(_IDX_HEADER_BYTES)[len(_INDEX_HEADER):]
 
 
 @contextlib.contextmanager
@@ -270,7 +309,10 @@ def token_masked_gpt_dataset_class():
             return sample
 
     # megatron keys its sample-index cache by the class name: keep GPTDataset's, so the
-    # cache (and the sample order) is the one Megatron-LM builds for the same data
+    # sample order is the one Megatron-LM builds for the same data...
     TokenMaskedGPTDataset.__name__ = TokenMaskedGPTDataset.__qualname__ = "GPTDataset"
+    # ...but add the content of the data to its key (build_gpt_datasets sets data_content)
+    TokenMaskedGPTDataset._key_config_attributes = staticmethod(
+        lambda: GPTDataset._key_config_attributes() + ["data_content"])
     _TOKEN_MASKED_CLASS = TokenMaskedGPTDataset
     return _TOKEN_MASKED_CLASS

@@ -142,6 +142,10 @@ class SFTDataset:
         return {"tokens": numpy.array(self._tokens.sequence(i), dtype=numpy.int64),
                 "loss_mask": numpy.array(self._mask.sequence(i), dtype=numpy.int64)}
 
+    def loss_mask(self, i: int) -> numpy.ndarray:
+        """Conversation ``i``'s loss mask (uint8), a view of the file: no copy."""
+        return self._mask.sequence(i)
+
     @property
     def lengths(self) -> numpy.ndarray:
         """Tokens per conversation (int32)."""

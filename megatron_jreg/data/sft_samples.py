@@ -97,6 +97,25 @@ def padding_waste(datasets: Sequence, indices: Sequence[int], seq_length: int) -
     return float(1.0 - used.sum() / total) if total else 0.0
 
 
+def refuse_no_loss_tokens(datasets: Sequence, split: str, seq_length: int) -> None:
+    """Refuse a train split none of whose conversations has a loss token within
+    ``seq_length`` (a sample's labels are tokens ``1..seq_length``): every step would train
+    on nothing. One line, with the fix. Stops at the first conversation that has one."""
+    total = sum(len(d) for d in datasets)
+    train_range = split_ranges(total, split)[0]
+    if not len(train_range):
+        return  # SFTSamples names that problem
+    offsets = np.cumsum([0] + [len(d) for d in datasets])
+    for index in train_range:
+        which = int(np.searchsorted(offsets, index, side="right")) - 1
+        if datasets[which].loss_mask(index - int(offsets[which]))[1:seq_length + 1].any():
+            return
+    raise InputError(
+        f"--sft: none of the {len(train_range)} conversations of the train split has a loss "
+        f"token (an assistant token) within --seq-length {seq_length}: every reply starts "
+        f"later; raise --seq-length or shorten the prompts before preprocess_data.py --sft")
+
+
 def build_sft_samples(prefixes: Sequence[str], split: str, seq_length: int, seed: int,
                       train_samples: int, valid_samples: int, pad_id: int):
     """(train, valid or None, padding waste of the train split) over ``prefixes``."""

@@ -19,6 +19,7 @@ megatron-core alone takes seconds to import.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Sequence
@@ -271,3 +272,19 @@ def build_tokenizer(
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     return HuggingFaceTokenizer(tokenizer_model)
+
+
+def tokenizer_identity(tokenizer: Tokenizer) -> str:
+    """What pins a run's tokenizer in its saved config: the sha256 of its
+    ``unique_identifiers`` (kind, vocabulary size and its files' content hashes; no path),
+    so a moved copy matches and a retrained file at the same path does not."""
+    text = json.dumps(tokenizer.unique_identifiers, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def describe_tokenizer(kind: str, vocab_size: int | None, identity: str | None) -> str:
+    """One tokenizer in a message: ``SentencePieceTokenizer (380 ids, 1a2b3c4d5e6f)``."""
+    parts = [f"{vocab_size} ids" if vocab_size is not None else None,
+             identity[:12] if identity else None]
+    inner = ", ".join(p for p in parts if p)
+    return f"{kind} ({inner})" if inner else kind

@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_jreg import cli
+from megatron_jreg import cli, config_values
 from megatron_jreg.jreg import WEIGHTINGS
 from megatron_jreg.model.families import check_experts, family_of
 from megatron_jreg.model.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
@@ -61,33 +61,33 @@ class ModelConfig:
         "--model-preset", "tiny, 170m, 1b, 3b (Llama), gpt2-tiny, qwen3-tiny or mixtral-tiny: a "
         "bundle of the architecture flags (docs/megatron_lm_flags.md lists them); explicit "
         "flags override it"))
-    num_layers: int = field(default=4, metadata=_flag("--num-layers", "Transformer layers L"))
-    hidden_size: int = field(default=64, metadata=_flag("--hidden-size", "hidden size"))
+    num_layers: int = field(default=4, metadata=_flag("--num-layers", "Transformer layers L", min=1))
+    hidden_size: int = field(default=64, metadata=_flag("--hidden-size", "hidden size", min=1))
     num_attention_heads: int = field(default=4, metadata=_flag(
-        "--num-attention-heads", "attention heads"))
+        "--num-attention-heads", "attention heads", min=1))
     num_query_groups: Optional[int] = field(default=None, metadata=_flag(
-        "--num-query-groups", "key/value groups (grouped-query attention); default = heads"))
+        "--num-query-groups", "key/value groups (grouped-query attention); default = heads", min=1))
     ffn_hidden_size: Optional[int] = field(default=None, metadata=_flag(
-        "--ffn-hidden-size", "SwiGLU inner size; default 8/3 hidden rounded up to 256"))
-    seq_length: int = field(default=128, metadata=_flag("--seq-length", "training sequence length"))
+        "--ffn-hidden-size", "SwiGLU inner size; default 8/3 hidden rounded up to 256", min=1))
+    seq_length: int = field(default=128, metadata=_flag("--seq-length", "training sequence length", min=1))
     max_position_embeddings: Optional[int] = field(default=None, metadata=_flag(
-        "--max-position-embeddings", "longest sequence the model serves; default seq length"))
+        "--max-position-embeddings", "longest sequence the model serves; default seq length", min=1))
     vocab_size: Optional[int] = field(default=None, metadata=_flag(
-        "--vocab-size", "vocabulary size; default the tokenizer's"))
+        "--vocab-size", "vocabulary size; default the tokenizer's", min=1))
     make_vocab_size_divisible_by: int = field(default=128, metadata=_flag(
         "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this, whatever "
         "the TP size (Megatron-LM multiplies by TP; here the model does not depend on the "
-        "layout), so TP must divide it"))
+        "layout), so TP must divide it", min=1))
     padded_vocab: Optional[int] = field(default=None, metadata={
-        "cli": False, "help": "embedding rows as built: set by the trainer (from a loaded "
+        "cli": False, "min": 1, "help": "embedding rows as built: set by the trainer (from a loaded "
         "checkpoint's embedding when resuming) and saved in run_config.yaml"})
-    rotary_base: int = field(default=10000, metadata=_flag("--rotary-base", "RoPE base"))
-    norm_epsilon: float = field(default=1e-5, metadata=_flag("--norm-epsilon", "RMSNorm epsilon"))
+    rotary_base: int = field(default=10000, metadata=_flag("--rotary-base", "RoPE base", gt=0))
+    norm_epsilon: float = field(default=1e-5, metadata=_flag("--norm-epsilon", "RMSNorm epsilon", gt=0))
     init_method_std: float = field(default=0.02, metadata=_flag(
-        "--init-method-std", "std of the normal weight init"))
-    hidden_dropout: float = field(default=0.0, metadata=_flag("--hidden-dropout", "dropout"))
+        "--init-method-std", "std of the normal weight init", gt=0))
+    hidden_dropout: float = field(default=0.0, metadata=_flag("--hidden-dropout", "dropout", min=0, lt=1))
     attention_dropout: float = field(default=0.0, metadata=_flag(
-        "--attention-dropout", "attention dropout"))
+        "--attention-dropout", "attention dropout", min=0, lt=1))
     swiglu: bool = field(default=True, metadata=_flag(
         "--swiglu", "SwiGLU MLP (Megatron-LM's default without it: a GeLU MLP, 4x hidden)",
         const=True))
@@ -115,9 +115,9 @@ class ModelConfig:
         "--group-query-attention", "use --num-query-groups (as in Megatron-LM, without this "
         "flag the attention has one group per head)", const=True))
     kv_channels: Optional[int] = field(default=None, metadata=_flag(
-        "--kv-channels", "head dim; only hidden size / heads (the default) is supported"))
+        "--kv-channels", "head dim; only hidden size / heads (the default) is supported", min=1))
     rotary_percent: float = field(default=1.0, metadata=_flag(
-        "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported"))
+        "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported", gt=0, max=1))
     attention_backend: str = field(default="auto", metadata=_flag(
         "--attention-backend", "auto (Transformer Engine's choice with TE; without it SDPA on "
         "every device), sdpa (PyTorch's "
@@ -133,16 +133,16 @@ class ModelConfig:
         "transformer_engine or local (torch)"))
     num_experts: Optional[int] = field(default=None, metadata=_flag(
         "--num-experts", "mixture-of-experts MLP with this many experts in every layer "
-        "(megatron-core's MoE layer; JREG measures the whole layer around it)"))
+        "(megatron-core's MoE layer; JREG measures the whole layer around it)", min=1))
     moe_router_topk: int = field(default=2, metadata=_flag(
-        "--moe-router-topk", "experts per token"))
+        "--moe-router-topk", "experts per token", min=1))
     moe_aux_loss_coeff: float = field(default=0.0, metadata=_flag(
-        "--moe-aux-loss-coeff", "load-balancing loss coefficient"))
+        "--moe-aux-loss-coeff", "load-balancing loss coefficient", min=0))
     moe_router_load_balancing_type: str = field(default="aux_loss", metadata=_flag(
         "--moe-router-load-balancing-type", "aux_loss, seq_aux_loss, sinkhorn or none",
         choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none")))
     moe_ffn_hidden_size: Optional[int] = field(default=None, metadata=_flag(
-        "--moe-ffn-hidden-size", "each expert's MLP inner size; default --ffn-hidden-size"))
+        "--moe-ffn-hidden-size", "each expert's MLP inner size; default --ffn-hidden-size", min=1))
     moe_token_dispatcher_type: str = field(default="allgather", metadata=_flag(
         "--moe-token-dispatcher-type", "allgather or alltoall (same math)",
         choices=("allgather", "alltoall")))
@@ -151,12 +151,10 @@ class ModelConfig:
         "implementation runs them one by one, the same math", const=True))
 
     def __post_init__(self):
+        config_values.check_fields(self)  # the metadata's bounds, however the config is built
         if self.model_preset is not None:
             if self.model_preset not in PRESETS:
                 raise ValueError(f"--model-preset {self.model_preset!r}: choose one of {sorted(PRESETS)}")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
@@ -173,9 +171,6 @@ class ModelConfig:
                              f"{', '.join(TRANSFORMER_IMPLS)}")
         if self.num_experts is not None:
             check_experts(self)
-        if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
-                             f"{self.make_vocab_size_divisible_by}")
         self._check_architecture()
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
             raise ValueError(
@@ -273,15 +268,16 @@ class ParallelConfig:
     """How the model is split over ranks, and activation recomputation."""
 
     tensor_model_parallel_size: int = field(default=1, metadata=_flag(
-        "--tensor-model-parallel-size", "tensor-parallel ranks"))
+        "--tensor-model-parallel-size", "tensor-parallel ranks", min=1))
     pipeline_model_parallel_size: int = field(default=1, metadata=_flag(
-        "--pipeline-model-parallel-size", "pipeline stages"))
+        "--pipeline-model-parallel-size", "pipeline stages", min=1))
     num_layers_per_virtual_pipeline_stage: Optional[int] = field(default=None, metadata=_flag(
-        "--num-layers-per-virtual-pipeline-stage", "layers per model chunk (interleaved pipeline)"))
+        "--num-layers-per-virtual-pipeline-stage", "layers per model chunk (interleaved pipeline)",
+        min=1))
     virtual_pipeline_model_parallel_size: Optional[int] = field(default=None, metadata=_flag(
         "--num-virtual-stages-per-pipeline-rank", "model chunks per pipeline rank (interleaved "
         "pipeline); the other way to set --num-layers-per-virtual-pipeline-stage",
-        aliases=["--virtual-pipeline-model-parallel-size"]))
+        aliases=["--virtual-pipeline-model-parallel-size"], min=1))
     sequence_parallel: bool = field(default=False, metadata=_flag(
         "--sequence-parallel", "split norms/dropout activations over TP ranks along the "
         "sequence (turned off at TP 1, as in Megatron-LM)"))
@@ -293,18 +289,19 @@ class ParallelConfig:
         "the next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)",
         const=True))
     distributed_timeout_minutes: int = field(default=30, metadata=_flag(
-        "--distributed-timeout-minutes", "timeout of the process groups (Megatron-LM's default: 10)"))
+        "--distributed-timeout-minutes", "timeout of the process groups (Megatron-LM's default: 10)",
+        min=1))
     context_parallel_size: int = field(default=1, metadata=_flag(
-        "--context-parallel-size", "context-parallel ranks: not supported with JREG yet"))
+        "--context-parallel-size", "context-parallel ranks: not supported with JREG yet", min=1))
     expert_model_parallel_size: int = field(default=1, metadata=_flag(
         "--expert-model-parallel-size", "expert-parallel ranks (--num-experts models): the "
-        "experts are split over this many data-parallel ranks"))
+        "experts are split over this many data-parallel ranks", min=1))
     recompute_granularity: Optional[str] = field(default=None, metadata=_flag(
         "--recompute-granularity", "full or selective activation recomputation"))
     recompute_method: Optional[str] = field(default=None, metadata=_flag(
         "--recompute-method", "uniform or block (full recompute); default uniform"))
     recompute_num_layers: Optional[int] = field(default=None, metadata=_flag(
-        "--recompute-num-layers", "layers per recompute unit (full recompute); default 1"))
+        "--recompute-num-layers", "layers per recompute unit (full recompute); default 1", min=1))
     recompute_modules: Optional[list] = field(default=None, metadata=_flag(
         "--recompute-modules", "selective recompute modules, e.g. core_attn mlp layernorm",
         nargs="+"))
@@ -313,17 +310,13 @@ class ParallelConfig:
         const=True))
 
     def __post_init__(self):
-        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
-            raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+        config_values.check_fields(self)
         if self.context_parallel_size != 1:
             raise ValueError(
                 f"--context-parallel-size {self.context_parallel_size}: not supported with JREG "
                 "yet: each layer's displacement is a mean over the whole sequence, which context "
                 "parallelism splits over ranks; use --sequence-parallel with TP, or more data "
                 "parallelism")
-        if self.expert_model_parallel_size < 1:
-            raise ValueError(f"--expert-model-parallel-size must be >= 1, got "
-                             f"{self.expert_model_parallel_size}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False  # Megatron-LM's rule; the trainer says so in a line
         if self.recompute_activations:
@@ -370,7 +363,8 @@ class JregConfig:
     """The regularizer L = L_CE + lambda * sum_l w_l(alpha) Psi_l."""
 
     lam: float = field(default=0.0, metadata=_flag(
-        "--jreg-lambda", "JREG strength lambda; 0 measures the displacement without a penalty"))
+        "--jreg-lambda", "JREG strength lambda; 0 measures the displacement without a penalty",
+        min=0))
     alpha: float = field(default=1.0, metadata=_flag(
         "--jreg-alpha", "depth weighting alpha of w_l(alpha)"))
     weighting: str = field(default="softmax", metadata=_flag(
@@ -379,8 +373,7 @@ class JregConfig:
         "--jreg-impl", "displacement kernel: auto, fused or torch"))
 
     def __post_init__(self):
-        if self.lam < 0:
-            raise ValueError(f"--jreg-lambda must be >= 0, got {self.lam}")
+        config_values.check_fields(self)
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
         if self.impl not in ("auto", "fused", "torch"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict
+from typing import Dict, List
 
 from megatron_jreg.model.config import ModelConfig
 
@@ -30,6 +30,30 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 
+# architecture fields compared through what they resolve to (a preset and its explicit
+# flags, an unset --ffn-hidden-size and its computed size compare equal)
+_RESOLVED = {"num_query_groups": "query_groups", "ffn_hidden_size": "ffn_size",
+             "moe_ffn_hidden_size": "moe_ffn_size", "kv_channels": "head_dim",
+             "group_query_attention": None, "vocab_size": None}
+
+
+def _resolved(cfg: ModelConfig, name: str):
+    if name == "max_position_embeddings":  # only learned positions have weights per position
+        return cfg.max_positions if cfg.position_embedding_type == "learned_absolute" else None
+    if name == "moe_ffn_hidden_size" and not cfg.num_experts:
+        return None
+    return getattr(cfg, _RESOLVED.get(name) or name)
+
+
+def architecture_differences(saved: ModelConfig, mine: ModelConfig) -> List[str]:
+    """``--flag SAVED (this run: MINE)`` for each architecture field that differs (the
+    vocabulary is the tokenizer's, compared with it)."""
+    return [f"{_flag(name)} {_resolved(saved, name)} (this run: {_resolved(mine, name)})"
+            for name in ARCHITECTURE_FIELDS
+            if (name not in _RESOLVED or _RESOLVED[name])
+            and _resolved(saved, name) != _resolved(mine, name)]
+
+
 def _flag(name: str) -> str:
     return ModelConfig.__dataclass_fields__[name].metadata.get("flag", "--" + name.replace("_", "-"))
 
@@ -39,6 +63,14 @@ def _holds_checkpoint(root) -> bool:
 
     return bool(root) and (os.path.exists(os.path.join(root, TRACKER))
                            or bool(complete_iterations(root)))
+
+
+def missing_directory(flag: str, path: str) -> str:
+    """The error for a checkpoint flag whose directory is not there."""
+    if os.path.exists(path):
+        return (f"{flag} {path!r} is a file, not a checkpoint directory; pass the directory "
+                "the run saved into (its --save)")
+    return f"{flag} {path!r} does not exist"
 
 
 def checkpoint_configs(checkpoint: Dict[str, object]):
@@ -55,7 +87,7 @@ def checkpoint_configs(checkpoint: Dict[str, object]):
         raise ValueError("--use-checkpoint-args reads the architecture from a checkpoint: pass "
                          "--load (holding one) or --pretrained-checkpoint")
     if not os.path.isdir(root):
-        raise ValueError(f"{flag} {root!r} does not exist")
+        raise ValueError(missing_directory(flag, root))
     try:
         iteration = ckpt.resolve_iteration(root, step, root_flag=flag)
         return flag, root, read_run_configs(ckpt.iteration_dir(root, iteration))

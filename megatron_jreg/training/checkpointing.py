@@ -24,14 +24,6 @@ from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.training.experiment import ExperimentConfig
 
 
-# What must match to load another run's weights (resolved values, so a preset and its
-# explicit flags compare equal); the sequence length may change, RoPE has no weights.
-ARCHITECTURE = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
-                ("num_attention_heads", "--num-attention-heads"),
-                ("query_groups", "--num-query-groups"), ("ffn_size", "--ffn-hidden-size"),
-                ("rotary_base", "--rotary-base"), ("norm_epsilon", "--norm-epsilon"))
-
-
 def _holds_checkpoint(root: str) -> bool:
     return os.path.exists(os.path.join(root, TRACKER)) or bool(complete_iterations(root))
 
@@ -122,13 +114,12 @@ class Checkpointer:
             rows = saved
         m.padded_vocab = rows
 
-    def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, int]]:
+    def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, int, Optional[int]]]:
         """Restore :meth:`source` into the model (and optimizer and schedule unless
-        --no-load-optim or fine-tuning). Returns (iteration, consumed samples) to continue
-        from, or None when only weights were loaded (the run starts at iteration 0)."""
+        --no-load-optim or fine-tuning). Returns (iteration, consumed samples, consumed tokens:
+        None from a checkpoint saved before that count) to continue from, or None when only
+        weights were loaded (the run starts at iteration 0)."""
         root, step, weights_only, flag = self.source()
-        if weights_only:
-            self._check_architecture(root, step, flag)
         load_optim = not (self.cfg.no_load_optim or weights_only)
         o = self.experiment.optim
         mode = o.scheduler_mode()
@@ -140,7 +131,7 @@ class Checkpointer:
             samples_per_iter=g, load_rng=not self.cfg.no_load_rng)
         resumed = None
         if load_optim:
-            resumed = iteration, int(state.get("consumed_samples", 0))
+            resumed = iteration, int(state.get("consumed_samples", 0)), state.get("consumed_tokens")
             if mode == "checkpoint":  # the saved run config records the schedule that runs
                 o.keep_schedule(scheduler, g)
         if weights_only:
@@ -151,21 +142,50 @@ class Checkpointer:
                          + ("" if load_optim else " (weights only)"))
         return resumed
 
-    def _check_architecture(self, root: str, step: Optional[int], flag: str) -> None:
-        """Weights from another run must fit this model: one line naming what differs."""
+    def check_source(self, tokenizer) -> None:
+        """Before any work: the checkpoint setup loads (:meth:`source`) must be of this
+        model and tokenizer. Each architecture field that differs is named (the words a
+        resume and ``--finetune`` share); a different tokenizer is refused naming both
+        unless --allow-tokenizer-change. Records this run's tokenizer in its config."""
         from megatron_jreg.checkpoint.model_loader import read_run_configs
+        from megatron_jreg.data.tokenizers import describe_tokenizer, tokenizer_identity
+        from megatron_jreg.errors import InputError
+        from megatron_jreg.training.checkpoint_args import architecture_differences
 
+        data, mine = self.experiment.data, self.experiment.model
+        data.tokenizer_identity = tokenizer_identity(tokenizer)
+        source = self.source()
+        if not source:
+            return
+        root, step, weights_only, flag = source
         path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
-        saved = read_run_configs(path)["model"]
-        mine = self.experiment.model
-        differ = [f"{flag_name} {getattr(saved, attr)} (this run: {getattr(mine, attr)})"
-                  for attr, flag_name in ARCHITECTURE
-                  if getattr(saved, attr) != getattr(mine, attr)]
+        try:
+            saved = read_run_configs(path)
+        except InputError:  # no readable run config: loading reports the damage
+            return
+        differ = architecture_differences(saved["model"], mine)
         if differ:
-            raise ValueError(f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; "
-                             "pass the pretraining run's model flags (or its --model-preset)")
+            fix = ("pass the pretraining run's model flags (or its --model-preset)" if weights_only
+                   else "pass the model flags the checkpoint was trained with (or --use-checkpoint-args)")
+            raise ValueError(f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; {fix}")
+        theirs, ours = saved["data"], data
+        same = (theirs.tokenizer_identity == ours.tokenizer_identity if theirs.tokenizer_identity
+                else theirs.tokenizer_type == ours.tokenizer_type
+                and saved["model"].vocab_size == mine.vocab_size)  # a checkpoint from before the pin
+        if same:
+            return
+        was = describe_tokenizer(theirs.tokenizer_type, saved["model"].vocab_size,
+                                 theirs.tokenizer_identity)
+        now = describe_tokenizer(ours.tokenizer_type, mine.vocab_size, ours.tokenizer_identity)
+        if not self.cfg.allow_tokenizer_change:
+            raise ValueError(
+                f"{flag} {root}: the checkpoint was trained with tokenizer {was}, this run has {now}; "
+                "pass the checkpoint's tokenizer flags (--use-checkpoint-args takes them from it), "
+                "or --allow-tokenizer-change to go on with this one")
+        print_rank_0(f"tokenizer: {now} instead of the checkpoint's {was} (--allow-tokenizer-change)")
 
-    def save(self, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> None:
+    def save(self, iteration: int, model, optimizer, scheduler, consumed_samples: int,
+             consumed_tokens: Optional[int] = None) -> None:
         if not self.cfg.save:
             return
         t0 = time.time()
@@ -173,7 +193,8 @@ class Checkpointer:
         carried = (data.tokenizer_model if data.tokenizer_type == "HuggingFaceTokenizer"
                    else None)  # its files go with the weights (a moved tokenizer still loads)
         path = save_checkpoint(self.cfg.save, iteration, model, optimizer, scheduler,
-                               self.experiment.to_yaml(), {"consumed_samples": consumed_samples},
+                               self.experiment.to_yaml(), {"consumed_samples": consumed_samples,
+                                                           "consumed_tokens": consumed_tokens},
                                run_id=self.run_id, extra_files=self.extra_files,
                                tokenizer_dir=carried)
         print_rank_0(f"saved checkpoint {path} in {time.time() - t0:.1f}s")

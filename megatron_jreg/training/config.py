@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from megatron_jreg import config_values
 from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.data.tokenizers import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
 from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig, _flag
@@ -18,36 +19,38 @@ TOKENIZER_TYPES = tuple(dict.fromkeys(BASE_TOKENIZER_TYPES + MEGATRON_LM_TOKENIZ
 class OptimConfig:
     """AdamW through megatron-core's get_megatron_optimizer, and the LR/WD schedule."""
 
-    lr: float = field(default=3e-4, metadata=_flag("--lr", "peak learning rate"))
-    min_lr: float = field(default=0.0, metadata=_flag("--min-lr", "final learning rate"))
-    lr_warmup_iters: int = field(default=0, metadata=_flag("--lr-warmup-iters", "linear warmup steps"))
+    lr: float = field(default=3e-4, metadata=_flag("--lr", "peak learning rate", gt=0))
+    min_lr: float = field(default=0.0, metadata=_flag("--min-lr", "final learning rate", min=0))
+    lr_warmup_iters: int = field(default=0, metadata=_flag(
+        "--lr-warmup-iters", "linear warmup steps", min=0))
     lr_warmup_samples: int = field(default=0, metadata=_flag(
-        "--lr-warmup-samples", "linear warmup, in samples"))
+        "--lr-warmup-samples", "linear warmup, in samples", min=0))
     lr_warmup_fraction: Optional[float] = field(default=None, metadata=_flag(
-        "--lr-warmup-fraction", "linear warmup as a fraction of the decay length"))
+        "--lr-warmup-fraction", "linear warmup as a fraction of the decay length", min=0, max=1))
     lr_warmup_init: float = field(default=0.0, metadata=_flag(
-        "--lr-warmup-init", "learning rate at the start of the warmup"))
+        "--lr-warmup-init", "learning rate at the start of the warmup", min=0))
     lr_decay_iters: Optional[int] = field(default=None, metadata=_flag(
-        "--lr-decay-iters", "steps of decay; default --train-iters"))
+        "--lr-decay-iters", "steps of decay; default --train-iters", min=1))
     lr_decay_samples: Optional[int] = field(default=None, metadata=_flag(
-        "--lr-decay-samples", "samples of decay; default --train-samples"))
+        "--lr-decay-samples", "samples of decay; default --train-samples", min=1))
     lr_decay_style: str = field(default="cosine", metadata=_flag(
         "--lr-decay-style", "cosine, linear, constant or WSD"))
     lr_wsd_decay_iters: Optional[int] = field(default=None, metadata=_flag(
-        "--lr-wsd-decay-iters", "WSD: steps of the final decay; default 10% of decay"))
+        "--lr-wsd-decay-iters", "WSD: steps of the final decay; default 10% of decay", min=1))
     lr_wsd_decay_samples: Optional[int] = field(default=None, metadata=_flag(
-        "--lr-wsd-decay-samples", "WSD: samples of the final decay"))
+        "--lr-wsd-decay-samples", "WSD: samples of the final decay", min=1))
     lr_wsd_decay_style: str = field(default="linear", metadata=_flag(
         "--lr-wsd-decay-style", "WSD: exponential, linear, cosine or minus_sqrt"))
-    weight_decay: float = field(default=0.1, metadata=_flag("--weight-decay", "AdamW weight decay"))
-    adam_beta1: float = field(default=0.9, metadata=_flag("--adam-beta1", "Adam beta1"))
-    adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2", "Adam beta2"))
-    adam_eps: float = field(default=1e-8, metadata=_flag("--adam-eps", "Adam epsilon"))
-    clip_grad: float = field(default=1.0, metadata=_flag("--clip-grad", "global grad-norm clip (0 = off)"))
+    weight_decay: float = field(default=0.1, metadata=_flag("--weight-decay", "AdamW weight decay", min=0))
+    adam_beta1: float = field(default=0.9, metadata=_flag("--adam-beta1", "Adam beta1", min=0, lt=1))
+    adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2", "Adam beta2", min=0, lt=1))
+    adam_eps: float = field(default=1e-8, metadata=_flag("--adam-eps", "Adam epsilon", gt=0))
+    clip_grad: float = field(default=1.0, metadata=_flag(
+        "--clip-grad", "global grad-norm clip (0 = off)", min=0))
     use_distributed_optimizer: bool = field(default=False, metadata=_flag(
         "--use-distributed-optimizer", "shard optimizer state over data-parallel ranks"))
     initial_loss_scale: float = field(default=2.0**16, metadata=_flag(
-        "--initial-loss-scale", "fp16: initial dynamic loss scale"))
+        "--initial-loss-scale", "fp16: initial dynamic loss scale", gt=0))
     override_opt_param_scheduler: bool = field(default=False, metadata=_flag(
         "--override-opt-param-scheduler",
         "on --load, use the schedule flags (--lr, --min-lr, warmup, decay) over the checkpoint's",
@@ -58,6 +61,7 @@ class OptimConfig:
         "difference is an error)", aliases=["--use-checkpoint-opt_param-scheduler"]))
 
     def __post_init__(self):
+        config_values.check_fields(self)  # the metadata's bounds, however the config is built
         if self.lr_decay_style not in ("cosine", "linear", "constant", "WSD", "inverse-square-root"):
             raise ValueError(
                 f"--lr-decay-style {self.lr_decay_style!r}: choose cosine, linear, constant or WSD")
@@ -122,20 +126,25 @@ class OptimConfig:
 class TrainingConfig:
     """Batches, steps, evaluation and run control."""
 
-    micro_batch_size: int = field(default=4, metadata=_flag("--micro-batch-size", "sequences per micro-batch"))
+    micro_batch_size: int = field(default=4, metadata=_flag(
+        "--micro-batch-size", "sequences per micro-batch", min=1))
     global_batch_size: int = field(default=16, metadata=_flag(
-        "--global-batch-size", "sequences per step over all data-parallel ranks"))
+        "--global-batch-size", "sequences per step over all data-parallel ranks", min=1))
     train_iters: Optional[int] = field(default=None, metadata=_flag(
-        "--train-iters", "optimizer steps; default 100, or --train-samples / --global-batch-size"))
+        "--train-iters", "optimizer steps; default 100, or --train-samples / --global-batch-size",
+        min=1))
     train_samples: Optional[int] = field(default=None, metadata=_flag(
         "--train-samples", "samples to train on: --train-samples / --global-batch-size steps "
-        "(a partial last batch is dropped, as in Megatron-LM)"))
+        "(a partial last batch is dropped, as in Megatron-LM)", min=1))
     rampup_batch_size: Optional[list] = field(default=None, metadata=_flag(
         "--rampup-batch-size", "batch-size ramp-up: not supported yet", nargs=3))
     eval_interval: int = field(default=50, metadata=_flag(
-        "--eval-interval", "steps between validation runs (0 = never)"))
-    eval_iters: int = field(default=4, metadata=_flag("--eval-iters", "validation batches per run"))
-    seed: int = field(default=1234, metadata=_flag("--seed", "seed of init, data order and dropout"))
+        "--eval-interval", "steps between validation runs (0 = never)", min=0))
+    eval_iters: int = field(default=4, metadata=_flag(
+        "--eval-iters", "validation batches per run (0 = no validation, as --eval-interval 0)",
+        min=0))
+    seed: int = field(default=1234, metadata=_flag(
+        "--seed", "seed of init, data order and dropout", min=0, max=2**32 - 1))
     exit_signal_handler: bool = field(default=True, metadata=_flag(
         "--exit-signal-handler", "on SIGTERM/SIGINT (and --exit-signal) save a checkpoint and "
         "exit cleanly"))
@@ -143,17 +152,19 @@ class TrainingConfig:
         "--exit-signal", "one more signal that saves and exits (e.g. SIGUSR1 from Slurm's "
         "--signal)", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")))
     exit_duration_in_mins: Optional[float] = field(default=None, metadata=_flag(
-        "--exit-duration-in-mins", "save and exit once the run has lasted this long"))
+        "--exit-duration-in-mins", "save and exit once the run has lasted this long", min=0))
     exit_on_nan: bool = field(default=True, metadata=_flag(
         "--exit-on-nan", "stop with exit code 3, before any save, at a step whose loss, JREG "
         "penalty or gradient norm is NaN/inf (--no-exit-on-nan skips such steps: no update)"))
     exit_interval: Optional[int] = field(default=None, metadata=_flag(
-        "--exit-interval", "save and exit after this many steps (for tests and preemption drills)"))
+        "--exit-interval", "save and exit after this many steps (for tests and preemption drills)",
+        min=1))
     calculate_per_token_loss: bool = field(default=False, metadata=_flag(
         "--calculate-per-token-loss", "average the LM loss over the loss-masked tokens of the "
         "whole global batch (default: the mean of each micro-batch's token mean); on with --sft"))
 
     def __post_init__(self):
+        config_values.check_fields(self)
         if self.rampup_batch_size:
             raise ValueError("--rampup-batch-size: not supported yet (the global batch is "
                              "constant); drop it")
@@ -209,6 +220,9 @@ class DataConfig:
     imported_from: Optional[str] = field(default=None, metadata={
         "cli": False, "help": "the Hugging Face model a tools/convert_from_hf.py checkpoint "
         "was converted from (its run config has no data)"})
+    tokenizer_identity: Optional[str] = field(default=None, metadata={
+        "cli": False, "help": "the tokenizer the run trained with: the sha256 of its kind, size "
+        "and files (data.tokenizers.tokenizer_identity); resume and the tools compare it"})
 
     def __post_init__(self):
         if self.tokenizer_type not in TOKENIZER_TYPES:
@@ -243,9 +257,9 @@ class CheckpointConfig:
     load: Optional[str] = field(default=None, metadata=_flag(
         "--load", "checkpoint directory to resume from (the latest complete iteration)"))
     save_interval: Optional[int] = field(default=None, metadata=_flag(
-        "--save-interval", "steps between checkpoints (the last step is always saved)"))
+        "--save-interval", "steps between checkpoints (the last step is always saved)", min=1))
     ckpt_step: Optional[int] = field(default=None, metadata=_flag(
-        "--ckpt-step", "load this iteration instead of the latest"))
+        "--ckpt-step", "load this iteration instead of the latest", min=0))
     no_load_optim: bool = field(default=False, metadata=_flag(
         "--no-load-optim", "load weights only (fresh optimizer and schedule)"))
     finetune: bool = field(default=False, metadata=_flag(
@@ -263,20 +277,24 @@ class CheckpointConfig:
         "--no-load-rng", "on --load, do not restore the saved random state"))
     no_verify_checkpoint: bool = field(default=False, metadata=_flag(
         "--no-verify-checkpoint", "on --load, skip the per-file checksum check"))
+    allow_tokenizer_change: bool = field(default=False, metadata=_flag(
+        "--allow-tokenizer-change", "continue from a checkpoint (--load, --pretrained-checkpoint) "
+        "with a tokenizer other than the one it was trained with (its vocabulary must fit the "
+        "saved embedding)"))
     overwrite_checkpoints: bool = field(default=False, metadata=_flag(
         "--overwrite-checkpoints", "let a run without --load write into a --save that holds "
         "checkpoints (it replaces the iterations it reaches)"))
 
     def __post_init__(self):
-        if self.save_interval is not None and self.save_interval < 1:
-            raise ValueError("--save-interval must be >= 1")
+        config_values.check_fields(self)
         if self.ckpt_format != "torch_dist":
             raise ValueError(f"--ckpt-format {self.ckpt_format!r}: only torch_dist is supported")
 
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    log_interval: int = field(default=10, metadata=_flag("--log-interval", "steps between log lines"))
+    log_interval: int = field(default=10, metadata=_flag(
+        "--log-interval", "steps between log lines", min=1))
     tensorboard_dir: Optional[str] = field(default=None, metadata=_flag(
         "--tensorboard-dir", "write TensorBoard scalars here"))
     metrics_file: Optional[str] = field(default=None, metadata=_flag(
@@ -286,8 +304,7 @@ class LoggingConfig:
     wandb_exp_name: Optional[str] = field(default=None, metadata=_flag("--wandb-exp-name", "W&B run name"))
 
     def __post_init__(self):
-        if self.log_interval < 1:
-            raise ValueError("--log-interval must be >= 1")
+        config_values.check_fields(self)
 
 
 SECTIONS = {

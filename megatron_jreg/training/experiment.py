@@ -27,6 +27,7 @@ from megatron_jreg.training.config import (
     OptimConfig,
     TrainingConfig,
 )
+from megatron_jreg.training.checkpoint_args import missing_directory
 from megatron_jreg.training.megatron_lm import MegatronLMConfig
 
 DESCRIPTION = "Pretrain a Llama model with JREG on megatron-core"
@@ -125,7 +126,7 @@ class ExperimentConfig:
         self._check_schedule()
         if (self.checkpoint.load and not self.checkpoint.pretrained_checkpoint
                 and not os.path.isdir(self.checkpoint.load)):
-            raise ValueError(f"--load {self.checkpoint.load!r} does not exist")
+            raise ValueError(missing_directory("--load", self.checkpoint.load))
         self._check_save_directory()
         if self.logging.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb-project needs wandb installed: pip install wandb "
@@ -167,7 +168,7 @@ class ExperimentConfig:
     def _check_finetune(self) -> None:
         c = self.checkpoint
         if c.pretrained_checkpoint and not os.path.isdir(c.pretrained_checkpoint):
-            raise ValueError(f"--pretrained-checkpoint {c.pretrained_checkpoint!r} does not exist")
+            raise ValueError(missing_directory("--pretrained-checkpoint", c.pretrained_checkpoint))
         if c.finetune and not (c.load or c.pretrained_checkpoint):
             raise ValueError("--finetune loads weights from --pretrained-checkpoint or --load; "
                              "pass one of them")

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional
 
+from megatron_jreg import config_values
+
 ACCEPTED, NOTED, REFUSED = "accepted", "accepted with a printed line", "refused"
 
 
@@ -34,6 +36,7 @@ class Row(NamedTuple):
     choices: Optional[tuple] = None
     allowed: tuple = ()  # values that are accepted silently although the row is NOTED/REFUSED
     nargs: Optional[object] = None
+    bounds: Optional[dict] = None  # config_values' range metadata (min, gt, max, lt) of a value
 
 
 TABLE = [
@@ -65,7 +68,7 @@ TABLE = [
     Row("--rotary-interleaved", REFUSED, "interleaved RoPE is not supported yet"),
     Row("--use-rope-scaling", REFUSED, "Llama 3.1 RoPE scaling is not supported yet"),
     Row("--rotary-seq-len-interpolation-factor", REFUSED,
-        "RoPE interpolation is not supported yet", int, None),
+        "RoPE interpolation is not supported yet", int, None, bounds={"min": 1}),
     Row("--apply-residual-connection-post-layernorm", REFUSED,
         "post-norm residuals are not supported yet"),
     Row("--fp32-residual-connection", REFUSED, "an fp32 residual stream is not supported yet"),
@@ -78,13 +81,13 @@ TABLE = [
     Row("--optimizer", REFUSED, "only Adam (AdamW, decoupled weight decay) is supported", str,
         "adam", ("adam", "sgd", "muon", "dist_muon"), ("adam",)),
     Row("--decoupled-lr", REFUSED, "a separate embedding/output learning rate is not "
-        "supported yet", float, None),
+        "supported yet", float, None, bounds={"gt": 0}),
     Row("--decoupled-min-lr", REFUSED, "a separate embedding/output learning rate is not "
-        "supported yet", float, None),
+        "supported yet", float, None, bounds={"min": 0}),
     Row("--weight-decay-incr-style", REFUSED, "the weight decay is constant here", str,
         "constant", ("constant", "linear", "cosine"), ("constant",)),
     Row("--loss-scale", REFUSED, "static loss scaling is not supported; fp16 uses dynamic "
-        "scaling (--initial-loss-scale)", float, None),
+        "scaling (--initial-loss-scale)", float, None, bounds={"gt": 0}),
     Row("--grad-reduce-in-bf16", REFUSED, "gradients are reduced in fp32 under bf16 here"),
     Row("--accumulate-allreduce-grads-in-fp32", ACCEPTED,
         "bf16/fp16 gradients are always accumulated and reduced in fp32 here"),
@@ -99,12 +102,12 @@ TABLE = [
         "Engine's userbuffers)"),
     # ---- data -----------------------------------------------------------------------------
     Row("--num-workers", NOTED, "batches are read in the training process (no DataLoader "
-        "workers)", int, 2),
+        "workers)", int, 2, bounds={"min": 0}),
     Row("--no-create-attention-mask-in-dataloader", ACCEPTED,
         "the trainer builds the causal mask itself"),
     Row("--no-mmap-bin-files", NOTED, "the .bin files are memory-mapped"),
     Row("--num-dataset-builder-threads", ACCEPTED, "passed to megatron-core's dataset builder",
-        int, 1),
+        int, 1, bounds={"min": 1}),
     Row("--mock-data", REFUSED, "needs real data: build some with tools/preprocess_data.py "
         "(tools/make_demo_corpus.py makes a corpus)"),
     # ---- logging --------------------------------------------------------------------------
@@ -112,9 +115,9 @@ TABLE = [
     Row("--timing-log-level", NOTED, "there are no timers here; the log line gives tokens/s",
         int, 0, (0, 1, 2), (0,)),
     Row("--tensorboard-log-interval", NOTED, "TensorBoard gets a point every --log-interval "
-        "steps", int, 1, None, (1,)),
+        "steps", int, 1, None, (1,), bounds={"min": 1}),
     Row("--tensorboard-queue-size", ACCEPTED, "TensorBoard's writer keeps its default queue",
-        int, 1000),
+        int, 1000, bounds={"min": 1}),
     Row("--log-timers-to-tensorboard", NOTED, "there are no timers to log"),
     Row("--log-validation-ppl-to-tensorboard", NOTED, "validation perplexity is printed and "
         "validation loss goes to TensorBoard"),
@@ -122,10 +125,11 @@ TABLE = [
     Row("--log-params-norm", NOTED, "the parameter norm is not computed"),
     Row("--log-num-zeros-in-grad", NOTED, "zeros in the gradient are not counted"),
     Row("--profile", NOTED, "no profiler is started"),
-    Row("--profile-step-start", ACCEPTED, "used with --profile only", int, 10),
-    Row("--profile-step-end", ACCEPTED, "used with --profile only", int, 12),
+    Row("--profile-step-start", ACCEPTED, "used with --profile only", int, 10, bounds={"min": 0}),
+    Row("--profile-step-end", ACCEPTED, "used with --profile only", int, 12, bounds={"min": 0}),
     Row("--manual-gc", NOTED, "Python's garbage collector runs as usual"),
-    Row("--manual-gc-interval", ACCEPTED, "used with --manual-gc only", int, 0),
+    Row("--manual-gc-interval", ACCEPTED, "used with --manual-gc only", int, 0,
+        bounds={"min": 0}),
     Row("--empty-unused-memory-level", NOTED, "PyTorch's cached memory is not emptied between "
         "steps", int, 0, (0, 1, 2), (0,)),
     # ---- checkpoints ----------------------------------------------------------------------
@@ -168,7 +172,8 @@ def _name(flag: str) -> str:
 
 
 def _field(row: Row):
-    meta = {"flag": row.flag, "help": f"Megatron-LM flag, {row.status}: {row.why}"}
+    meta = {"flag": row.flag, "help": f"Megatron-LM flag, {row.status}: {row.why}",
+            **(row.bounds or {})}
     if row.kind is bool:
         meta["const"] = True
     if row.choices:
@@ -185,6 +190,7 @@ def _given(row: Row, value) -> bool:
 
 
 def _refuse(self) -> None:
+    config_values.check_fields(self)  # a bad value is refused as such, before "not supported"
     for row in TABLE:
         if row.status == REFUSED and _given(row, getattr(self, _name(row.flag))):
             value = getattr(self, _name(row.flag))

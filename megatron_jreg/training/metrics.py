@@ -5,13 +5,20 @@ A record is ``(phase, iteration, values)``: ``phase`` is "train" or "validation"
 layer). Each sink writes a record under its own conventional names, all read from the one
 table below: the JSONL metrics file (``lm_loss``, ``validation_lm_loss``), TensorBoard and
 W&B (Megatron-LM's tags: ``lm loss``, ``validation/lm loss``) and the console line
-(``lm loss 5.123456``). A value of None was not measured and every sink leaves it out.
+(``lm loss 5.123456``). A value of None was not measured and every sink leaves it out,
+except the LM loss, which the JSONL file writes as null: a step with no loss token to
+average over (0/0) is logged, and skipped, never given a number. Each JSONL line carries the
+run's id (``run_id``, one per run, the same on every rank) so that two runs appending to one
+``--metrics-file`` stay apart.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -33,6 +40,7 @@ class Metric:
     jsonl: Optional[str] = None
     tensorboard: Optional[str] = None  # also the W&B key; "{layer:02d}" expands a per-layer list
     console: Optional[str] = None  # label and format in the console line
+    null_in_jsonl: bool = False  # None is written as null (not left out) in the JSONL file
 
 
 # The one table of names. Order is the order of the JSONL keys and of the console line.
@@ -40,7 +48,8 @@ METRICS: Dict[str, Sequence[Metric]] = {
     TRAIN: (
         Metric("consumed_samples", jsonl="consumed_samples"),
         Metric("consumed_tokens", console="consumed tokens {:12d}"),
-        Metric("lm_loss", jsonl="lm_loss", tensorboard="lm loss", console="lm loss {:.6f}"),
+        Metric("lm_loss", jsonl="lm_loss", tensorboard="lm loss", console="lm loss {:.6f}",
+               null_in_jsonl=True),
         Metric("jreg_penalty", jsonl="jreg_penalty", tensorboard="jreg/penalty",
                console="jreg penalty {:.6f}"),
         Metric("R", jsonl="R", tensorboard="jreg/R"),
@@ -58,7 +67,7 @@ METRICS: Dict[str, Sequence[Metric]] = {
     ),
     VALIDATION: (
         Metric("lm_loss", jsonl="validation_lm_loss", tensorboard="validation/lm loss",
-               console="lm loss {:.6f}"),
+               console="lm loss {:.6f}", null_in_jsonl=True),
         Metric("ppl", console="ppl {:.3f}"),
         Metric("psi", jsonl="validation_psi"),
         Metric("zeta_L", jsonl="validation_zeta_L", tensorboard="validation/zeta_L",
@@ -101,14 +110,19 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    """One strict-JSON object per record (non-finite numbers as null), appended."""
+    """One strict-JSON object per record (non-finite numbers as null), appended; with
+    ``run_id``, the record's last key names the run."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, run_id: Optional[str] = None):
         self.path = path
+        self.run_id = run_id
 
     def write(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
         record = {"iteration": iteration}
-        record.update({m.jsonl: v for m, v in _present(phase, values) if m.jsonl})
+        record.update({m.jsonl: values.get(m.key) for m in METRICS[phase] if m.jsonl
+                       and (values.get(m.key) is not None or m.null_in_jsonl)})
+        if self.run_id is not None:
+            record["run_id"] = self.run_id
         with open(self.path, "a") as f:
             f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
 
@@ -148,8 +162,9 @@ class WandbSink:
 class MetricsLogger:
     """Hands each record to every sink (none on ranks other than 0)."""
 
-    def __init__(self, sinks: Sequence[object] = ()):
+    def __init__(self, sinks: Sequence[object] = (), run_id: Optional[str] = None):
         self.sinks = list(sinks)
+        self.run_id = run_id
 
     def log(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
         for sink in self.sinks:
@@ -160,25 +175,43 @@ class MetricsLogger:
             sink.close()
 
 
+def new_run_id() -> str:
+    """This run's id: start time, pid and a random part (one per run; rank 0 draws it and
+    :func:`build_metrics_logger` hands it to every rank)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def build_metrics_logger(logging_cfg, train_iters: int, rank: int, run_config: dict) -> MetricsLogger:
-    """Rank 0's sinks from the logging section; other ranks write nothing."""
+    """Rank 0's sinks from the logging section; other ranks write nothing. Collective under
+    torch.distributed: every rank learns rank 0's run id (``MetricsLogger.run_id``)."""
+    import torch.distributed as dist
+
+    box = [new_run_id()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
     if rank != 0:
-        return MetricsLogger()
+        return MetricsLogger(run_id=box[0])
     sinks: List[object] = [ConsoleSink(train_iters)]
     if logging_cfg.metrics_file:
-        sinks.append(JsonlSink(logging_cfg.metrics_file))
+        sinks.append(JsonlSink(logging_cfg.metrics_file, box[0]))
     if logging_cfg.tensorboard_dir:
         sinks.append(TensorBoardSink(logging_cfg.tensorboard_dir))
     if logging_cfg.wandb_project:
         sinks.append(WandbSink(logging_cfg.wandb_project, logging_cfg.wandb_exp_name,
                                json.loads(json.dumps(run_config, default=str))))
-    return MetricsLogger(sinks)
+    return MetricsLogger(sinks, run_id=box[0])
 
 
 # ---- the values of a record ---------------------------------------------------------------
 def jreg_summary(window: Sequence[Dict], num_layers: int, lam: float) -> Dict[str, object]:
-    """LM loss, penalty, R, Psi and the top jump rates averaged over a window of steps."""
+    """LM loss, penalty, R, Psi and the top jump rates averaged over a window of steps;
+    steps that ran nothing (no loss token in the global batch) are left out, and a window
+    of only those has None for each (not measured: 0/0 is never a number)."""
+    window = [w for w in window if not w.get("no_loss_tokens")]
     n = len(window)
+    if not n:
+        return dict.fromkeys(("lm_loss", "jreg_penalty", "R", "psi", "zeta_L", "zeta_L-1",
+                              "zeta_L-2"))
     loss = sum(w["lm_loss"] for w in window) / n
     penalty = sum(w["penalty"] for w in window) / n
     psi = [sum(col) / n for col in zip(*(w["psi"] for w in window))]
@@ -189,9 +222,28 @@ def jreg_summary(window: Sequence[Dict], num_layers: int, lam: float) -> Dict[st
             "zeta_L-2": rates.get(num_layers - 2, 0.0)}
 
 
-def validation_summary(lm_loss: float, psi: List[float], num_layers: int) -> Dict[str, object]:
+def validation_summary(lm_loss: Optional[float], psi: List[float],
+                       num_layers: int) -> Dict[str, object]:
+    """lm_loss None: no validation batch had a loss token; nothing is reported as a number."""
+    if lm_loss is None:
+        return {"lm_loss": None, "ppl": None, "psi": None, "zeta_L": None}
     return {"lm_loss": lm_loss, "ppl": math.exp(min(lm_loss, 50)), "psi": psi,
             "zeta_L": jump_rates(psi).get(num_layers, 0.0)}
+
+
+def run_summary(steps: int, seconds: float, skipped: int, no_loss_tokens: int,
+                last: Optional[Dict]) -> str:
+    """The end-of-run line: steps, time, the skipped steps by cause, the last step's values.
+    ``skipped`` counts every skipped step, ``no_loss_tokens`` those with no loss token."""
+    summary = f"done: {steps} steps in {seconds:.1f}s"
+    causes = [(skipped - no_loss_tokens, "non-finite loss, penalty or gradients"),
+              (no_loss_tokens, "no loss token in the global batch")]
+    causes = [f"{count} skipped: {why}" for count, why in causes if count]
+    if causes:
+        summary += f" ({'; '.join(causes)})"
+    if last is not None and last["lm_loss"] is not None:
+        summary += f", last lm loss {last['lm_loss']:.6f}, last jreg penalty {last['penalty']:.6f}"
+    return summary
 
 
 def model_flops_per_token(model_cfg, vocab: int) -> float:

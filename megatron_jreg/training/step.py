@@ -70,12 +70,19 @@ def forward_backward(
     over TP/PP/DP (every rank). Gradients accumulate in the model's grad buffers.
     ``per_token_loss``: the LM loss is the mean over the global batch's loss-masked tokens
     (``--calculate-per-token-loss``), not the mean of the micro-batches' means.
+
+    A global batch without a loss token (SFT samples whose replies are all cut) has no LM
+    loss: a mean over it is 0/0. Nothing runs and every rank (they share the count) gets
+    ``no_loss_tokens`` True and None for the loss and the JREG metrics; the caller skips it.
     """
     num_microbatches = len(batches)
+    loss_tokens = global_loss_tokens(batches)
+    if loss_tokens == 0:
+        return {"lm_loss": None, "no_loss_tokens": True, "penalty": None, "R": None, "psi": None}
     per_token_scale = None
     if per_token_loss:
         dp = parallel_state.get_data_parallel_world_size()
-        per_token_scale = num_microbatches * dp / max(global_loss_tokens(batches), 1.0)
+        per_token_scale = num_microbatches * dp / loss_tokens
     config = model[0].config
     if tracker is not None:
         tracker.reset()
@@ -98,7 +105,7 @@ def forward_backward(
     lm_loss = None
     if losses:
         lm_loss = float(torch.stack([x["lm loss"] for x in losses]).mean())
-    result: Dict[str, object] = {"lm_loss": lm_loss}
+    result: Dict[str, object] = {"lm_loss": lm_loss, "no_loss_tokens": False}
     if tracker is not None:
         result.update(tracker.reduce())
     return result

@@ -23,6 +23,7 @@ from megatron_jreg.atomic_write import check_output_dir, check_output_path
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
 from megatron_jreg.data.batches import rank_microbatches
 from megatron_jreg.data.gpt_datasets import build_gpt_datasets
+from megatron_jreg.data.run_data_check import check_data_against_run
 from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
 from megatron_jreg.data.sft_samples import build_sft_samples
 from megatron_jreg.data.tokenizers import build_tokenizer
@@ -50,6 +51,7 @@ from megatron_jreg.training.metrics import (
     jreg_summary,
     memory_gib,
     model_flops_per_token,
+    run_summary,
     validation_summary,
 )
 from megatron_jreg.training.megatron_lm import notes
@@ -65,8 +67,8 @@ class Trainer:
         self.cfg = experiment
         self.train_cfg = experiment.training  # steps, batches, evaluation: read every step
         self.iteration = 0
-        self.consumed_samples = 0
-        self.skipped_steps = 0
+        self.consumed_samples = self.consumed_tokens = 0  # tokens: a count (--seq-length may change)
+        self.skipped_steps = self.no_loss_token_steps = 0
         self.checkpoints = Checkpointer(experiment)
         self.metrics = MetricsLogger()
         self.started = time.time()  # --exit-duration-in-mins counts from here
@@ -81,6 +83,8 @@ class Trainer:
         initialize_distributed(cfg.parallel.distributed_timeout_minutes)
         self.device = platform_device.current_device()
         self._check_outputs()
+        check_data_against_run(cfg.data_prefixes(), self.tokenizer.vocab_size, cfg.data.data_cache_path,
+                               (cfg.data.split, cfg.model.seq_length) if cfg.data.sft else None)
         if cfg.jreg.impl == "fused" and not fused_available(self.device):
             raise ValueError(
                 f"--jreg-impl fused: the fused kernel is not built for {self.device.type} "
@@ -96,6 +100,7 @@ class Trainer:
         for line in notes(cfg, cfg.given, impl, platform_device.backend()):  # Megatron-LM flags
             print_rank_0(line)
         cfg.model.transformer_impl = impl  # the saved run config records what ran
+        self.checkpoints.check_source(self.tokenizer)
         self.checkpoints.resolve_padded_vocab()
         initialize_model_parallel(cfg.model, cfg.parallel)
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -108,7 +113,8 @@ class Trainer:
         if self.checkpoints.source():
             resumed = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
             if resumed is not None:
-                self.iteration, self.consumed_samples = resumed
+                self.iteration, self.consumed_samples, tokens = resumed  # tokens None: an older save
+                self.consumed_tokens = self.consumed_samples * cfg.model.seq_length if tokens is None else tokens
         self.metrics = build_metrics_logger(cfg.logging, self.train_cfg.train_iters, dist.get_rank(),
                                             cfg.to_dict())
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler,
@@ -177,7 +183,7 @@ class Trainer:
     def _build_data(self) -> None:
         t = self.train_cfg
         g = t.global_batch_size
-        evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
+        evals = t.train_iters // t.eval_interval + 1 if t.eval_interval and t.eval_iters else 0
         # validation reuses one fixed set of eval_iters batches: comparable across runs
         valid_samples = t.eval_iters * g if evals else 0
         if self.cfg.data.sft:
@@ -219,12 +225,13 @@ class Trainer:
         batches = self._batches(self.train_ds, self.consumed_samples)
         out = forward_backward(self.model, batches, self.cfg.model.seq_length, t.micro_batch_size,
                                self.tracker, per_token_loss=self.cfg.per_token_loss())
-        loss = self._global_mean(out["lm_loss"])
+        empty = out["no_loss_tokens"]  # no loss token in the global batch: nothing ran, no update
+        loss = None if empty else self._global_mean(out["lm_loss"])
         bad = [f"{name} is {value}" for name, value in (("LM loss", loss), ("JREG penalty", out["penalty"]))
-               if not math.isfinite(value)]
+               if value is not None and not math.isfinite(value)]
         grad_norm = float("nan")
         success = False
-        if not bad:
+        if not bad and not empty:
             success, grad_norm, bad = optimizer_step(self.optimizer)
         if bad:
             if t.exit_on_nan:
@@ -233,14 +240,15 @@ class Trainer:
                     "saved. Lower --lr or check the data (or the checkpoint resumed from); "
                     "--no-exit-on-nan skips such steps instead")
             print_rank_0(f"iteration {self.iteration + 1}: {bad[0]}; step skipped (no update)")
-        if success:
+        if success or empty:  # an empty batch was consumed: the schedule counts it
             self.scheduler.step(increment=t.global_batch_size)
         self.iteration += 1
         self.consumed_samples += t.global_batch_size
-        if not success:
-            self.skipped_steps += 1
+        self.consumed_tokens += t.global_batch_size * self.cfg.model.seq_length
+        self.skipped_steps += not success
+        self.no_loss_token_steps += empty
         return {"lm_loss": loss, "penalty": out["penalty"], "R": out["R"], "psi": out["psi"],
-                "grad_norm": grad_norm, "skipped": not success}
+                "grad_norm": grad_norm, "skipped": not success, "no_loss_tokens": empty}
 
     def evaluate(self) -> Optional[Dict[str, object]]:
         """Validation LM loss and Psi over the fixed eval_iters batches (collective)."""
@@ -257,12 +265,14 @@ class Trainer:
                 out = forward_backward(self.model, batches, self.cfg.model.seq_length,
                                        t.micro_batch_size, self.tracker, forward_only=True,
                                        per_token_loss=self.cfg.per_token_loss())
-                losses.append(self._global_mean(out["lm_loss"]))
-                psis.append(out["psi"])
+                if not out["no_loss_tokens"]:  # a batch without one has no loss (0/0)
+                    losses.append(self._global_mean(out["lm_loss"]))
+                    psis.append(out["psi"])
         for chunk in self.model:
             chunk.train()
         psi = [sum(col) / len(col) for col in zip(*psis)]
-        return validation_summary(sum(losses) / len(losses), psi, self.cfg.model.num_layers)
+        return validation_summary(sum(losses) / len(losses) if losses else None, psi,
+                                  self.cfg.model.num_layers)
 
     def _log_window(self, window: List[Dict], elapsed: float) -> None:
         cfg = self.cfg
@@ -272,7 +282,7 @@ class Trainer:
         tflops = per_token * tps / dist.get_world_size() / 1e12
         skipped = sum(w["skipped"] for w in window)
         values.update(consumed_samples=self.consumed_samples,
-                      consumed_tokens=self.consumed_samples * cfg.model.seq_length,
+                      consumed_tokens=self.consumed_tokens,
                       lr=self.optimizer.param_groups[0]["lr"], grad_norm=window[-1]["grad_norm"],
                       tokens_per_s=tps, tflops_per_gpu=tflops, memory_gib=memory_gib(self.device),
                       skipped=skipped or None)
@@ -282,7 +292,7 @@ class Trainer:
     def save(self) -> None:
         data_parallel.sync_params(self.model)
         self.checkpoints.save(self.iteration, self.model, self.optimizer, self.scheduler,
-                              self.consumed_samples)
+                              self.consumed_samples, self.consumed_tokens)
 
     def train(self) -> int:
         cfg, t = self.cfg, self.train_cfg
@@ -301,7 +311,7 @@ class Trainer:
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self._log_window(window, time.time() - start)
                 window, start = [], time.time()
-            if t.eval_interval and self.iteration % t.eval_interval == 0:
+            if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0:
                 result = self.evaluate()
                 if result:
                     self.metrics.log(VALIDATION, self.iteration, result)
@@ -326,12 +336,8 @@ class Trainer:
                 return 0
         if last_saved != self.iteration:
             self.save()
-        summary = f"done: {self.iteration - first} steps in {time.time() - t_start:.1f}s"
-        if self.skipped_steps:
-            summary += f" ({self.skipped_steps} skipped: non-finite loss, penalty or gradients)"
-        if last is not None:
-            summary += f", last lm loss {last['lm_loss']:.6f}, last jreg penalty {last['penalty']:.6f}"
-        print_rank_0(summary)
+        print_rank_0(run_summary(self.iteration - first, time.time() - t_start, self.skipped_steps,
+                                 self.no_loss_token_steps, last))
         return 0
 
     def _time_is_up(self) -> bool:

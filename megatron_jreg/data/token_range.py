@@ -1,0 +1,115 @@
+"""What a ``.bin``/``.idx`` pair holds, keyed by its content: the largest token id (one
+chunked pass over the ``.bin``, cached) and the key of megatron-core's index cache.
+
+Two keys, because two things depend on different bytes:
+
+- megatron-core's document, sample and shuffle indices depend only on the sequence lengths
+  and document boundaries, i.e. on the ``.idx`` bytes: :func:`index_key` is their SHA-256.
+  A prefix rebuilt with other documents gets another key (so another index cache); a copy
+  of the same data elsewhere gets the same one.
+- the largest token id depends on the ``.bin`` bytes too. Hashing the ``.bin`` would cost
+  the very pass the cache saves, so :func:`token_range_key` adds the ``.bin``'s identity to
+  the ``.idx`` digest: size, inode and mtime in nanoseconds. Rewriting the ``.bin`` in place
+  changes its mtime; replacing it (every writer here renames a finished file) changes its
+  inode; other documents change the ``.idx``. Moving the pair keeps all three (a cache hit);
+  copying it costs one more pass. numpy and the standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+import numpy
+
+from megatron_jreg.atomic_write import write_text_atomic
+from megatron_jreg.data.indexed_writer import DTYPE_CODES, read_header
+
+_CHUNK_BYTES = 64 << 20  # one pass, 64 MiB at a time: a dataset of any size fits in memory
+_DIGESTS: dict = {}  # (path, size, mtime_ns, inode) -> SHA-256 of the .idx, per process
+
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def index_key(prefix: str) -> str:
+    """SHA-256 of ``prefix.idx`` (hex): what megatron-core's index cache depends on. The
+    ``.idx`` is 12 bytes a sequence, small beside the ``.bin``; memoized per process."""
+    path = prefix + ".idx"
+    memo = (os.path.abspath(path),) + _identity(path)
+    if memo not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[memo] = digest.hexdigest()
+    return _DIGESTS[memo]
+
+
+def token_range_key(prefix: str) -> str:
+    """The ``.idx`` digest and the ``.bin``'s size, mtime_ns and inode (module docstring)."""
+    size, mtime_ns, inode = _identity(prefix + ".bin")
+    return hashlib.sha256(f"{index_key(prefix)}:{size}:{mtime_ns}:{inode}".encode()).hexdigest()[:32]
+
+
+def scan_max_token_id(prefix: str, part: tuple = (0, 1)) -> int:
+    """The largest id in ``prefix.bin`` (-1 when empty): one pass, chunk by chunk. ``part``
+    (k, n): only the k-th of n equal slices, so n ranks share the pass."""
+    header = read_header(prefix + ".idx")
+    if header is None or header[1] not in DTYPE_CODES:
+        raise ValueError(f"{prefix}.idx is not a megatron-core index file; rebuild the pair "
+                         "with tools/preprocess_data.py")
+    dtype = numpy.dtype(DTYPE_CODES[header[1]])
+    tokens = os.path.getsize(prefix + ".bin") // dtype.itemsize
+    k, n = part
+    first, end = tokens * k // n, tokens * (k + 1) // n
+    largest = -1
+    if end <= first:
+        return largest  # nothing here (numpy cannot map an empty file either)
+    data = numpy.memmap(prefix + ".bin", dtype, mode="r")
+    chunk = max(_CHUNK_BYTES // dtype.itemsize, 1)
+    for start in range(first, end, chunk):
+        largest = max(largest, int(data[start:min(start + chunk, end)].max()))
+    del data
+    return largest
+
+
+def _cache_path(prefix: str, cache_dir: str) -> str:
+    return os.path.join(cache_dir, f"token-range-{token_range_key(prefix)}.json")
+
+
+def cached_max_token_id(prefix: str, cache_dir: Optional[str]) -> Optional[int]:
+    """The cached largest id of this content of ``prefix`` (None: not cached). A stale value
+    is never read: the file's name is the content key of :func:`token_range_key`."""
+    if cache_dir is None:
+        return None
+    try:
+        with open(_cache_path(prefix, cache_dir), encoding="utf-8") as f:
+            return int(json.load(f)["max_token_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable: computed again
+
+
+def store_max_token_id(prefix: str, cache_dir: Optional[str], largest: int) -> None:
+    """Cache it (an unwritable ``cache_dir``: not cached; the next run scans again)."""
+    if cache_dir is None:
+        return
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        write_text_atomic(_cache_path(prefix, cache_dir),
+                          json.dumps({"max_token_id": largest, "prefix": prefix}) + "\n")
+    except OSError:
+        pass
+
+
+def max_token_id(prefix: str, cache_dir: Optional[str]) -> int:
+    """The largest id in ``prefix.bin``, from the cache or one pass (then cached)."""
+    largest = cached_max_token_id(prefix, cache_dir)
+    if largest is None:
+        largest = scan_max_token_id(prefix)
+        store_max_token_id(prefix, cache_dir, largest)
+    return largest
