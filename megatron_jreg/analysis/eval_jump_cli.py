@@ -22,7 +22,7 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg import strict_json
-from megatron_jreg.atomic_write import check_output_path, write_text_atomic
+from megatron_jreg.atomic_write import check_output_path, output_locks, write_text_atomic
 from megatron_jreg.analysis.checkpoint_source import layout_flags_given
 from megatron_jreg.analysis.compare import compare_reports, format_summary_table, load_report
 from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
@@ -307,8 +307,11 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
 def main(argv: Optional[Sequence[str]] = None, kinds: Optional[Sequence[SourceKind]] = None) -> int:
     kinds = list(kinds) if kinds is not None else builtin_source_kinds()
     args = build_parser(kinds).parse_args(argv)
+    # one writer per report: held from before the first model loads until the files are in
+    outputs = [("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)]
     try:
-        return run(args, kinds)
+        with output_locks(outputs if _is_output_rank() else []):
+            return run(args, kinds)
     except InputError as e:
         if _is_output_rank():  # every rank meets the same input error; say it once
             print(f"{PROG}: error: {e}", file=sys.stderr)

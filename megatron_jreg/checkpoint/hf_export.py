@@ -60,7 +60,14 @@ from megatron_jreg.checkpoint.model_loader import (
     launched_world_size,
     load_model,
 )
-from megatron_jreg.atomic_write import check_output_dir, temp_dir_beside
+from megatron_jreg.atomic_write import (
+    check_output_dir,
+    give_open_modes,
+    output_lock,
+    signals_as_interrupt,
+    stop_reason,
+    temp_dir_beside,
+)
 from megatron_jreg.checkpoint.hf_families import (  # noqa: F401 (also this module's API)
     HF_CLASSES,
     check_exportable,
@@ -200,7 +207,14 @@ def convert(
     tokenizer_model: Optional[str] = None,
     skip_tokenizer: bool = False,
 ) -> List[str]:
-    """Write the HF directory ``output`` (atomically: a temp dir renamed); returns warnings."""
+    """Write the HF directory ``output`` (atomically: a temp dir renamed); returns warnings.
+    One writer per ``output``: a second conversion to it is refused while this one runs."""
+    check_output_dir(os.path.dirname(os.path.abspath(output)), "--output", output)
+    with output_lock(output, "--output"):
+        return _convert(root, output, iteration, dtype, tokenizer_model, skip_tokenizer)
+
+
+def _convert(root, output, iteration, dtype, tokenizer_model, skip_tokenizer) -> List[str]:
     _check_output(output)
     if dtype not in DTYPE_NAMES:
         raise InputError(f"--dtype {dtype}: choose one of {sorted(DTYPE_NAMES)}")
@@ -263,7 +277,13 @@ def convert(
             )
         model.to(torch_dtype(dtype))
         model.save_pretrained(tmp, safe_serialization=True)
-        os.rename(tmp, output)
+        give_open_modes(tmp)
+        try:
+            os.rename(tmp, output)
+        except OSError:  # a writer that ignores the lock made --output meanwhile: it stays
+            raise InputError(f"--output {output}: another process wrote it while this export "
+                             "ran; its files are kept, this one's removed: choose a new "
+                             "directory") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -298,18 +318,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        warnings = convert(
-            args.load,
-            args.output,
-            iteration=args.iteration,
-            dtype=args.dtype,
-            tokenizer_model=args.tokenizer_model,
-            skip_tokenizer=args.no_tokenizer,
-        )
+    try:  # a kill removes the temporary export on the way out, as Ctrl-C does
+        with signals_as_interrupt():
+            warnings = convert(
+                args.load,
+                args.output,
+                iteration=args.iteration,
+                dtype=args.dtype,
+                tokenizer_model=args.tokenizer_model,
+                skip_tokenizer=args.no_tokenizer,
+            )
     except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stopped:
+        print(f"{PROG}: stopped ({stop_reason(stopped)}); temporary files removed, nothing "
+              f"written to {args.output}", file=sys.stderr)
+        return 130
     for warning in warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.output}")

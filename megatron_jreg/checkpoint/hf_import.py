@@ -179,8 +179,21 @@ def _check_save(save: str) -> None:
     check_output_dir(os.path.dirname(os.path.abspath(save)) or ".", "--save", save)
 
 
+def staged_tokenizer_identity(tokenizer_dir: str, rows: int, hf_model: str) -> str:
+    """The saved tokenizer as the trainer reads it: its ids must fit the embedding's
+    ``rows``; returns its identity for the run config (what resume and the tools check)."""
+    from megatron_jreg.data.tokenizers import HuggingFaceTokenizer, tokenizer_identity
+
+    tokenizer = HuggingFaceTokenizer(tokenizer_dir)
+    if tokenizer.vocab_size > rows:
+        raise InputError(f"--hf-model {hf_model}: its tokenizer has {tokenizer.vocab_size} ids but "
+                         f"the embedding only {rows} rows; the tokenizer does not belong to "
+                         "these weights")
+    return tokenizer_identity(tokenizer)
+
+
 def run_config_yaml(model_values_: Dict[str, object], tp: int, pp: int, tokenizer_dir: str,
-                    dtype: str, source: str) -> str:
+                    dtype: str, source: str, tokenizer_identity: Optional[str] = None) -> str:
     """The run config of the import: the architecture, the layout it was checked for, and
     the copied tokenizer (read back with the checkpoint's own ``tokenizer/``)."""
     from megatron_jreg.training.experiment import ExperimentConfig
@@ -190,7 +203,8 @@ def run_config_yaml(model_values_: Dict[str, object], tp: int, pp: int, tokenize
     values["model"] = {**model_values_, "bf16": dtype == "bfloat16"}
     values["parallel"] = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
     values["data"] = {"data_path": None, "tokenizer_type": "HuggingFaceTokenizer",
-                      "tokenizer_model": tokenizer_dir, "imported_from": source}
+                      "tokenizer_model": tokenizer_dir, "imported_from": source,
+                      "tokenizer_identity": tokenizer_identity}
     experiment = ExperimentConfig.from_sections(
         {name: cls(**values[name]) for name, cls in SECTIONS.items()})
     return experiment.to_yaml()
@@ -247,7 +261,8 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
         staged_tok = os.path.join(tmp_root, ".tokenizer")
         tokenizer.save_pretrained(staged_tok)
         final_tok = os.path.join(ckpt.iteration_dir(final_root, 0), ckpt.TOKENIZER_DIR)
-        text = run_config_yaml(values, tp, pp, final_tok, dtype, os.path.abspath(path))
+        identity = staged_tokenizer_identity(staged_tok, values["vocab_size"], hf_model)
+        text = run_config_yaml(values, tp, pp, final_tok, dtype, os.path.abspath(path), identity)
         torch_device = init_world("cpu")
         build_cfg = ModelConfig(**{**values, "transformer_impl": "local",
                                    "bf16": dtype == "bfloat16"})
@@ -321,24 +336,19 @@ def build_parser():
 def main(argv=None) -> int:
     import sys
 
-    import signal
+    from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
 
     args = build_parser().parse_args(argv)
-
-    def stop(signum, frame):  # the temporary directory is removed on the way out
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop)
-    try:
-        summary = convert(args.hf_model, args.save, tp=args.tensor_model_parallel_size,
-                          pp=args.pipeline_model_parallel_size, dtype=args.dtype,
-                          progress=lambda line: print(line, flush=True))
+    try:  # the temporary directory is removed on the way out, for a kill as for Ctrl-C
+        with signals_as_interrupt():
+            summary = convert(args.hf_model, args.save, tp=args.tensor_model_parallel_size,
+                              pp=args.pipeline_model_parallel_size, dtype=args.dtype,
+                              progress=lambda line: print(line, flush=True))
     except InputError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stopped:
-        print(f"{PROG}: stopped ({stopped.args[0] if stopped.args else 'SIGINT'}); nothing "
+        print(f"{PROG}: stopped ({stop_reason(stopped)}); nothing "
               f"written to {args.save}", file=sys.stderr)
         return 130
     print(f"wrote {args.save}: {summary['family']}, {summary['layers']} layers, "

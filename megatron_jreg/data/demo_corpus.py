@@ -22,7 +22,8 @@ import tokenize
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from megatron_jreg.atomic_write import check_output_path
+from megatron_jreg.atomic_write import check_output_path, output_lock
+from megatron_jreg.errors import InputError
 
 # Directories whose docstrings are test scaffolding or vendored code, not prose.
 _SKIP_DIRS = frozenset({"test", "tests", "site-packages", "dist-packages", "__pycache__",
@@ -50,6 +51,8 @@ class DemoCorpusConfig:
     chat: bool = False
     """Write generated chat conversations ({"messages": [...]}, 500 unless --max-docs says
     otherwise) for preprocess_data.py --sft, instead of docstrings."""
+    overwrite: bool = False
+    """Replace an existing --output (a corpus tokenizers and datasets were built from)."""
 
     def __post_init__(self) -> None:
         if self.max_docs is not None and self.max_docs < 1:
@@ -223,8 +226,17 @@ def iter_demo_chats(seed: int = 1234) -> Iterator[dict]:
 
 
 def write_demo_corpus(config: DemoCorpusConfig) -> tuple[int, int]:
-    """Write the corpus; returns (documents, bytes). Writes a temp file, then renames."""
+    """Write the corpus; returns (documents, bytes). Writes a temp file, then renames,
+    holding the lock of --output (one writer); an existing file is kept unless overwrite."""
     check_output_path(config.output, "--output")  # parents made, writable, before any work
+    with output_lock(config.output, "--output"):
+        if os.path.exists(config.output) and not config.overwrite:
+            raise InputError(f"{config.output} already exists; pass --overwrite to replace it "
+                             "or choose another --output")
+        return _write(config)
+
+
+def _write(config: DemoCorpusConfig) -> tuple[int, int]:
     max_bytes = None if config.max_mb is None else int(config.max_mb * 1e6)
     tmp = f"{config.output}.tmp-{os.getpid()}"
     docs = written = 0

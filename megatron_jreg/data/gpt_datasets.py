@@ -293,6 +293,12 @@ def token_masked_gpt_dataset_class():
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     class TokenMaskedGPTDataset(GPTDataset):
+        def __init__(self, *args, **kwargs):
+            config = kwargs["config"] if "config" in kwargs else args[-1]
+            if not hasattr(config, "data_content"):  # a config not from build_gpt_datasets
+                config.data_content = {}
+            super().__init__(*args, **kwargs)
+
         def _query_document_sample_shuffle_indices(self, idx):
             text, document_ids = super()._query_document_sample_shuffle_indices(idx)
             pad = text == self._pad_token_id

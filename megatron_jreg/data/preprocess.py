@@ -22,7 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
-from megatron_jreg.atomic_write import check_output_dir
+from megatron_jreg.atomic_write import OutputBusy, check_output_dir, output_lock
 from megatron_jreg.data.document_encoder import encode_chunk_in_worker, init_worker
 from megatron_jreg.data.indexed_writer import IndexedDatasetOutput
 from megatron_jreg.data.parent_death import die_with_parent
@@ -53,12 +53,16 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _check_outputs(config: PreprocessConfig) -> None:
+def _check_output_dir(config: PreprocessConfig) -> None:
     out_dir = os.path.dirname(os.path.abspath(config.output_prefix))
     try:  # made when missing, and proved writable, before any input is read
         check_output_dir(out_dir, "--output-prefix", config.output_prefix)
     except InputError as e:
         raise PreprocessError(str(e)) from None
+
+
+def _check_outputs(config: PreprocessConfig) -> None:
+    """Under the prefix's lock: what exists now is no other run's work in progress."""
     if config.overwrite:
         return
     for path in config.output_paths():
@@ -275,8 +279,22 @@ def _encode_partitioned(config, spec, segments, dtypes, progress, built) -> RunS
 
 
 def run_preprocess(config: PreprocessConfig) -> RunStats:
-    """Validate everything cheap first, then tokenise; raises PreprocessError on user errors."""
+    """Validate everything cheap first, then tokenise; raises PreprocessError on user errors.
+
+    The lock of ``--output-prefix`` is held for the whole run: of two runs on one prefix the
+    second is refused, so no .bin, .idx or SFT metadata of one lands beside the other's."""
     start = time.perf_counter()
+    _check_output_dir(config)
+    try:
+        with output_lock(config.output_prefix, "--output-prefix"):
+            stats = _run_locked(config)
+    except OutputBusy as e:  # raised only by taking the lock
+        raise PreprocessError(str(e)) from None
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _run_locked(config: PreprocessConfig) -> RunStats:
     _check_outputs(config)
     try:
         segments = resolve_inputs(config.input, config.input_format)
@@ -308,7 +326,6 @@ def run_preprocess(config: PreprocessConfig) -> RunStats:
         raise no_room from None
     finally:
         progress.close()
-    stats.seconds = time.perf_counter() - start
     return stats
 
 

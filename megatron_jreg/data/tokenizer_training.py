@@ -9,7 +9,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from megatron_jreg.atomic_write import check_output_path
+from megatron_jreg.atomic_write import (
+    check_output_path,
+    output_lock,
+    write_atomic,
+    write_text_atomic,
+)
 from megatron_jreg.data.text_sources import resolve_inputs
 from megatron_jreg.errors import InputError
 
@@ -34,6 +39,9 @@ class TrainTokenizerConfig:
     """``bpe`` (Llama-2) or ``unigram``."""
     seed: int = 1234
     """Sampling seed, for reproducible models."""
+    overwrite: bool = False
+    """Replace an existing ``<model_prefix>.model``/``.vocab`` (checkpoints trained with the
+    old tokenizer would be read with the new one)."""
 
     def __post_init__(self) -> None:
         if self.vocab_size < 300:
@@ -66,8 +74,23 @@ def _training_lines(config: TrainTokenizerConfig) -> Iterator[str]:
                             yield piece
 
 
+def _output_paths(config: TrainTokenizerConfig) -> list[str]:
+    return [config.model_prefix + ".model", config.model_prefix + ".vocab"]
+
+
 def train_sentencepiece(config: TrainTokenizerConfig) -> str:
-    """Train and write the model; returns the ``.model`` path."""
+    """Train and write the model, holding the lock of ``--model-prefix`` (one writer);
+    returns the ``.model`` path. An existing model is kept unless ``overwrite``."""
+    with output_lock(config.model_prefix, "--model-prefix"):
+        if not config.overwrite:
+            for path in _output_paths(config):
+                if os.path.exists(path):
+                    raise InputError(f"{path} already exists; pass --overwrite to replace it "
+                                     "or choose another --model-prefix")
+        return _train_and_write(config)
+
+
+def _train_and_write(config: TrainTokenizerConfig) -> str:
     import sentencepiece
 
     # Seeds sentence sampling and shuffling, so retraining gives the same model.
@@ -84,12 +107,14 @@ def train_sentencepiece(config: TrainTokenizerConfig) -> str:
                              f"{need.group(1)} or more") from None
         raise InputError(f"sentencepiece cannot train on this input: {reason}") from None
     # Written under a temp name so an interrupted run never leaves a truncated model.
-    model_path = config.model_prefix + ".model"
-    tmp = f"{model_path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, model_path)
-    _write_vocab(model_path, config.model_prefix + ".vocab")
+    model_path, vocab_path = _output_paths(config)
+
+    def write_model(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(model.getvalue())
+
+    write_atomic(model_path, write_model)
+    _write_vocab(model_path, vocab_path)
     return model_path
 
 
@@ -122,6 +147,5 @@ def _write_vocab(model_path: str, vocab_path: str) -> None:
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
-    with open(vocab_path, "w", encoding="utf-8") as f:
-        for i in range(sp.vocab_size()):
-            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
+    write_text_atomic(vocab_path, "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n"
+                                          for i in range(sp.vocab_size())))

@@ -1,12 +1,18 @@
 """Results cached per (model, task, limit): a re-run with one more task evaluates that task.
 
-An entry is one JSON file named by the SHA-256 of its key. The key holds the model's
-identity (a checkpoint: its directory, iteration and the checksum manifest of that
-iteration; a Hugging Face directory or a cached hub id's snapshot: its path, config.json and
-the size and mtime of each weight file; a GGUF file: its path, size and mtime), the task
-and a digest of its resolved config (an edited local YAML is a new task), the limit, the
-few-shot count, the dtype and lm-eval's version. The device, the device map and the batch
-size are not part of it: they change the numbers only by rounding.
+An entry is one JSON file named by the SHA-256 of its key. The key holds every input that
+changes the numbers: the model's identity (a checkpoint: its directory, iteration, the
+checksum manifest of that iteration and the content of the tokenizer files its run config
+names, which may live outside it; a Hugging Face directory or a cached hub id's snapshot:
+its path, the content of every file that is not a weight file (config.json, the tokenizer's
+files, the chat template) and the size and mtime of each weight file; a GGUF file, tokenizer
+included: its path, size and mtime), the task and a digest of its resolved config (an
+edited local YAML is a new task), the limit, the few-shot count, the dtype and the versions
+of lm-eval and transformers. The device, the device map and the batch size are not part of
+it: they change the numbers only by rounding.
+
+One writer per entry: a run holds the locks of the entries it evaluates
+(:meth:`ResultCache.writing`), so a second run on the same model and task is refused.
 """
 
 from __future__ import annotations
@@ -16,23 +22,51 @@ import json
 import os
 from typing import Dict, Optional
 
-from megatron_jreg.atomic_write import write_text_atomic
+from megatron_jreg.atomic_write import output_locks, write_text_atomic
 from megatron_jreg.data.tokenizers import file_sha256
 from megatron_jreg.errors import InputError
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+HASHED_BYTES = 256 << 20  # a larger non-weight file is keyed by size and mtime
+
+
+def _file_key(path: str):
+    st = os.stat(path)
+    if st.st_size > HASHED_BYTES:
+        return [st.st_size, st.st_mtime_ns]
+    return file_sha256(path)
 
 
 def hf_model_identity(model_dir: str) -> Dict[str, object]:
     model_dir = os.path.realpath(model_dir)
-    config = os.path.join(model_dir, "config.json")
-    weights = {}
+    weights, files = {}, {}
     for name in sorted(os.listdir(model_dir)):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
         if name.endswith(WEIGHT_SUFFIXES):
-            st = os.stat(os.path.join(model_dir, name))
+            st = os.stat(path)
             weights[name] = [st.st_size, st.st_mtime_ns]
-    return {"hf_model": model_dir, "config": file_sha256(config) if os.path.isfile(config) else None,
-            "weights": weights}
+        else:  # config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
+            files[name] = _file_key(path)
+    return {"hf_model": model_dir, "files": files, "weights": weights}
+
+
+def tokenizer_files_identity(data) -> Dict[str, object]:
+    """The content of the tokenizer files a run config's data section names (the export
+    reads them from there, so a retrained tokenizer at the same path changes the numbers)."""
+    out: Dict[str, object] = {"type": data.tokenizer_type}
+    for attr in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = getattr(data, attr, None)
+        if not path:
+            continue
+        if os.path.isdir(path):
+            out[attr] = {name: _file_key(os.path.join(path, name))
+                         for name in sorted(os.listdir(path))
+                         if os.path.isfile(os.path.join(path, name))}
+        else:
+            out[attr] = _file_key(path) if os.path.isfile(path) else None
+    return out
 
 
 def gguf_identity(path: str) -> Dict[str, object]:
@@ -43,12 +77,15 @@ def gguf_identity(path: str) -> Dict[str, object]:
     return {"gguf": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def checkpoint_identity(iteration_dir: str, root: str, iteration: int) -> Dict[str, object]:
+def checkpoint_identity(iteration_dir: str, root: str, iteration: int,
+                        data=None) -> Dict[str, object]:
+    """``data``: the run config's data section, whose tokenizer files are keyed too."""
     from megatron_jreg.checkpoint.manifest import MANIFEST
 
     manifest = os.path.join(iteration_dir, MANIFEST)
     return {"checkpoint": os.path.realpath(root), "iteration": iteration,
-            "manifest": file_sha256(manifest) if os.path.isfile(manifest) else None}
+            "manifest": file_sha256(manifest) if os.path.isfile(manifest) else None,
+            "tokenizer": None if data is None else tokenizer_files_identity(data)}
 
 
 class ResultCache:
@@ -81,6 +118,16 @@ class ResultCache:
             return None
         same = json.loads(json.dumps(key, sort_keys=True, default=str))
         return entry.get("result") if entry.get("key") == same else None
+
+    def writing(self, entries: Dict[str, Dict[str, object]]):
+        """Hold the lock of each entry ({what: key}) for the block; OutputBusy (one line,
+        exit 2) when another run is evaluating one of them."""
+        if self.directory is None:
+            return output_locks([])
+        return output_locks([(f"--cache-dir entry of {what}:", self._path(key))
+                             for what, key in entries.items()],
+                            fix="wait for it to end (its results are then read from the cache) "
+                            "or pass --no-cache")
 
     def put(self, key: Dict[str, object], result: dict) -> None:
         if self.directory is None:

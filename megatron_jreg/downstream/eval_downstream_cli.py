@@ -21,7 +21,14 @@ import tempfile
 from typing import List, Optional, Sequence
 
 from megatron_jreg import hf_models, strict_json
-from megatron_jreg.atomic_write import check_output_dir, check_output_path, write_text_atomic
+from megatron_jreg.atomic_write import (
+    check_output_dir,
+    check_output_path,
+    output_locks,
+    signals_as_interrupt,
+    stop_reason,
+    write_text_atomic,
+)
 from megatron_jreg.cli import tool_parser
 from megatron_jreg.downstream import cache as cache_mod
 from megatron_jreg.downstream import harness
@@ -125,9 +132,10 @@ def _entries(args) -> List[ModelEntry]:
             continue
         (iteration,) = checkpoint_iterations(path, iteration=args.iteration)
         it_dir = ckpt.iteration_dir(path, iteration)
-        seed = int(read_run_configs(it_dir)["training"].seed)
-        entries.append(ModelEntry(name, kind, path, iteration, seed,
-                                  cache_mod.checkpoint_identity(it_dir, path, iteration)))
+        configs = read_run_configs(it_dir)
+        seed = int(configs["training"].seed)
+        entries.append(ModelEntry(name, kind, path, iteration, seed, cache_mod.checkpoint_identity(
+            it_dir, path, iteration, configs["data"])))
     return entries
 
 
@@ -143,13 +151,26 @@ def _export_child(root: str, iteration: int, out: str, queue) -> None:
 
 
 def export_checkpoint(root: str, iteration: int, out: str) -> List[str]:
-    """``hf_export.convert`` in a spawned process; returns its warnings."""
+    """``hf_export.convert`` in a spawned process; returns its warnings. An interrupt (Ctrl-C,
+    SIGTERM) ends the child before the caller removes the directory it writes in."""
+    import queue as queue_mod
+
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_export_child, args=(root, iteration, out, queue))
     proc.start()
-    status, value = queue.get()
-    proc.join()
+    status = value = None
+    try:
+        while status is None:
+            try:
+                status, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                if not proc.is_alive() and queue.empty():
+                    status, value = "error", f"the export process died (exit code {proc.exitcode})"
+    finally:
+        if status is None:  # interrupted: the child writes in the caller's temporary directory
+            proc.terminate()
+        proc.join()
     if status == "input":
         raise InputError(value)
     if status != "ok":
@@ -168,13 +189,28 @@ def _limit(value: Optional[float]):
 def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limit) -> dict:
     """{task: lm-eval result} for one model, from the cache where it can."""
     settings = dict(limit=limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
-                    lm_eval=harness.lm_eval_version())
+                    lm_eval=harness.lm_eval_version(),
+                    transformers=harness.package_version("transformers"))
     keys = {t: cache.key(entry.identity, task=t, task_config=digests[t], **settings)
             for t in names}
     results = {t: cache.get(keys[t]) for t in names}
     missing = [t for t in names if results[t] is None]
     if not missing:
         return results
+    # one writer per cache entry: held while the missing tasks are evaluated and put
+    with cache.writing({f"{entry.label}/{t}": keys[t] for t in missing}):
+        for t in missing:  # a run that held the locks just before may have put them
+            results[t] = cache.get(keys[t])
+        missing = [t for t in missing if results[t] is None]
+        if missing:
+            fresh = _evaluate(entry, missing, manager, args, limit)
+            for t in missing:
+                cache.put(keys[t], fresh[t])
+                results[t] = fresh[t]
+    return results
+
+
+def _evaluate(entry: ModelEntry, missing, manager, args, limit) -> dict:
     run = dict(dtype=args.dtype, device=args.device, batch_size=args.batch_size, limit=limit,
                num_fewshot=args.num_fewshot, device_map=args.device_map)
     print(f"{PROG}: {entry.label}: evaluating {', '.join(missing)}", file=sys.stderr)
@@ -199,10 +235,7 @@ def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limi
             if args.device_map:
                 run["offload_folder"] = os.path.join(tmp, "offload")
             fresh = harness.evaluate_hf(model_dir, missing, manager, **run)
-    for t in missing:
-        cache.put(keys[t], fresh[t])
-        results[t] = fresh[t]
-    return results
+    return fresh
 
 
 def run(args) -> List[DownstreamReport]:
@@ -235,15 +268,21 @@ def run(args) -> List[DownstreamReport]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        reports = run(args)
+    try:  # a kill removes the temporary export on the way out, as Ctrl-C does
+        with signals_as_interrupt(), output_locks([("--json", args.json), ("--csv", args.csv)]):
+            reports = run(args)  # one writer per report, from before the first model
+            print(format_table(reports))
+            if args.json:
+                payload = (reports[0].to_dict() if len(reports) == 1
+                           else [r.to_dict() for r in reports])
+                write_text_atomic(args.json, strict_json.dumps(payload))
+            if args.csv:
+                write_text_atomic(args.csv, to_csv(reports))
     except InputError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    print(format_table(reports))
-    if args.json:
-        payload = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
-        write_text_atomic(args.json, strict_json.dumps(payload))
-    if args.csv:
-        write_text_atomic(args.csv, to_csv(reports))
+    except KeyboardInterrupt as stopped:
+        print(f"{PROG}: stopped ({stop_reason(stopped)}); temporary files removed, no report "
+              "written", file=sys.stderr)
+        return 130
     return 0

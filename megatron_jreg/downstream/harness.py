@@ -24,13 +24,17 @@ OFFLINE_HINT = (
 )
 
 
-def lm_eval_version() -> str:
+def package_version(name: str) -> str:
     try:
         from importlib.metadata import version
 
-        return version("lm_eval")
-    except Exception:  # noqa: BLE001 - not installed: the import below says so
+        return version(name)
+    except Exception:  # noqa: BLE001 - not installed: the import that needs it says so
         return "unknown"
+
+
+def lm_eval_version() -> str:
+    return package_version("lm_eval")
 
 
 def _import_lm_eval():
