@@ -48,9 +48,11 @@ run_trainer() {
 
 # --load the run's own checkpoints when some exist: re-running the same command after a
 # crash or preemption resumes it (also when a kill left no tracker file beside the
-# iter_XXXXXXX directories: the trainer then takes the newest whole one).
+# iter_XXXXXXX directories: the trainer then takes the newest whole one). Only a whole
+# iteration counts: a save killed half-way (iter_XXXXXXX.partial-...) is not a checkpoint.
 load_args() {
-  if [ -f "$1/latest_checkpointed_iteration.txt" ] || compgen -G "$1/iter_[0-9]*[0-9]" >/dev/null; then
+  if [ -f "$1/latest_checkpointed_iteration.txt" ] \
+      || compgen -G "$1/iter_[0-9][0-9][0-9][0-9][0-9][0-9][0-9]/jreg_complete.json" >/dev/null; then
     echo "--load $1"
   fi
 }

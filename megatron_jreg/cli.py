@@ -269,6 +269,10 @@ def _expanded_size(node: yaml.Node, sizes: Dict[int, float]) -> float:
         return sizes[id(node)]
     sizes[id(node)] = float("inf")  # until done: a cycle back to it is endless
     if isinstance(node, yaml.MappingNode):
+        keys = [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:  # PyYAML would keep the last one silently
+            raise ValueError(f"{twice[0]} is set twice; keep one")
         total = 1 + sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
     elif isinstance(node, yaml.SequenceNode):
         total = 1 + sum(_expanded_size(v, sizes) for v in node.value)
@@ -291,7 +295,11 @@ def _load_settings(path: str) -> Any:
     loader = yaml.SafeLoader(raw)
     try:
         node = loader.get_single_node()
-        if node is not None and _expanded_size(node, {}) > MAX_CONFIG_NODES:
+        try:
+            size = 0 if node is None else _expanded_size(node, {})
+        except ValueError as err:
+            raise ValueError(f"--config {path}: {err}") from None
+        if size > MAX_CONFIG_NODES:
             raise ValueError(f"--config {path}: its aliases expand to more than "
                              f"{MAX_CONFIG_NODES} values; write the settings out")
         return None if node is None else loader.construct_document(node)
@@ -312,7 +320,14 @@ def _from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
     hints = {s: typing.get_type_hints(cls) for s, cls in sections.items()}
     owner = {name: s for s in sections for name in fields[s]}
 
+    set_by: Dict[Tuple[str, str], str] = {}
+
     def take(section: str, name: str, value: Any, where: str) -> None:
+        key = where.split(": ", 1)[1]
+        if (section, name) in set_by:  # a flat key and its sectioned twin, or two spellings
+            raise ValueError(f"--config {path}: {section}.{name} is set twice ({set_by[section, name]} "
+                             f"and {key}); keep one")
+        set_by[section, name] = key
         # the check a flag gets from argparse and its metadata, named by the key
         out[section][name] = config_values.check_value(
             where, value, hints[section][name], fields[section][name].metadata)

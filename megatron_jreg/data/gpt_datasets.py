@@ -181,6 +181,9 @@ def build_gpt_datasets(
             if not sizes[i]:
                 gpt_config.split_matrix[i] = None
                 sizes[i] = 0
+    if gpt_config.split_matrix[0] is None:  # megatron-core would build no train dataset
+        raise ValueError(f"--split {config.split} gives the train split no weight: the first of "
+                         "the three weights is the train split's (e.g. --split 969,30,1)")
     for prefix in prefixes:
         if weights is not None or len(prefixes) == 1:  # an unweighted blend builds one epoch
             refuse_empty_splits(prefix, gpt_config.split_matrix, sizes, config.split,

@@ -57,6 +57,10 @@ class SFTSamples:
     def __len__(self) -> int:
         return self.num_samples
 
+    def has_loss_token(self) -> bool:
+        """Whether any conversation of this split has a loss token within --seq-length."""
+        return has_loss_token(self.datasets, self.indices, self.seq_length)
+
     def _conversation(self, index: int) -> Dict[str, np.ndarray]:
         which = int(np.searchsorted(self.offsets, index, side="right")) - 1
         return self.datasets[which][index - int(self.offsets[which])]
@@ -97,19 +101,26 @@ def padding_waste(datasets: Sequence, indices: Sequence[int], seq_length: int) -
     return float(1.0 - used.sum() / total) if total else 0.0
 
 
+def has_loss_token(datasets: Sequence, indices: Sequence[int], seq_length: int) -> bool:
+    """Whether any of the conversations ``indices`` (over ``datasets`` concatenated) has a
+    loss token within ``seq_length`` (a sample's labels are tokens ``1..seq_length``).
+    Stops at the first that has one."""
+    offsets = np.cumsum([0] + [len(d) for d in datasets])
+    for index in indices:
+        which = int(np.searchsorted(offsets, index, side="right")) - 1
+        if datasets[which].loss_mask(index - int(offsets[which]))[1:seq_length + 1].any():
+            return True
+    return False
+
+
 def refuse_no_loss_tokens(datasets: Sequence, split: str, seq_length: int) -> None:
     """Refuse a train split none of whose conversations has a loss token within
     ``seq_length`` (a sample's labels are tokens ``1..seq_length``): every step would train
     on nothing. One line, with the fix. Stops at the first conversation that has one."""
     total = sum(len(d) for d in datasets)
     train_range = split_ranges(total, split)[0]
-    if not len(train_range):
-        return  # SFTSamples names that problem
-    offsets = np.cumsum([0] + [len(d) for d in datasets])
-    for index in train_range:
-        which = int(np.searchsorted(offsets, index, side="right")) - 1
-        if datasets[which].loss_mask(index - int(offsets[which]))[1:seq_length + 1].any():
-            return
+    if not len(train_range) or has_loss_token(datasets, train_range, seq_length):
+        return  # (no conversation at all: SFTSamples names that problem)
     raise InputError(
         f"--sft: none of the {len(train_range)} conversations of the train split has a loss "
         f"token (an assistant token) within --seq-length {seq_length}: every reply starts "

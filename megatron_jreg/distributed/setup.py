@@ -19,8 +19,10 @@ from megatron_jreg.platform.device import backend, use_cpu
 
 
 def print_rank_0(message: str) -> None:
-    """Print on global rank 0 (or in a process without a process group)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print on global rank 0 (before the process group exists, the launcher's RANK says
+    which process is; a process without a launcher is rank 0)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(message, flush=True)
 
 

@@ -69,7 +69,7 @@ class ModelConfig:
         "--num-query-groups", "key/value groups (grouped-query attention); default = heads", min=1))
     ffn_hidden_size: Optional[int] = field(default=None, metadata=_flag(
         "--ffn-hidden-size", "SwiGLU inner size; default 8/3 hidden rounded up to 256", min=1))
-    seq_length: int = field(default=128, metadata=_flag("--seq-length", "training sequence length", min=1))
+    seq_length: int = field(default=128, metadata=_flag("--seq-length", "training sequence length", min=2))
     max_position_embeddings: Optional[int] = field(default=None, metadata=_flag(
         "--max-position-embeddings", "longest sequence the model serves; default seq length", min=1))
     vocab_size: Optional[int] = field(default=None, metadata=_flag(

@@ -28,6 +28,23 @@ def _holds_checkpoint(root: str) -> bool:
     return os.path.exists(os.path.join(root, TRACKER)) or bool(complete_iterations(root))
 
 
+def _same_file(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _identity_of(saved) -> Optional[str]:
+    """The tokenizer identity of a checkpoint saved before the pin, from its recorded
+    tokenizer as it is now (its run config names it); None when it cannot be built."""
+    from megatron_jreg.checkpoint.model_loader import build_run_tokenizer
+    from megatron_jreg.data.tokenizers import tokenizer_identity
+    from megatron_jreg.errors import InputError
+
+    try:
+        return tokenizer_identity(build_run_tokenizer(saved))
+    except (InputError, OSError, ValueError):
+        return None
+
+
 class Checkpointer:
     """Loads and saves the run described by ``experiment`` (whose config each save records)."""
 
@@ -158,6 +175,8 @@ class Checkpointer:
         if not source:
             return
         root, step, weights_only, flag = source
+        if not os.path.isdir(root):
+            return  # ExperimentConfig.validate names it
         path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
         try:
             saved = read_run_configs(path)
@@ -169,20 +188,28 @@ class Checkpointer:
                    else "pass the model flags the checkpoint was trained with (or --use-checkpoint-args)")
             raise ValueError(f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; {fix}")
         theirs, ours = saved["data"], data
-        same = (theirs.tokenizer_identity == ours.tokenizer_identity if theirs.tokenizer_identity
-                else theirs.tokenizer_type == ours.tokenizer_type
-                and saved["model"].vocab_size == mine.vocab_size)  # a checkpoint from before the pin
-        if same:
+        pinned = theirs.tokenizer_identity or _identity_of(saved)  # None: cannot be known
+        if pinned is None:
+            print_rank_0(f"note: {flag} {root} was saved before tokenizers were pinned and its "
+                         f"tokenizer {theirs.tokenizer_model} cannot be read: this run's is not "
+                         "checked against it")
             return
-        was = describe_tokenizer(theirs.tokenizer_type, saved["model"].vocab_size,
-                                 theirs.tokenizer_identity)
-        now = describe_tokenizer(ours.tokenizer_type, mine.vocab_size, ours.tokenizer_identity)
-        if not self.cfg.allow_tokenizer_change:
-            raise ValueError(
-                f"{flag} {root}: the checkpoint was trained with tokenizer {was}, this run has {now}; "
-                "pass the checkpoint's tokenizer flags (--use-checkpoint-args takes them from it), "
-                "or --allow-tokenizer-change to go on with this one")
-        print_rank_0(f"tokenizer: {now} instead of the checkpoint's {was} (--allow-tokenizer-change)")
+        if pinned == ours.tokenizer_identity:
+            return
+        was = describe_tokenizer(theirs.tokenizer_type, saved["model"].vocab_size, pinned)
+        now = describe_tokenizer(ours.tokenizer_type, tokenizer.vocab_size, ours.tokenizer_identity)
+        if self.cfg.allow_tokenizer_change:
+            print_rank_0(f"tokenizer: {now} instead of the checkpoint's {was} (--allow-tokenizer-change)")
+            return
+        place = ours.tokenizer_model
+        if place and theirs.tokenizer_model and _same_file(place, theirs.tokenizer_model):
+            raise ValueError(f"{flag} {root}: the tokenizer {place} changed since the checkpoint was "
+                             f"trained (then {was}, now {now}); restore the file the run trained "
+                             "with, or pass --allow-tokenizer-change to go on with this one")
+        raise ValueError(
+            f"{flag} {root}: the checkpoint was trained with tokenizer {was}, this run has {now}; "
+            "pass the checkpoint's tokenizer flags (--use-checkpoint-args takes them from it), "
+            "or --allow-tokenizer-change to go on with this one")
 
     def save(self, iteration: int, model, optimizer, scheduler, consumed_samples: int,
              consumed_tokens: Optional[int] = None) -> None:

@@ -77,6 +77,7 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.tokenizer = self._build_tokenizer()
+        self.checkpoints.check_source(self.tokenizer)  # first: a changed tokenizer explains the rest
         cfg.validate(tokenizer_vocab_size=self.tokenizer.vocab_size)
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = self.tokenizer.vocab_size
@@ -100,7 +101,6 @@ class Trainer:
         for line in notes(cfg, cfg.given, impl, platform_device.backend()):  # Megatron-LM flags
             print_rank_0(line)
         cfg.model.transformer_impl = impl  # the saved run config records what ran
-        self.checkpoints.check_source(self.tokenizer)
         self.checkpoints.resolve_padded_vocab()
         initialize_model_parallel(cfg.model, cfg.parallel)
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -200,8 +200,13 @@ class Trainer:
             self.train_ds, self.valid_ds, _ = build_gpt_datasets(
                 self.cfg.gpt_data_config(), self.tokenizer, t.train_iters * g, valid_samples or None,
                 None)
+        no_valid = "the --split gives no validation data"
+        if self.cfg.data.sft and self.valid_ds is not None and not self.valid_ds.has_loss_token():
+            self.valid_ds = None  # its every batch would be skipped: a loss that is never there
+            no_valid = (f"no conversation of the validation split has a loss token within "
+                        f"--seq-length {self.cfg.model.seq_length}")
         if self.valid_ds is None and evals:
-            print_rank_0("warning: the --split gives no validation data; validation is off")
+            print_rank_0(f"warning: {no_valid}; validation is off")
         if self.cfg.data.dataloader_type == "cyclic":
             self.train_ds = CyclicOrder(self.train_ds, t.micro_batch_size, self.dp_size)
 
@@ -229,7 +234,7 @@ class Trainer:
         loss = None if empty else self._global_mean(out["lm_loss"])
         bad = [f"{name} is {value}" for name, value in (("LM loss", loss), ("JREG penalty", out["penalty"]))
                if value is not None and not math.isfinite(value)]
-        grad_norm = float("nan")
+        grad_norm = None  # no step taken: no gradient norm (never a NaN shown as a number)
         success = False
         if not bad and not empty:
             success, grad_norm, bad = optimizer_step(self.optimizer)

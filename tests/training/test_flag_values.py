@@ -128,6 +128,12 @@ BAD_YAML = [
     # the message stays one short line, whatever the value
     ("jreg: {alpha: [" + ", ".join(["1"] * 1000) + "]}",
      "jreg.alpha: expected a number, got [" + "1, " * 25 + "1...\n"),
+    # set twice: PyYAML keeps the last one, a flat key and its sectioned twin were merged
+    ("model:\n  num_layers: 2\n  num_layers: 3", "num_layers is set twice; keep one"),
+    ("model: {num_layers: 2}\nmodel: {hidden_size: 32}", "model is set twice; keep one"),
+    ("lr: 0.001\noptim: {lr: 0.002}", "optim.lr is set twice (lr and optim.lr); keep one"),
+    ("num-layers: 2\nnum_layers: 3",
+     "model.num_layers is set twice (num-layers and num_layers); keep one"),
 ]
 
 

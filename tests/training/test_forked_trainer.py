@@ -33,8 +33,9 @@ def test_a_forked_run_is_the_fresh_interpreters_run(demo_data, tmp_path):
         proc = fresh(argv) if how == "fresh" else forked_trainer.run(argv, REPO, run_env(), 300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-        for row in rows:  # wall-clock fields
-            for key in [k for k in row if "time" in k or "per_s" in k or k.startswith("mem")]:
+        for row in rows:  # wall-clock fields, and the id each run draws
+            for key in [k for k in row if "time" in k or "per_s" in k or k.startswith("mem")
+                        or k == "run_id"]:
                 row.pop(key)
         runs[how] = (without_timings(proc.stdout.replace(str(out), "OUT")), rows)
     assert runs["forked"] == runs["fresh"]

@@ -41,3 +41,21 @@ def test_slurm_job_gives_the_trainer_one_connection(demo_data, tmp_path):
                               env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert f"CUDA_DEVICE_MAX_CONNECTIONS={seen}" in log.read_text().splitlines()
+
+
+def test_load_args_counts_whole_iterations_only(tmp_path):
+    """A save killed half-way (iter_0000002.partial-PID-HEX, whose name ends in a digit)
+    made the rerun pass --load to a directory with no whole iteration (exit 2)."""
+    def load_args(root):
+        proc = subprocess.run(["bash", "-c", f"source examples/launch_common.sh; load_args {root}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    (tmp_path / "iter_0000002.partial-12140-49f87032").mkdir()
+    assert load_args(tmp_path) == []
+    whole = tmp_path / "iter_0000002"
+    whole.mkdir()
+    assert load_args(tmp_path) == []  # renamed only once complete: no marker, not whole
+    (whole / "jreg_complete.json").write_text("{}")
+    assert load_args(tmp_path) == ["--load", str(tmp_path)]

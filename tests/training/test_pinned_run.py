@@ -148,3 +148,48 @@ def test_eval_jump_seq_length_beyond_learned_positions(demo_data, tmp_path):
     proc = tool(["tools/eval_jump.py", "--load", save, "--text-file", str(text),
                  "--seq-length", "128", "--no-progress"], check=False)
     one_line_error(proc, "--seq-length 128: the model has learned positions for 64 tokens only")
+
+
+@pytest.mark.parametrize("split", ["0,0,100", "0,100,0"])
+def test_a_split_without_train_weight_is_refused(demo_data, split):
+    """Was: TypeError "object of type 'NoneType' has no len()" in rank_microbatches."""
+    proc = train(base_args(demo_data, train_iters=2, split=split), check=False)
+    one_line_error(proc, f"--split {split} gives the train split no weight")
+
+
+def test_seq_length_one_is_refused_naming_the_flag(demo_data):
+    """Was: numpy's "zero-size array to reduction operation minimum" from megatron-core."""
+    proc = train(base_args(demo_data, train_iters=2, seq_length=1), check=False)
+    one_line_error(proc, "--seq-length must be >= 2, got 1")
+
+
+def test_resume_names_a_tokenizer_file_changed_in_place(sp_run, demo_data, tmp_path):
+    """The same path, other content: the fix is the file, not the flags (which were right)."""
+    save, sp, corpus, _ = sp_run
+    kept = str(tmp_path / "kept.model")
+    shutil.copyfile(sp, kept)
+    try:
+        sentencepiece(corpus, sp[:-len(".model")], 400)
+        proc = train(base_args(demo_data, model_preset=None, tokenizer_type=None, load=save,
+                               use_checkpoint_args=True, train_iters=4), check=False)
+        one_line_error(proc, f"the tokenizer {sp} changed since the checkpoint was trained",
+                       "(380 ids", "now SentencePieceTokenizer (400 ids", "restore the file")
+    finally:
+        shutil.copyfile(kept, sp)
+
+
+def test_a_checkpoint_saved_before_the_pin_is_checked_by_its_recorded_tokenizer(
+        byte_run, demo_data, tmp_path):
+    """Its run config has no tokenizer identity: the recorded tokenizer, built, gives it (was:
+    a ByteTokenizer checkpoint resumed with a SentencePiece tokenizer silently)."""
+    save, corpus = byte_run
+    old = str(tmp_path / "old")
+    shutil.copytree(save, old)
+    config = os.path.join(old, "iter_0000002", "run_config.yaml")
+    lines = open(config).read().splitlines(keepends=True)
+    open(config, "w").write("".join(line for line in lines if "tokenizer_identity" not in line))
+    sp = sentencepiece(corpus, str(tmp_path / "sp"), 380)
+    proc = train(base_args(demo_data, load=old, no_verify_checkpoint=True, train_iters=4,
+                           tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp), check=False)
+    one_line_error(proc, "trained with tokenizer ByteTokenizer (259 ids",
+                   "this run has SentencePieceTokenizer (380 ids")

@@ -71,13 +71,25 @@ def test_batches_without_loss_tokens_are_skipped_and_tokens_counted(tmp_path):
     assert runs[0] == runs[1] and runs[2] == runs[3] and runs[0] != runs[2], runs
     skipped = [r for r in rows if r["lm_loss"] is None]
     assert len(skipped) >= 3, rows  # a 0/0 loss is null, never 0.0
-    assert all(r["grad_norm"] is None and "jreg_penalty" not in r for r in skipped), skipped
+    assert all(r.get("grad_norm") is None and "jreg_penalty" not in r for r in skipped), skipped
     console = {**_console(first.stdout), **_console(second.stdout)}
     for r in skipped:
         line = console[r["iteration"]]
         assert "skipped 1" in line and "lm loss" not in line, line
+        assert "nan" not in line, line  # no step, no gradient norm: not "grad norm nan"
     tokens = int(re.search(r"consumed tokens\s+(\d+)", console[4]).group(1))
     assert tokens == 2 * 8 * 64 + 2 * 8 * 48, console[4]
     done = [line for line in second.stdout.splitlines() if line.startswith("done:")][0]
     skipped_second = sum(r["lm_loss"] is None for r in rows[2:])
     assert f"({skipped_second} skipped: no loss token in the global batch)" in done, done
+
+
+def test_a_validation_split_without_a_loss_token_turns_validation_off(tmp_path):
+    """The train split holds the one short conversation, the validation split only long
+    ones: every validation logged a null loss, with no word why."""
+    prefix = chat_data(tmp_path, short_ones=1)
+    proc = train(sft_args(prefix, train_iters=2, split="50,50,0", eval_interval=1, eval_iters=1))
+    said = [line for line in proc.stdout.splitlines() if "validation is off" in line]
+    assert said == ["warning: no conversation of the validation split has a loss token within "
+                    "--seq-length 64; validation is off"], proc.stdout[-3000:]
+    assert "validation at iteration" not in proc.stdout
