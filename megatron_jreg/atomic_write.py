@@ -5,7 +5,10 @@ the mode a plain ``open(path, "w")`` gives (0666 & ~umask), not mkstemp's 0600.
 
 :class:`WriterLock` (``O_CREAT | O_EXCL`` of a lock file naming its holder; a lock of a dead
 process on this host is taken over) keeps one writer per output: :func:`output_lock` for
-the tools' files, ``checkpoint.save_lock`` for the trainer's ``--save``.
+the tools' files, ``checkpoint.save_lock`` for the trainer's ``--save``. Temporary names
+carry :func:`temp_marker` (pid and a random part) and the lock file records it, so taking
+over the lock of a SIGKILLed writer removes exactly that writer's temporaries beside the
+output, never a live writer's (a reused pid has another random part).
 :func:`signals_as_interrupt` turns SIGTERM/SIGHUP into KeyboardInterrupt, so the cleanup
 of temporary files that Ctrl-C runs also runs for a ``kill``.
 """
@@ -15,15 +18,34 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 import uuid
-from typing import Callable, Dict, Iterator, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from megatron_jreg.errors import InputError
+
+
+_TAG: Optional[tuple] = None  # (pid, tag): a forked child gets a tag of its own
+
+
+def writer_tag() -> str:
+    """This process's mark, ``PID-RANDOM``: the random part tells a later process that
+    reuses the pid from the one that died, so a takeover never removes a live run's files."""
+    global _TAG
+    if _TAG is None or _TAG[0] != os.getpid():
+        _TAG = (os.getpid(), f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return _TAG[1]
+
+
+def temp_marker(tag: Optional[str] = None) -> str:
+    """``.tmp-TAG``: every temporary name beside an output holds it (see :class:`WriterLock`)."""
+    return f".tmp-{tag or writer_tag()}"
 
 
 def _umask() -> int:
@@ -81,8 +103,9 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
     and keeps its suffix, so writers that pick a format from the extension still work.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    base, suffix = os.path.splitext(os.path.basename(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=f".tmp{suffix}", dir=directory)
+    suffix = os.path.splitext(path)[1]
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{temp_marker()}.",
+                               suffix=f".tmp{suffix}", dir=directory)
     os.close(fd)
     try:
         write(tmp)
@@ -107,7 +130,8 @@ def temp_dir_beside(path: str) -> str:
     ``path``), with the permissions the umask gives a new directory (mkdtemp's 0700 would
     survive the rename)."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(path))}.", dir=parent)
+    name = os.path.basename(os.path.normpath(path))
+    tmp = tempfile.mkdtemp(prefix=f".{name}{temp_marker()}.", dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
 
@@ -165,19 +189,27 @@ class WriterLock:
     SIGKILL, a power cut) is taken over, so it never blocks a later run; one of another
     host cannot be judged and holds. :meth:`acquire` returns None when it took the lock,
     a warning line when it took over a stale one, and raises :class:`OutputBusy` from
-    :meth:`busy` when a live process holds it."""
+    :meth:`busy` when a live process holds it. The record's ``temp_tag`` names the holder's
+    temporaries; :meth:`remove_leftovers` removes a dead holder's at takeover."""
+
+    label = ""  # what the takeover line names before "took over"
 
     def __init__(self, path: str):
         self.path = path
         self.run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.held = False
 
+    def remove_leftovers(self, holder: Dict) -> List[str]:
+        """Remove the temporaries the dead ``holder`` left; returns their names."""
+        return []
+
     def busy(self, holder: Dict) -> Exception:
         return OutputBusy(f"{self.path} is held by {describe_holder(holder)}")
 
     def _create(self) -> bool:
         record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "start_time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run_id": self.run_id}
+                  "start_time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run_id": self.run_id,
+                  "temp_tag": writer_tag()}
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -205,9 +237,11 @@ class WriterLock:
                 pass
             else:
                 os.remove(aside)
-            if self._create():
-                return (f"warning: took over the lock of a finished run (pid {pid} on {host}, "
-                        f"started {holder.get('start_time')})")
+            if self._create():  # ours now: no writer of this output can start meanwhile
+                removed = self.remove_leftovers(holder)
+                gone = f"; removed its temporaries {', '.join(removed)}" if removed else ""
+                return (f"warning: {self.label}took over the lock of a finished run (pid {pid} "
+                        f"on {host}, started {holder.get('start_time')}){gone}")
             holder = _read_record(self.path) or {}
         raise self.busy(holder)
 
@@ -233,8 +267,33 @@ def lock_path(path: str) -> str:
 class _OutputLock(WriterLock):
     def __init__(self, output: str, flag: str, fix: Optional[str]):
         super().__init__(lock_path(output))
+        self.output = os.path.abspath(output)
         self.shown = f"{flag} {output}" if flag else output
+        self.label = f"{self.shown}: "
         self.fix = fix or "wait for it to end or choose another output"
+
+    def remove_leftovers(self, holder: Dict) -> List[str]:
+        """Names beside the output that start with its name (``.NAME`` for hidden ones) and
+        carry the dead holder's :func:`temp_marker`: its .tmp files, spill files, staging
+        directories."""
+        tag = holder.get("temp_tag")
+        if not isinstance(tag, str) or not tag:
+            return []  # a lock of an older version: its temporaries cannot be told apart
+        directory, name = os.path.split(os.path.normpath(self.output))
+        marker, removed = temp_marker(tag), []
+        for entry in sorted(os.listdir(directory)):
+            if marker not in entry or not (entry.startswith(name) or entry.startswith(f".{name}")):
+                continue
+            path = os.path.join(directory, entry)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            removed.append(entry)
+        return removed
 
     def busy(self, holder: Dict) -> Exception:
         return OutputBusy(f"{self.shown}: another process ({describe_holder(holder)}) is "
@@ -249,7 +308,9 @@ def output_lock(path: str, flag: str = "", fix: Optional[str] = None) -> Iterato
     of ``path`` is made and checked first (:func:`check_output_dir`)."""
     check_output_dir(os.path.dirname(os.path.abspath(path)), flag, path)
     lock = _OutputLock(path, flag, fix)
-    lock.acquire()
+    warning = lock.acquire()
+    if warning:
+        print(warning, file=sys.stderr)
     try:
         yield
     finally:

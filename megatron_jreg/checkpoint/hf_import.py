@@ -213,22 +213,34 @@ def run_config_yaml(model_values_: Dict[str, object], tp: int, pp: int, tokenize
 def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "float32",
             progress=print) -> Dict[str, object]:
     """Write ``hf_model`` as a checkpoint under ``save`` (a new or empty directory, filled
-    by renaming a temporary sibling when whole). Returns a summary for the closing line."""
-    import time
+    by renaming a temporary sibling when whole). Returns a summary for the closing line.
 
-    from megatron_jreg.checkpoint.model_loader import init_world, launched_world_size
-    from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
-    from megatron_jreg.hf_models import load_causal_lm, resolve_hf_model, torch_dtype
-    from megatron_jreg.model.builder import build_model
-    from megatron_jreg.model.config import ModelConfig, ParallelConfig
+    The lock of ``save`` is held throughout: a second conversion to it is refused, and one
+    that takes over a SIGKILLed run's lock removes that run's staging directory."""
+    from megatron_jreg.atomic_write import output_lock
+    from megatron_jreg.checkpoint.model_loader import launched_world_size
 
-    t0 = time.time()
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
     if launched_world_size() > 1:
         raise InputError("convert_from_hf runs on one process (dist-checkpointing reshards at "
                          "load, so one process writes every layout); run it with python, not "
                          "torchrun")
+    with output_lock(save, "--save"):  # after the world check: torchrun ranks would race it
+        return _convert(hf_model, save, tp, pp, dtype, progress)
+
+
+def _convert(hf_model: str, save: str, tp: int, pp: int, dtype: str,
+             progress) -> Dict[str, object]:
+    import time
+
+    from megatron_jreg.checkpoint.model_loader import init_world
+    from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
+    from megatron_jreg.hf_models import load_causal_lm, resolve_hf_model, torch_dtype
+    from megatron_jreg.model.builder import build_model
+    from megatron_jreg.model.config import ModelConfig, ParallelConfig
+
+    t0 = time.time()
     _check_save(save)
     path = resolve_hf_model(hf_model)
     import transformers

@@ -22,7 +22,7 @@ import tokenize
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from megatron_jreg.atomic_write import check_output_path, output_lock
+from megatron_jreg.atomic_write import check_output_path, output_lock, temp_marker
 from megatron_jreg.errors import InputError
 
 # Directories whose docstrings are test scaffolding or vendored code, not prose.
@@ -238,13 +238,19 @@ def write_demo_corpus(config: DemoCorpusConfig) -> tuple[int, int]:
 
 def _write(config: DemoCorpusConfig) -> tuple[int, int]:
     max_bytes = None if config.max_mb is None else int(config.max_mb * 1e6)
-    tmp = f"{config.output}.tmp-{os.getpid()}"
-    docs = written = 0
+    tmp = f"{config.output}{temp_marker()}"  # the lock names it: a takeover removes it
+    docs = written = available = 0
+
+    def counted(source):
+        nonlocal available
+        for doc in source:
+            available += 1
+            yield doc
     try:
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
             limit = config.max_docs or (DEMO_CHATS if config.chat else None)
             source = iter_demo_chats() if config.chat else iter_demo_documents(config)
-            for doc in itertools.islice(source, config.skip_docs, None):
+            for doc in itertools.islice(counted(source), config.skip_docs, None):
                 if limit is not None and docs >= limit:
                     break
                 if max_bytes is not None and written >= max_bytes:
@@ -253,6 +259,10 @@ def _write(config: DemoCorpusConfig) -> tuple[int, int]:
                 f.write(line)
                 docs += 1
                 written += len(line.encode("utf-8"))
+        if not docs:  # an empty corpus only fails later, in preprocess_data, naming nothing
+            raise InputError(f"--skip-docs {config.skip_docs} leaves no documents to write (the "
+                             f"demo source has {available}); use a --skip-docs below "
+                             f"{available}, with --max-docs for how many to write")
         os.replace(tmp, config.output)
     except BaseException:
         if os.path.exists(tmp):

@@ -33,6 +33,8 @@ import struct
 
 import numpy
 
+from megatron_jreg.atomic_write import temp_marker
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequence count, boundary count
@@ -233,7 +235,7 @@ class IndexedDatasetOutput:
 
     def __init__(self, prefix: str, dtype) -> None:
         self.prefix = prefix
-        tag = f".tmp-{os.getpid()}"
+        tag = temp_marker()  # the lock names it: a takeover removes a killed run's temps
         self._bin_tmp = bin_path(prefix) + tag
         self._idx_tmp = idx_path(prefix) + tag
         self.writer = IndexedDatasetWriter(self._bin_tmp, dtype, prefix + tag)

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
-from megatron_jreg.atomic_write import OutputBusy, check_output_dir, output_lock
+from megatron_jreg.atomic_write import OutputBusy, check_output_dir, output_lock, temp_marker
 from megatron_jreg.data.document_encoder import encode_chunk_in_worker, init_worker
 from megatron_jreg.data.indexed_writer import IndexedDatasetOutput
 from megatron_jreg.data.parent_death import die_with_parent
@@ -223,7 +223,7 @@ class _NotATty:
 def _encode_partitioned(config, spec, segments, dtypes, progress, built) -> RunStats:
     groups = split_into_partitions(segments, config.partitions)
     workers = max(1, config.workers // len(groups))
-    tmp_dir = f"{config.output_prefix}_partitions.tmp-{os.getpid()}"
+    tmp_dir = f"{config.output_prefix}_partitions{temp_marker()}"
     os.mkdir(tmp_dir)
     ctx = _mp_context()
     procs = []

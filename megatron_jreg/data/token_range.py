@@ -9,10 +9,12 @@ Two keys, because two things depend on different bytes:
   of the same data elsewhere gets the same one.
 - the largest token id depends on the ``.bin`` bytes too. Hashing the ``.bin`` would cost
   the very pass the cache saves, so :func:`token_range_key` adds the ``.bin``'s identity to
-  the ``.idx`` digest: size, inode and mtime in nanoseconds. Rewriting the ``.bin`` in place
-  changes its mtime; replacing it (every writer here renames a finished file) changes its
-  inode; other documents change the ``.idx``. Moving the pair keeps all three (a cache hit);
-  copying it costs one more pass. numpy and the standard library only.
+  the ``.idx`` digest: size, inode, mtime and ctime in nanoseconds. Rewriting the ``.bin``
+  in place changes its mtime and ctime (``os.utime`` can put the mtime back, never the
+  ctime: the kernel sets it on every write); replacing it (every writer here renames a
+  finished file) changes its inode; other documents change the ``.idx``. Copying or
+  moving the pair (a rename sets the ctime too) costs one more pass. numpy and the standard
+  library only.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from megatron_jreg.atomic_write import write_text_atomic
 from megatron_jreg.data.indexed_writer import DTYPE_CODES, read_header
 
 _CHUNK_BYTES = 64 << 20  # one pass, 64 MiB at a time: a dataset of any size fits in memory
-_DIGESTS: dict = {}  # (path, size, mtime_ns, inode) -> SHA-256 of the .idx, per process
+_DIGESTS: dict = {}  # (path, size, mtime_ns, inode, ctime_ns) -> SHA-256 of the .idx
 
 
 def _identity(path: str) -> tuple:
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
 
 
 def index_key(prefix: str) -> str:
@@ -51,9 +53,11 @@ def index_key(prefix: str) -> str:
 
 
 def token_range_key(prefix: str) -> str:
-    """The ``.idx`` digest and the ``.bin``'s size, mtime_ns and inode (module docstring)."""
-    size, mtime_ns, inode = _identity(prefix + ".bin")
-    return hashlib.sha256(f"{index_key(prefix)}:{size}:{mtime_ns}:{inode}".encode()).hexdigest()[:32]
+    """The ``.idx`` digest and the ``.bin``'s size, mtime_ns, inode and ctime_ns (module
+    docstring)."""
+    size, mtime_ns, inode, ctime_ns = _identity(prefix + ".bin")
+    key = f"{index_key(prefix)}:{size}:{mtime_ns}:{inode}:{ctime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def scan_max_token_id(prefix: str, part: tuple = (0, 1)) -> int:

@@ -15,8 +15,14 @@ from megatron_jreg.atomic_write import (
     write_atomic,
     write_text_atomic,
 )
+from megatron_jreg.config_values import check_fields
 from megatron_jreg.data.text_sources import resolve_inputs
 from megatron_jreg.errors import InputError
+
+
+# sentencepiece refuses an input_sentence_size of 1 to 100 with an internal check message; 0
+# (its "every line") is no number of sentences to sample either.
+_MIN_SENTENCES = 101
 
 
 @dataclass(kw_only=True)
@@ -33,8 +39,9 @@ class TrainTokenizerConfig:
     """JSON keys whose strings are training text."""
     input_format: str = field(default="jsonl", metadata={"choices": ("jsonl", "text")})
     """``jsonl`` or ``text`` (one document per line)."""
-    max_sentences: int = 2_000_000
-    """Lines sampled for training; bounds memory on big corpora."""
+    max_sentences: int = field(default=2_000_000, metadata={"min": _MIN_SENTENCES})
+    """Lines sampled for training; bounds memory on big corpora. sentencepiece samples no
+    fewer than 101 (its ``input_sentence_size`` takes 0 for "every line" or more than 100)."""
     model_type: str = field(default="bpe", metadata={"choices": ("bpe", "unigram")})
     """``bpe`` (Llama-2) or ``unigram``."""
     seed: int = 1234
@@ -44,6 +51,7 @@ class TrainTokenizerConfig:
     old tokenizer would be read with the new one)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # --max-sentences' bounds, however the config is built
         if self.vocab_size < 300:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} is too small: 259 ids go to bytes and specials; "
@@ -105,6 +113,13 @@ def _train_and_write(config: TrainTokenizerConfig) -> str:
             raise InputError(f"--vocab-size {config.vocab_size}: too small for this text, whose "
                              f"characters alone need {need.group(1)} pieces; use --vocab-size "
                              f"{need.group(1)} or more") from None
+        most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)",
+                         reason)
+        if most:  # the sample (or the whole text) yields fewer pieces than asked
+            raise InputError(f"--vocab-size {config.vocab_size}: the lines sampled (at most "
+                             f"--max-sentences {config.max_sentences}) yield only {most.group(1)} "
+                             f"pieces; use --vocab-size {most.group(1)} or less, or a larger "
+                             "--max-sentences or more text") from None
         raise InputError(f"sentencepiece cannot train on this input: {reason}") from None
     # Written under a temp name so an interrupted run never leaves a truncated model.
     model_path, vocab_path = _output_paths(config)

@@ -3,7 +3,7 @@
 An entry is one JSON file named by the SHA-256 of its key. The key holds every input that
 changes the numbers: the model's identity (a checkpoint: its directory, iteration, the
 checksum manifest of that iteration and the content of the tokenizer files its run config
-names, which may live outside it; a Hugging Face directory or a cached hub id's snapshot:
+names, which may live outside it, or of the --tokenizer-model given in their place; a Hugging Face directory or a cached hub id's snapshot:
 its path, the content of every file that is not a weight file (config.json, the tokenizer's
 files, the chat template) and the size and mtime of each weight file; a GGUF file, tokenizer
 included: its path, size and mtime), the task and a digest of its resolved config (an
@@ -52,20 +52,26 @@ def hf_model_identity(model_dir: str) -> Dict[str, object]:
     return {"hf_model": model_dir, "files": files, "weights": weights}
 
 
-def tokenizer_files_identity(data) -> Dict[str, object]:
+def _path_key(path: str):
+    """A tokenizer file by its content; a directory (vocab.json and merges.txt) by each file's."""
+    if os.path.isdir(path):
+        return {name: _file_key(os.path.join(path, name)) for name in sorted(os.listdir(path))
+                if os.path.isfile(os.path.join(path, name))}
+    return _file_key(path) if os.path.isfile(path) else None
+
+
+def tokenizer_files_identity(data, tokenizer_model: Optional[str] = None) -> Dict[str, object]:
     """The content of the tokenizer files a run config's data section names (the export
-    reads them from there, so a retrained tokenizer at the same path changes the numbers)."""
+    reads them from there, so a retrained tokenizer at the same path changes the numbers);
+    ``tokenizer_model`` (``--tokenizer-model``), which the export reads instead, replaces them."""
     out: Dict[str, object] = {"type": data.tokenizer_type}
+    if tokenizer_model is not None:
+        out["override"] = _path_key(tokenizer_model)
+        return out
     for attr in ("tokenizer_model", "vocab_file", "merge_file"):
         path = getattr(data, attr, None)
-        if not path:
-            continue
-        if os.path.isdir(path):
-            out[attr] = {name: _file_key(os.path.join(path, name))
-                         for name in sorted(os.listdir(path))
-                         if os.path.isfile(os.path.join(path, name))}
-        else:
-            out[attr] = _file_key(path) if os.path.isfile(path) else None
+        if path:
+            out[attr] = _path_key(path)
     return out
 
 
@@ -77,15 +83,16 @@ def gguf_identity(path: str) -> Dict[str, object]:
     return {"gguf": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def checkpoint_identity(iteration_dir: str, root: str, iteration: int,
-                        data=None) -> Dict[str, object]:
-    """``data``: the run config's data section, whose tokenizer files are keyed too."""
+def checkpoint_identity(iteration_dir: str, root: str, iteration: int, data=None,
+                        tokenizer_model: Optional[str] = None) -> Dict[str, object]:
+    """``data``: the run config's data section, whose tokenizer files are keyed too (or the
+    ``tokenizer_model`` given in their place)."""
     from megatron_jreg.checkpoint.manifest import MANIFEST
 
     manifest = os.path.join(iteration_dir, MANIFEST)
     return {"checkpoint": os.path.realpath(root), "iteration": iteration,
             "manifest": file_sha256(manifest) if os.path.isfile(manifest) else None,
-            "tokenizer": None if data is None else tokenizer_files_identity(data)}
+            "tokenizer": None if data is None else tokenizer_files_identity(data, tokenizer_model)}
 
 
 class ResultCache:

@@ -14,10 +14,14 @@ temporary directory for lm-eval's ``hf`` backend (removed afterwards, also on er
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import multiprocessing
 import os
+import re
+import signal
 import sys
 import tempfile
+import threading
 from typing import List, Optional, Sequence
 
 from megatron_jreg import hf_models, strict_json
@@ -58,6 +62,11 @@ class DownstreamConfig:
         "(dequantized into a temporary directory, removed afterwards)")
     iteration: Optional[int] = _flag(metavar="N", group="models", default_help="the latest",
                                      help="the iteration of each --load run")
+    tokenizer_model: Optional[str] = _flag(
+        metavar="PATH", group="models",
+        help="the tokenizer of the --load runs, if its file moved since training (a "
+        "GPT2BPETokenizer run: the directory holding vocab.json and merges.txt); another "
+        "tokenizer is used as asked, with one warning")
     label: Optional[List[str]] = _flag(action="append", metavar="NAME", group="models",
                                        help="a model's name in the outputs; once per model")
     tasks: str = _flag("paper", group="tasks", help="'paper' (lambada_openai, boolq, arc_easy, "
@@ -71,7 +80,9 @@ class DownstreamConfig:
                                    help="the first N examples per task (a value below 1: that "
                                    "fraction)")
     num_fewshot: int = _flag(0, group="tasks", help="few-shot examples per prompt")
-    batch_size: str = _flag("8", group="how to run the model", help="lm-eval's batch size, or auto")
+    batch_size: str = _flag("8", group="how to run the model",
+                            help="lm-eval's batch size: an integer >= 1, auto, or auto:N "
+                            "(the largest batch is searched for N times)")
     device: str = _flag("cpu", group="how to run the model", help="torch device, e.g. cuda:0")
     dtype: str = _flag("float32", choices=["float32", "bfloat16", "float16"],
                        group="how to run the model", help="dtype the model runs in")
@@ -115,6 +126,13 @@ def _entries(args) -> List[ModelEntry]:
         raise InputError("no model: give --load CKPT ... or --hf-model DIR ...")
     if args.iteration is not None and kind != "load":
         raise InputError("--iteration applies to --load CKPT only")
+    if args.tokenizer_model is not None:
+        if kind != "load":
+            raise InputError("--tokenizer-model applies to --load CKPT only (an --hf-model "
+                             "carries its tokenizer)")
+        if not os.path.exists(args.tokenizer_model):
+            raise InputError(f"--tokenizer-model {args.tokenizer_model}: no such file or "
+                             "directory; give the run's tokenizer model")
     labels = args.label or []
     if labels and len(labels) != len(paths):
         raise InputError(f"{len(labels)} --label for {len(paths)} models; give one per model")
@@ -135,29 +153,33 @@ def _entries(args) -> List[ModelEntry]:
         configs = read_run_configs(it_dir)
         seed = int(configs["training"].seed)
         entries.append(ModelEntry(name, kind, path, iteration, seed, cache_mod.checkpoint_identity(
-            it_dir, path, iteration, configs["data"])))
+            it_dir, path, iteration, configs["data"], tokenizer_model=args.tokenizer_model)))
     return entries
 
 
-def _export_child(root: str, iteration: int, out: str, queue) -> None:
+def _export_child(root: str, iteration: int, out: str, queue,
+                  tokenizer_model: Optional[str] = None) -> None:
     try:
         from megatron_jreg.checkpoint.hf_export import convert
 
-        queue.put(("ok", convert(root, out, iteration=iteration)))
+        queue.put(("ok", convert(root, out, iteration=iteration,
+                                 tokenizer_model=tokenizer_model)))
     except InputError as err:
         queue.put(("input", str(err)))
     except BaseException as err:  # noqa: BLE001 - reported by the parent
         queue.put(("error", f"{type(err).__name__}: {err}"))
 
 
-def export_checkpoint(root: str, iteration: int, out: str) -> List[str]:
+def export_checkpoint(root: str, iteration: int, out: str,
+                      tokenizer_model: Optional[str] = None) -> List[str]:
     """``hf_export.convert`` in a spawned process; returns its warnings. An interrupt (Ctrl-C,
-    SIGTERM) ends the child before the caller removes the directory it writes in."""
+    SIGTERM) ends the child before the caller removes the directory it writes in.
+    ``tokenizer_model`` replaces the run's tokenizer file (``--tokenizer-model``)."""
     import queue as queue_mod
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_export_child, args=(root, iteration, out, queue))
+    proc = ctx.Process(target=_export_child, args=(root, iteration, out, queue, tokenizer_model))
     proc.start()
     status = value = None
     try:
@@ -186,6 +208,27 @@ def _limit(value: Optional[float]):
     return int(value) if value >= 1 and value == int(value) else value
 
 
+_AUTO_BATCH = re.compile(r"auto(:(?P<times>\d+))?")
+
+
+def _batch_size(value: str):
+    """lm-eval's batch size: an int >= 1, "auto" or "auto:N" (the largest batch that fits is
+    searched for N times over the run; N >= 1). lm-eval takes 0 or a negative size without a
+    word and scores nothing, or fails deep in a batch loop."""
+    text = value.strip().lower()
+    auto = _AUTO_BATCH.fullmatch(text)
+    if auto and (auto.group("times") is None or int(auto.group("times")) >= 1):
+        return text
+    try:
+        size = int(text)
+    except ValueError:
+        size = None
+    if size is None or size < 1:
+        raise InputError(f"--batch-size {value}: expected an integer >= 1, auto or auto:N "
+                         "(N >= 1)")
+    return size
+
+
 def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limit) -> dict:
     """{task: lm-eval result} for one model, from the cache where it can."""
     settings = dict(limit=limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
@@ -211,7 +254,8 @@ def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limi
 
 
 def _evaluate(entry: ModelEntry, missing, manager, args, limit) -> dict:
-    run = dict(dtype=args.dtype, device=args.device, batch_size=args.batch_size, limit=limit,
+    run = dict(dtype=args.dtype, device=args.device, batch_size=_batch_size(args.batch_size),
+               limit=limit,
                num_fewshot=args.num_fewshot, device_map=args.device_map)
     print(f"{PROG}: {entry.label}: evaluating {', '.join(missing)}", file=sys.stderr)
     if entry.kind == "hf_model" and not hf_models.is_gguf(entry.local) and not args.device_map:
@@ -222,7 +266,8 @@ def _evaluate(entry: ModelEntry, missing, manager, args, limit) -> dict:
         with tempfile.TemporaryDirectory(prefix="eval_downstream.") as tmp:
             if entry.kind == "load":
                 model_dir = os.path.join(tmp, "hf")
-                for warning in export_checkpoint(entry.path, entry.iteration, model_dir):
+                for warning in export_checkpoint(entry.path, entry.iteration, model_dir,
+                                                 args.tokenizer_model):
                     print(f"{PROG}: warning: {entry.label}: {warning}", file=sys.stderr)
             elif hf_models.is_gguf(entry.local):
                 print(f"{PROG}: {entry.label}: dequantizing {entry.local} into {tmp}",
@@ -247,6 +292,7 @@ def run(args) -> List[DownstreamReport]:
     if args.num_fewshot < 0:
         raise InputError(f"--num-fewshot {args.num_fewshot}: must be >= 0")
     limit = _limit(args.limit)
+    _batch_size(args.batch_size)  # before any model is loaded
     hf_models.check_device_map(args.device_map, args.device)
     names = resolve_tasks(args.tasks)
     entries = _entries(args)
@@ -266,10 +312,39 @@ def run(args) -> List[DownstreamReport]:
     return reports
 
 
+@contextlib.contextmanager
+def _signals_as_interrupt_here(signums=(signal.SIGTERM, signal.SIGHUP)):
+    """``signals_as_interrupt`` for this process only. lm-eval forks a ``multiprocessing``
+    pool to bootstrap its stderrs and ends it with ``terminate()`` (SIGTERM): a worker that
+    inherited the handler died with a ``KeyboardInterrupt: SIGTERM`` traceback on stderr.
+    A forked child takes the signal's default action (a quiet exit) instead."""
+    with signals_as_interrupt(signums):
+        installing = os.getpid()
+        if threading.current_thread() is not threading.main_thread():  # none was set
+            yield
+            return
+        handlers = {signum: signal.getsignal(signum) for signum in signums}
+
+        def guarded(signum, frame):
+            if os.getpid() != installing:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            handlers[signum](signum, frame)
+
+        for signum in signums:
+            signal.signal(signum, guarded)
+        try:
+            yield
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # a kill removes the temporary export on the way out, as Ctrl-C does
-        with signals_as_interrupt(), output_locks([("--json", args.json), ("--csv", args.csv)]):
+        with _signals_as_interrupt_here(), output_locks([("--json", args.json), ("--csv", args.csv)]):
             reports = run(args)  # one writer per report, from before the first model
             print(format_table(reports))
             if args.json:

@@ -10,6 +10,7 @@ A task pairs the seeds that both sides scored; the average over tasks is left to
 from __future__ import annotations
 
 import json
+import math
 from typing import Dict, List, Sequence
 
 from megatron_jreg.errors import InputError
@@ -31,8 +32,24 @@ def _reports(paths: Sequence[str], flag: str) -> List[dict]:
             if not isinstance(item, dict) or not isinstance(item.get("tasks"), dict):
                 raise InputError(f"{flag} {path}: not an eval_downstream report (no 'tasks'); "
                                  "write it with tools/eval_downstream.py --json")
+            _check_scores(item, path, flag)
         out += items
     return out
+
+
+def _check_scores(report: dict, path: str, flag: str) -> None:
+    """Each task's ``value`` must be a finite number: a NaN, an inf or a missing score would
+    reach the t-test as a mean that is not a number, reported as an overflow."""
+    seed = report.get("seed")
+    who = f"seed {seed}" if seed is not None else f"model {report.get('model')}"
+    for task, score in report["tasks"].items():
+        value = score.get("value") if isinstance(score, dict) else None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value)):
+            shown = "missing" if value is None else repr(value)
+            raise InputError(f"{flag} {path}: task {task}, {who}: the score is {shown}, not a "
+                             "finite number; evaluate that model and task again with "
+                             "eval_downstream (--no-cache) or leave the report out")
 
 
 def _by_seed(reports: List[dict], flag: str) -> Dict[str, dict]:

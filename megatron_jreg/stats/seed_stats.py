@@ -162,7 +162,7 @@ class OneSidedTTest:
 
 
 _OVERFLOW = (
-    "the scores are too large to average in floating point (overflow); check the CSV's values"
+    "the scores are too large to average in floating point (overflow); check the scores' values"
 )
 
 

@@ -248,3 +248,66 @@ def test_cache_key_follows_the_tokenizer_files(tiny_hf_model, tmp_path):
     before = checkpoint_identity(str(it_dir), str(tmp_path), 1, data)
     sp.write_bytes(b"retrained tokenizer")
     assert checkpoint_identity(str(it_dir), str(tmp_path), 1, data) != before
+
+
+# ---- a SIGKILLed conversion: the next run takes over, warns and removes its staging ---------
+
+
+def sigkilled_while_held(tmp_path, target, tool_module, argv, **extra):
+    """``killed_while_held`` with SIGKILL: no handler runs, the staging directory stays."""
+    marker = tmp_path / "held"
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(repo=REPO, call_real=True))
+    proc = subprocess.Popen([sys.executable, str(script), *target, str(marker), tool_module,
+                             *map(str, argv)], cwd=REPO, env=env(**extra),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def taken_over(proc, flag, path, leftovers):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert warnings[0].startswith(f"warning: {flag} {path}: took over the lock of a finished "
+                                  "run"), warnings
+    assert leftovers and all(name in warnings[0] for name in leftovers), (leftovers, warnings)
+
+
+def test_convert_to_hf_after_a_sigkill_removes_the_dead_runs_export(checkpoint, tmp_path):
+    work, out = tmp_path / "work", tmp_path / "hf"
+    work.mkdir()
+    sigkilled_while_held(work, ["transformers:PreTrainedModel", "save_pretrained"],
+                         "megatron_jreg.checkpoint.hf_export",
+                         ["--load", checkpoint, "--output", out])
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".hf.") and ".lock" not in n]
+    proc = run_tool("convert_to_hf.py", ["--load", checkpoint, "--output", out])
+    taken_over(proc, "--output", out, leftovers)
+    assert sorted(os.listdir(tmp_path)) == ["hf", "work"]
+
+
+def test_convert_from_hf_refused_while_another_writes_the_save(tiny_hf_model, tmp_path):
+    save = tmp_path / "ckpt"
+    with output_lock(str(save), "--save"):
+        proc = run_tool("convert_from_hf.py", ["--hf-model", tiny_hf_model, "--save", save])
+        busy(proc, "--save", save)
+        assert os.listdir(tmp_path) == [os.path.basename(lock_path(str(save)))]  # the holder's
+
+
+def test_convert_from_hf_after_a_sigkill_removes_the_dead_runs_staging(tiny_hf_model, tmp_path):
+    work, save = tmp_path / "work", tmp_path / "ckpt"
+    work.mkdir()
+    sigkilled_while_held(work, ["megatron_jreg.checkpoint.dist_checkpoint", "save_checkpoint"],
+                         "megatron_jreg.checkpoint.hf_import",
+                         ["--hf-model", tiny_hf_model, "--save", save])
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".ckpt.") and ".lock" not in n]
+    proc = run_tool("convert_from_hf.py", ["--hf-model", tiny_hf_model, "--save", save])
+    taken_over(proc, "--save", save, leftovers)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "work"]

@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -196,3 +197,99 @@ def test_save_lock_shares_the_writer_lock(tmp_path):
     assert warning.startswith("warning: took over the lock of a finished run") and str(tmp_path) in warning
     second.release()
     assert os.listdir(tmp_path) == []
+
+
+# ---- a SIGKILLed writer: the takeover warns and removes exactly its temporaries -------------
+
+
+def test_takeover_removes_only_the_dead_writers_temporaries(tmp_path, capsys):
+    from megatron_jreg.atomic_write import writer_tag
+
+    out, tag = tmp_path / "out", f"{dead_pid()}-0badf00d"
+    with open(lock_path(str(out)), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": int(tag.split("-")[0]),
+                   "start_time": "then", "run_id": "gone", "temp_tag": tag}, f)
+    dead = [f"out_text_document.bin.tmp-{tag}", f"out_text_document.tmp-{tag}.lengths"]
+    kept = [f"out_text_document.bin.tmp-{writer_tag()}",  # a live writer's (this process)
+            f"other.tmp-{tag}", "out_text_document.bin"]  # another output's; a finished one
+    for name in dead + kept:
+        (tmp_path / name).write_text("x")
+    (tmp_path / f".out.tmp-{tag}.abc123").mkdir()  # a staging directory (temp_dir_beside)
+    (tmp_path / f".out.tmp-{tag}.abc123" / "model.safetensors").write_text("x")
+    with output_lock(str(out), "--output-prefix"):
+        pass
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith(f"warning: --output-prefix {out}: took "
+                                                       "over the lock of a finished run"), warning
+    for name in dead + [f".out.tmp-{tag}.abc123"]:
+        assert name in warning[0]
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
+KILL_DRIVER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+marker = sys.argv[1]
+if __name__ == "__main__":  # not in a spawned worker, which imports this file again
+    from megatron_jreg.data import indexed_writer, preprocess
+
+    def held(self):  # the .bin and spill temporaries are written; the rename never comes
+        open(marker, "w").close()
+        time.sleep(600)
+
+    indexed_writer.IndexedDatasetOutput.commit = held
+    sys.exit(preprocess.main(sys.argv[2:]))
+"""
+
+
+def test_preprocess_sigkill_leftovers_are_removed_by_the_next_run(corpus, tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "driver.py").write_text(KILL_DRIVER.format(repo=REPO))
+    argv = ["--input", corpus, "--output-prefix", out, "--tokenizer-type", "ByteTokenizer"]
+    proc = subprocess.Popen([sys.executable, str(work / "driver.py"), str(work / "held"),
+                             *map(str, argv)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (work / "held").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.kill()  # SIGKILL: no cleanup runs
+        proc.communicate()
+    left = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    assert any(n.endswith(".lengths") for n in left) and any(".bin.tmp-" in n for n in left), left
+    rerun = tool("preprocess_data.py", *argv)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    warnings = [line for line in rerun.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "took over the lock of a finished run" in warnings[0], warnings
+    assert all(name in warnings[0] for name in left), (left, warnings)
+    assert sorted(os.listdir(tmp_path)) == ["out_text_document.bin", "out_text_document.idx",
+                                            "work"]
+
+
+# ---- flag ranges: refused in one line before any work --------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -5, 1, 100])
+def test_train_tokenizer_max_sentences_out_of_range(corpus, tmp_path, value):
+    # sentencepiece takes 0 as "every line" and stops on 1-100 with an internal check.
+    proc = tool("train_tokenizer.py", "--input", corpus, "--model-prefix", tmp_path / "sp",
+                "--max-sentences", value)
+    one_line(proc, "--max-sentences", ">= 101", f"got {value}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_train_tokenizer_too_few_sentences_for_the_vocabulary_names_the_flag(corpus, tmp_path):
+    proc = tool("train_tokenizer.py", "--input", corpus, "--model-prefix", tmp_path / "sp",
+                "--max-sentences", 101, "--vocab-size", 3000)
+    one_line(proc, "--vocab-size 3000", "--max-sentences 101")
+    assert os.listdir(tmp_path) == []
+
+
+def test_make_demo_corpus_refuses_writing_no_documents(tmp_path):
+    out = tmp_path / "x.jsonl"
+    proc = tool("make_demo_corpus.py", "--output", out, "--skip-docs", 100000000, "--max-docs", 5)
+    one_line(proc, "--skip-docs 100000000", "no documents")
+    assert os.listdir(tmp_path) == [] and proc.stdout == ""

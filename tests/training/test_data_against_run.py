@@ -133,3 +133,23 @@ def test_two_ranks_share_the_pass_and_agree(tmp_path):
         error, ok = open(f"{out}{rank}").read().splitlines()
         assert f"largest token id is {largest}" in error and ok == "ok", (error, ok)
     assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+def test_token_range_cache_sees_an_in_place_rewrite_with_the_mtime_put_back(tmp_path):
+    # Same size, same inode, mtime restored with os.utime: only the ctime tells (the kernel
+    # sets it on every write and utime cannot put it back).
+    from megatron_jreg.data.token_range import max_token_id
+
+    prefix, cache = str(tmp_path / "data"), str(tmp_path / "cache")
+    write_pair(prefix, [[1, 7, 3], [200, 4]])
+    assert max_token_id(prefix, cache) == 200
+    st = os.stat(prefix + ".bin")
+    tokens = numpy.fromfile(prefix + ".bin", dtype=numpy.uint16)
+    tokens[tokens == 200] = 900
+    with open(prefix + ".bin", "r+b") as f:  # in place: the inode stays
+        f.write(tokens.tobytes())
+    os.utime(prefix + ".bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(prefix + ".bin")
+    assert (after.st_size, after.st_ino, after.st_mtime_ns) == (st.st_size, st.st_ino,
+                                                                 st.st_mtime_ns)
+    assert max_token_id(prefix, cache) == 900
