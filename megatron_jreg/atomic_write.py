@@ -240,7 +240,7 @@ class WriterLock:
             if self._create():  # ours now: no writer of this output can start meanwhile
                 removed = self.remove_leftovers(holder)
                 gone = f"; removed its temporaries {', '.join(removed)}" if removed else ""
-                return (f"warning: {self.label}took over the lock of a finished run (pid {pid} "
+                return (f"warning: {self.label}took over the lock of a process no longer running (pid {pid} "
                         f"on {host}, started {holder.get('start_time')}){gone}")
             holder = _read_record(self.path) or {}
         raise self.busy(holder)

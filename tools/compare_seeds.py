@@ -72,6 +72,11 @@ def main(argv=None) -> int:
             raise InputError("no scores: give a CSV or --baseline JSON ... --jreg JSON ...")
         if args.csv is None and not (args.baseline and args.jreg):
             raise InputError("--baseline and --jreg go together; give both sides' reports")
+        both = sorted({os.path.realpath(p) for p in args.baseline or ()}
+                      & {os.path.realpath(p) for p in args.jreg or ()})
+        if both:  # every difference would be 0: a test of nothing
+            raise InputError(f"{both[0]} is given as both --baseline and --jreg; give each run's "
+                             "report on its own side")
         source = args.csv or "the reports"
         scores = (read_seed_scores(args.csv) if args.csv
                   else read_report_scores(args.baseline, args.jreg))

@@ -9,7 +9,9 @@ behave exactly as in Megatron-LM. Each sample also carries ``token_mask`` (see
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -51,20 +53,24 @@ class GPTDataConfig:
         if self.seq_length < 1:
             raise ValueError(f"--seq-length must be at least 1, got {self.seq_length}")
         parts = self.split.replace("/", ",").split(",")
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError:
-            raise ValueError(f"--split {self.split!r} is not numbers; use {_SPLIT_HELP}") from None
+        # plain decimals only: megatron-core re-reads the string with that pattern (nan,
+        # inf and exponents would be misread there or fail its assertions)
+        if not all(re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*", p) for p in parts):
+            raise ValueError(f"--split {self.split!r} is not numbers (plain decimals); use {_SPLIT_HELP}")
+        weights = [float(p) for p in parts]
         if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"--split {self.split!r} is invalid; use {_SPLIT_HELP}")
+        self.blend()  # the --data-path weights, checked before any work
 
     def blend(self) -> tuple[list[str], list[float] | None]:
         """(prefixes, weights or None), parsed the way Megatron-LM parses ``--data-path``."""
         from megatron.core.datasets.utils import get_blend_from_list
 
         prefixes, weights = get_blend_from_list(list(self.data_path))
-        if weights is not None and (any(w < 0 for w in weights) or sum(weights) <= 0):
-            raise ValueError(f"--data-path weights {weights} must be >= 0 and not all 0")
+        for prefix, weight in zip(prefixes, weights or ()):
+            if not (math.isfinite(weight) and weight > 0):  # megatron-core asserts w > 0
+                raise ValueError(f"--data-path weight {weight} of {prefix!r}: every weight must be "
+                                 "a finite number > 0 (drop a prefix to leave it out)")
         return prefixes, weights
 
 

@@ -277,3 +277,13 @@ def test_compare_seeds_overflow_and_confidence_are_one_line(tmp_path):
         proc = run_compare_seeds(*argv)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith("compare_seeds: error:") and expected in proc.stderr
+
+
+def test_compare_seeds_refuses_one_report_on_both_sides(tmp_path):
+    """Was: exit 0 with t and p of nan for every task (every difference 0)."""
+    report = tmp_path / "run.json"
+    report.write_text("{}")
+    proc = run_compare_seeds("--baseline", report, "--jreg", report)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert "is given as both --baseline and --jreg" in err[0]

@@ -194,7 +194,7 @@ def test_save_lock_shares_the_writer_lock(tmp_path):
     with open(tmp_path / "jreg_writer.lock", "w") as f:
         json.dump({"host": socket.gethostname(), "pid": dead_pid(), "start_time": "then"}, f)
     warning = second.acquire()
-    assert warning.startswith("warning: took over the lock of a finished run") and str(tmp_path) in warning
+    assert warning.startswith("warning: took over the lock of a process no longer running") and str(tmp_path) in warning
     second.release()
     assert os.listdir(tmp_path) == []
 
@@ -220,7 +220,7 @@ def test_takeover_removes_only_the_dead_writers_temporaries(tmp_path, capsys):
         pass
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith(f"warning: --output-prefix {out}: took "
-                                                       "over the lock of a finished run"), warning
+                                                       "over the lock of a process no longer running"), warning
     for name in dead + [f".out.tmp-{tag}.abc123"]:
         assert name in warning[0]
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
@@ -263,7 +263,7 @@ def test_preprocess_sigkill_leftovers_are_removed_by_the_next_run(corpus, tmp_pa
     rerun = tool("preprocess_data.py", *argv)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     warnings = [line for line in rerun.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "took over the lock of a finished run" in warnings[0], warnings
+    assert len(warnings) == 1 and "took over the lock of a process no longer running" in warnings[0], warnings
     assert all(name in warnings[0] for name in left), (left, warnings)
     assert sorted(os.listdir(tmp_path)) == ["out_text_document.bin", "out_text_document.idx",
                                             "work"]

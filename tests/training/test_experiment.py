@@ -27,13 +27,27 @@ def test_valid_demo_run_passes(demo_data):
 @pytest.mark.parametrize("overrides, world, message", [
     ({"split": "a,b"}, 1, "--split 'a,b' is not numbers"),
     ({"split": "1,2,3,4"}, 1, "--split '1,2,3,4' is invalid"),
+    # megatron-core re-reads --split with a digits-and-dots pattern: nan trained as 1,1 and
+    # exponents failed its assertions
+    ({"split": "nan,1,1"}, 1, "--split 'nan,1,1' is not numbers"),
+    ({"split": "1e400,1,1"}, 1, "--split '1e400,1,1' is not numbers"),
+    # megatron-core's BlendedDataset asserts every weight > 0 (a traceback), nan slipped through
+    ({"data_path": ["0", "DATA", "1", "DATA"]}, 1, "--data-path weight 0.0 of 'DATA': every weight"),
+    ({"data_path": ["nan", "DATA"]}, 1, "--data-path weight nan of 'DATA': every weight"),
+    ({"data_path": ["inf", "DATA", "1", "DATA"]}, 1, "--data-path weight inf of 'DATA'"),
     ({"global_batch_size": 8}, 4, "--micro-batch-size x data-parallel size = 16"),
     ({"tensor_model_parallel_size": 2}, 3, "3 processes cannot hold TP 2 x PP 1"),
     ({"vocab_size": 100}, 1, "--vocab-size 100 is smaller than the tokenizer's 256"),
 ])
 def test_cross_section_errors(demo_data, overrides, world, message):
-    with pytest.raises(ValueError, match=message.replace("|", r"\|").replace("+", r"\+")):
-        experiment(demo_data, **overrides).validate(world_size=world, tokenizer_vocab_size=256)
+    with pytest.raises(ValueError, match=message.replace("|", r"\|").replace("+", r"\+")
+                       .replace("DATA", demo_data)):
+        if "data_path" in overrides:  # several words: the flag is given as a list
+            paths = [demo_data if p == "DATA" else p for p in overrides["data_path"]]
+            exp = ExperimentConfig.from_argv(base_args(None) + ["--data-path", *paths])
+        else:
+            exp = experiment(demo_data, **overrides)
+        exp.validate(world_size=world, tokenizer_vocab_size=256)
 
 
 def test_data_prefixes_of_weighted_and_plain_paths():
