@@ -93,9 +93,16 @@ def cached_max_token_id(prefix: str, cache_dir: Optional[str]) -> Optional[int]:
         return None
     try:
         with open(_cache_path(prefix, cache_dir), encoding="utf-8") as f:
-            return int(json.load(f)["max_token_id"])
+            record = json.load(f)
+        largest = record["max_token_id"]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or unreadable: computed again
+    # a record that does not carry the key it is filed under (written by hand or by
+    # another program) is not trusted: computed again
+    if record.get("key") != token_range_key(prefix) or not isinstance(largest, int) \
+            or isinstance(largest, bool) or largest < -1:
+        return None
+    return largest
 
 
 def store_max_token_id(prefix: str, cache_dir: Optional[str], largest: int) -> None:
@@ -105,7 +112,8 @@ def store_max_token_id(prefix: str, cache_dir: Optional[str], largest: int) -> N
     try:
         os.makedirs(cache_dir, exist_ok=True)
         write_text_atomic(_cache_path(prefix, cache_dir),
-                          json.dumps({"max_token_id": largest, "prefix": prefix}) + "\n")
+                          json.dumps({"max_token_id": largest, "prefix": prefix,
+                                      "key": token_range_key(prefix)}) + "\n")
     except OSError:
         pass
 

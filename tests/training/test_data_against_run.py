@@ -153,3 +153,19 @@ def test_token_range_cache_sees_an_in_place_rewrite_with_the_mtime_put_back(tmp_
     assert (after.st_size, after.st_ino, after.st_mtime_ns) == (st.st_size, st.st_ino,
                                                                  st.st_mtime_ns)
     assert max_token_id(prefix, cache) == 900
+
+
+def test_a_cache_record_not_written_for_this_content_is_not_trusted(tmp_path):
+    """A record filed under the right name but without its key (written by hand, or by
+    another program) was served: a forged max of 3 over ids near 900 (an IndexError later)."""
+    import json
+
+    from megatron_jreg.data.token_range import _cache_path, max_token_id
+
+    prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    write_pair(prefix, random_docs(5, 50, 900))
+    real = max_token_id(prefix, cache)
+    assert real == int(numpy.fromfile(prefix + ".bin", numpy.uint16).max()) > 3
+    with open(_cache_path(prefix, cache), "w") as f:
+        json.dump({"max_token_id": 3, "prefix": prefix}, f)
+    assert max_token_id(prefix, cache) == real
