@@ -276,8 +276,8 @@ def taken_over(proc, flag, path, leftovers):
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, proc.stderr[-3000:]
-    assert warnings[0].startswith(f"warning: {flag} {path}: took over the lock of a finished "
-                                  "run"), warnings
+    assert warnings[0].startswith(f"warning: {flag} {path}: took over the lock of a process "
+                                  "no longer running"), warnings
     assert leftovers and all(name in warnings[0] for name in leftovers), (leftovers, warnings)
 
 
