@@ -1,7 +1,9 @@
 // Per-token displacement psi = (1 - cos(a, b)) / 2 over the last dimension.
 //
-// Shared by the CPU kernel, the CUDA kernel and the bindings. The math, in the
-// accumulation type acc (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64):
+// Shared by the CPU kernel, the CUDA kernel and the bindings. The four sums are taken in
+// fp64 for every input dtype (a product of two fp32, bf16 or fp16 values is exact in fp64,
+// and the sums' rounding stays near 1e-16), so psi is accurate to ~1e-7 relative down to
+// psi ~ 1e-9 (nearly parallel a and b), where fp32 sums lose every digit:
 //
 //   dot = sum a*b, aa = sum a*a, bb = sum b*b, dd = sum (a-b)^2      (one read of a, b)
 //   p = aa*bb;  degenerate = p < eps^2 (megatron_jreg.jreg.token_displacement_reference)
@@ -9,6 +11,9 @@
 //                 where dd < |a||b|/2 (a, b close: no cancellation, unlike 1 - dot/(|a||b|)),
 //                 else 1 - c = 1 - dot/(|a||b|) as the reference
 //   degenerate (p < eps^2): c = dot / eps, held constant (zero vectors give psi = 0.5)
+//
+// psi and the saved scalars are stored in the accumulation type acc (fp32 for
+// fp16/bf16/fp32 inputs, fp64 for fp64); the backward computes in acc.
 //
 // Saved for backward, per token: inv = 1/(|a||b|), ka = c/aa, kb = c/bb (all 0 for a
 // degenerate token, whose gradient is 0 as in the reference), so that

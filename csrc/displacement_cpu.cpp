@@ -1,6 +1,7 @@
 // CPU kernel: OpenMP over tokens (at::parallel_for, torch's thread count), SIMD over the
-// hidden dimension in both passes (bf16 converted in vector registers), fp32 accumulation
-// (fp64 for fp64 input).
+// hidden dimension in both passes (bf16 converted in vector registers). The forward's four
+// sums are fp64 for every input dtype (see displacement.h); the backward is fp32 (fp64 for
+// fp64 input).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -29,8 +30,8 @@ namespace {
 // Both passes work in 32-byte SIMD vectors (GCC/Clang vector extensions: 8 fp32 or 4 fp64
 // lanes), which stay in registers; on x86-64 the row functions are also cloned for
 // AVX2/AVX-512 and picked at load time, so one build runs everywhere. Two levels of partial
-// sums (lanes within a block of kBlock elements, then blocks) keep the fp32 rounding error
-// near pairwise summation.
+// sums (lanes within a block of kBlock elements, then blocks) keep the rounding error near
+// pairwise summation.
 constexpr int64_t kBlock = 256;
 
 template <typename acc_t>
@@ -168,10 +169,11 @@ template <typename scalar_t, typename acc_t>
 #endif
 
 // One non-template function per input dtype: function multiversioning needs plain functions.
+// The sums are fp64 for every input (a product of two fp32 values is exact in fp64).
 #define JREG_ROW_FUNCTIONS(scalar_t, acc_t)                                                \
   JREG_CPU_CLONES void row_sums(const scalar_t* a, const scalar_t* b, int64_t hidden,      \
-                                acc_t* out) {                                              \
-    row_sums_impl<scalar_t, acc_t>(a, b, hidden, out);                                     \
+                                double* out) {                                             \
+    row_sums_impl<scalar_t, double>(a, b, hidden, out);                                    \
   }                                                                                        \
   JREG_CPU_CLONES void grad_row(const scalar_t* a, const scalar_t* b, acc_t inv, acc_t ka, \
                                 acc_t kb, scalar_t* ga, scalar_t* gb, int64_t hidden) {    \
@@ -196,9 +198,10 @@ void forward_kernel(const at::Tensor& a, const at::Tensor& b, at::Tensor& psi, a
   acc_t* pstats = stats.mutable_data_ptr<acc_t>();
   at::parallel_for(0, tokens, grain_size(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      acc_t sums[4];
+      double sums[4], stats[kStats];
       row_sums(pa + t * hidden, pb + t * hidden, hidden, sums);
-      ppsi[t] = finish_token<acc_t>(sums[0], sums[1], sums[2], sums[3], pstats + t * kStats);
+      ppsi[t] = static_cast<acc_t>(finish_token<double>(sums[0], sums[1], sums[2], sums[3], stats));
+      for (int k = 0; k < kStats; ++k) pstats[t * kStats + k] = static_cast<acc_t>(stats[k]);
     }
   });
 }

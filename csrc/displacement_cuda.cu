@@ -1,5 +1,7 @@
 // CUDA kernel: one warp per token, 16-byte vectorised loads and stores where the rows are
-// aligned, fp32 accumulation (fp64 for fp64 input), warp-shuffle reduction.
+// aligned, warp-shuffle reduction. The forward's sums are fp64 for every input dtype (see
+// displacement.h: the kernel is bound by memory, not by fp64 arithmetic, on data-centre
+// GPUs); the backward computes in fp32 (fp64 for fp64 input).
 //
 // This translation unit includes no torch header on purpose: the CPU build of torch ships
 // c10/cuda headers that need files generated only for CUDA builds, and keeping the kernel
@@ -70,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
        t += warps) {
     const T* ra = a + t * hidden;
     const T* rb = b + t * hidden;
-    acc_t dot = 0, aa = 0, bb = 0, dd = 0;
+    double dot = 0, aa = 0, bb = 0, dd = 0;
     if (kVectorized) {
 #pragma unroll 2
       for (int64_t i = int64_t(lane) * kVec; i < hidden; i += kWarp * kVec) {
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
         const Pack<T> pb = *reinterpret_cast<const Pack<T>*>(rb + i);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const acc_t x = C::to_acc(pa.v[j]), y = C::to_acc(pb.v[j]), d = x - y;
+          const double x = C::to_acc(pa.v[j]), y = C::to_acc(pb.v[j]), d = x - y;
           dot += x * y;
           aa += x * x;
           bb += y * y;
@@ -87,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
       }
     } else {
       for (int64_t i = lane; i < hidden; i += kWarp) {
-        const acc_t x = C::to_acc(ra[i]), y = C::to_acc(rb[i]), d = x - y;
+        const double x = C::to_acc(ra[i]), y = C::to_acc(rb[i]), d = x - y;
         dot += x * y;
         aa += x * x;
         bb += y * y;
@@ -98,7 +100,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
     aa = warp_sum(aa);
     bb = warp_sum(bb);
     dd = warp_sum(dd);
-    if (lane == 0) psi[t] = finish_token<acc_t>(dot, aa, bb, dd, stats + t * kStats);
+    if (lane == 0) {
+      double s[kStats];
+      psi[t] = static_cast<acc_t>(finish_token<double>(dot, aa, bb, dd, s));
+      for (int k = 0; k < kStats; ++k) stats[t * kStats + k] = static_cast<acc_t>(s[k]);
+    }
   }
 }
 

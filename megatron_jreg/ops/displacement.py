@@ -7,7 +7,8 @@ As in flash-attention/apex, the kernel, its autograd op and the reference sit to
   ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces them.
 - ``FusedTokenDisplacement``: the autograd op over the two. It saves ``a`` and ``b`` (which
   the model keeps alive anyway) and three fp32 scalars per token, nothing of size
-  ``[tokens, h]``; the reference path keeps fp32 copies of both inputs for backward.
+  ``[tokens, h]``; the reference path keeps float64 copies of both inputs for backward.
+  Both take the per-token sums in float64, for every input dtype.
 
 - ``token_displacement_reference``: the same psi in plain PyTorch, what the kernel is
   tested against; ``impl="torch"`` selects it.
@@ -50,13 +51,16 @@ def token_displacement_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     """Per-token psi = (1 - cos(a, b)) / 2 over the last dimension, in plain PyTorch.
 
     a, b: [..., h] of any float dtype. Returns [...] in fp32 (float64 for float64 input).
+    The sums are taken in float64 whatever the inputs (a product of two fp32 values is exact
+    there), so psi keeps ~1e-7 relative accuracy down to psi ~ 1e-9 (nearly parallel
+    vectors), where fp32 sums lose every digit; autograd keeps float64 copies of a and b.
     This is the reference that the fused kernel is tested against.
     """
     if a.shape != b.shape:
         raise ValueError(f"token_displacement: shapes differ, {tuple(a.shape)} vs {tuple(b.shape)}")
-    dtype = _compute_dtype(torch.promote_types(a.dtype, b.dtype))
-    a = a.to(dtype)
-    b = b.to(dtype)
+    out_dtype = _compute_dtype(torch.promote_types(a.dtype, b.dtype))
+    a = a.to(torch.float64)
+    b = b.to(torch.float64)
     dot = (a * b).sum(-1)
     aa = (a * a).sum(-1)
     bb = (b * b).sum(-1)
@@ -66,7 +70,7 @@ def token_displacement_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     degenerate = product < EPS * EPS
     norm_product = torch.sqrt(torch.where(degenerate, torch.ones_like(product), product))
     cos = torch.where(degenerate, (dot / EPS).detach(), dot / norm_product)
-    return (1.0 - cos) * 0.5
+    return ((1.0 - cos) * 0.5).to(out_dtype)
 
 
 @torch.library.custom_op("megatron_jreg::token_displacement_fwd", mutates_args=())

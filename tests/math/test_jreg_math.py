@@ -118,13 +118,19 @@ def test_bf16_input_computes_in_fp32():
 
 
 def test_nearly_parallel_vectors_are_accurate():
+    """fp32 inputs with psi from ~1e-5 down to ~1e-9: within 1e-6 relative of psi written
+    as |a/|a| - b/|b||^2 / 4 in float64 (no cancellation there), on the reference path."""
     gen = torch.Generator().manual_seed(2)
     a = torch.randn(32, 512, generator=gen, dtype=torch.float64)
-    b = a + 1e-3 * torch.randn(32, 512, generator=gen, dtype=torch.float64)
-    exact = token_displacement_reference(a, b)
-    got = token_displacement_reference(a.float(), b.float()).double()
-    assert float(exact.max()) < 1e-5
-    assert float((got - exact).abs().max()) < 1e-7
+    step = torch.logspace(-2, -4, 32, dtype=torch.float64).unsqueeze(-1)
+    b = 1.3 * a + step * torch.randn(32, 512, generator=gen, dtype=torch.float64)
+    a32, b32 = a.float(), b.float()
+    unit_a = a32.double() / a32.double().norm(dim=-1, keepdim=True)
+    unit_b = b32.double() / b32.double().norm(dim=-1, keepdim=True)
+    exact = ((unit_a - unit_b) ** 2).sum(-1) / 4
+    assert float(exact.max()) < 2e-5 and float(exact.min()) < 2e-9
+    got = token_displacement_reference(a32, b32).double()
+    assert float(((got - exact).abs() / exact).max()) < 1e-6
 
 
 def test_gradcheck_float64():
