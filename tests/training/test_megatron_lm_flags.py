@@ -6,14 +6,14 @@ changes the math without support is refused by name. No flag may be abbreviated.
 import ast
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 
-from trainer_runs import REPO, base_args, read_metrics, train
+from trainer_runs import REPO, base_args, read_metrics, run_env, train
 from megatron_jreg import cli
-from megatron_jreg.model.config import PRESETS, ModelConfig, preset_flags
-from megatron_jreg.training import megatron_lm
-from megatron_jreg.training.config import BUILDERS, SECTIONS, OptimConfig, TrainingConfig
+from megatron_jreg.model.config import PRESETS, preset_flags
+from megatron_jreg.training.config import BUILDERS, SECTIONS, OptimConfig
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.optimizer import build_scheduler
 
@@ -160,10 +160,6 @@ def test_megatron_lm_defaults_apply_under_its_sizing():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--apply-layernorm-1p"], "--apply-layernorm-1p: not supported"),
-    (["--optimizer", "sgd"], "--optimizer sgd: not supported"),
-    (["--fp8-format", "hybrid"], "--fp8-format hybrid: not supported"),
-    (["--loss-scale", "1024"], "--loss-scale 1024.0: not supported"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5: not supported yet"),
     (["--kv-channels", "32"], "--kv-channels 32: not supported yet"),
     (["--position-embedding-type", "none"], "--position-embedding-type none: not supported yet"),
@@ -172,7 +168,6 @@ def test_megatron_lm_defaults_apply_under_its_sizing():
     (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size: not supported yet"),
     (["--dataloader-type", "external"], "--dataloader-type 'external'"),
     (["--reset-attention-mask"], "--reset-attention-mask: not supported yet"),
-    (["--mock-data"], "--mock-data: not supported"),
     (["--tokenizer-type", "TikTokenizer"], "--tokenizer-type 'TikTokenizer': choose one of"),
     (["--vocab-file", "gpt2-vocab.json"], "pass --tokenizer-type GPT2BPETokenizer"),
     (["--train-iters", "10", "--train-samples", "1000"], "--train-iters and --train-samples"),
@@ -200,8 +195,6 @@ def test_unsupported_math_is_refused_by_name(argv, message, capsys):
     (["--expert-model-parallel-size", "2"], "needs a mixture-of-experts model"),
 ])
 def test_mixes_megatron_fails_on_mid_run_are_refused_before_work(argv, message):
-    from megatron_jreg.training.experiment import ExperimentConfig
-
     c = parse(["--data-path", "x", "--model-preset", "tiny"] + argv)
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         ExperimentConfig.from_sections(c).validate(world_size=2)
@@ -222,8 +215,6 @@ def test_parallel_flags_map_as_in_megatron_lm():
 def test_schedule_in_samples_as_megatron_lm(monkeypatch):
     """Megatron-LM's get_optimizer_param_scheduler: sample flags as given, iteration flags
     times the global batch, a warmup fraction of the decay length."""
-    from types import SimpleNamespace
-
     def scheduler(argv):
         c = parse(["--data-path", "x", "--global-batch-size", "8", "--micro-batch-size", "8"] + argv)
         return c, build_scheduler(SimpleNamespace(param_groups=[{}]), c["optim"], c["training"])
@@ -244,8 +235,6 @@ def test_schedule_in_samples_as_megatron_lm(monkeypatch):
 
 
 def test_resumed_schedule_is_recorded_in_samples_when_not_whole_steps():
-    from types import SimpleNamespace
-
     o = OptimConfig(lr_warmup_fraction=0.01)
     o.keep_schedule(SimpleNamespace(max_lr=1e-3, min_lr=0.0, lr_decay_style="cosine", start_wd=0.1,
                                     lr_warmup_steps=10.01, lr_decay_steps=1000, wsd_decay_steps=None), 8)
@@ -297,48 +286,9 @@ def test_cyclic_order_is_megatron_lms_sampler(total, mbs, dp):
                     assert batch["tokens"][:, 0].tolist() == next(reference)
 
 
-# ---- printed lines -------------------------------------------------------------------------
-
-def test_notes_say_what_became_of_a_flag():
-    given = {}
-    argv = ["--data-path", "x", "--num-layers", "4", "--swiglu", "--normalization", "RMSNorm",
-            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--num-query-groups", "2", "--sequence-parallel",
-            "--attention-backend", "flash", "--distributed-backend", "nccl", "--timing-log-level", "2",
-            "--tensor-model-parallel-size", "1", "--log-throughput"]
-    exp = ExperimentConfig.from_sections(parse(argv, given))
-    exp.model.vocab_size = 259
-    lines = megatron_lm.notes(exp, given, "local", "gloo")
-    assert [line.split(":")[0] for line in lines] == [
-        "--distributed-backend nccl", "--timing-log-level 2", "--sequence-parallel",
-        "--num-query-groups 2"]
-    assert megatron_lm.notes(exp, given, "local", "nccl")[0].startswith("--timing-log-level")
-    tp2 = ExperimentConfig.from_sections(parse(["--data-path", "x", "--vocab-size", "50257",
-                                                "--tensor-model-parallel-size", "8"]))
-    [line] = megatron_lm.notes(tp2, {}, "local", "nccl")
-    assert "padded to 50304 rows" in line and "Megatron-LM pads to 51200 at TP 8" in line
-
-
-def test_every_table_flag_is_a_trainer_flag_and_documented():
-    parser = cli.build_parser(SECTIONS)
-    known = set(parser._option_string_actions)
-    listed = [row.flag for row in megatron_lm.TABLE]
-    listed += [f for flags in megatron_lm.SECTION_FLAGS.values() for f in flags]
-    assert len(listed) == len(set(listed))
-    assert set(listed) <= known, set(listed) - known
-    doc = open(os.path.join(REPO, "docs", "megatron_lm_flags.md")).read()
-    for row in megatron_lm.TABLE:
-        assert f"| `{row.flag}` | {row.status} |" in doc, row.flag
-    for flags in megatron_lm.SECTION_FLAGS.values():
-        for flag in flags:
-            assert f"`{flag}`" in doc, flag
-
-
 def test_documented_command_runs_as_written(demo_data, tmp_path):
     """docs/megatron_lm_flags.md's command line, as written, on the demo data."""
     import subprocess
-
-    from trainer_runs import run_env
 
     doc = open(os.path.join(REPO, "docs", "megatron_lm_flags.md")).read()
     block = doc.split("```bash\n", 1)[1].split("```", 1)[0]
@@ -373,8 +323,6 @@ def test_exit_signal_sigusr1_saves_and_exits(demo_data, tmp_path):
     import subprocess
     import sys
     import time
-
-    from trainer_runs import run_env
 
     ckpt = tmp_path / "ckpt"
     argv = base_args(demo_data, train_iters=100000, save=ckpt, save_interval=100000, seq_length=32,
