@@ -1,4 +1,5 @@
-"""SFT data (``preprocess_data.py --sft``): templates, the exact loss mask, errors, the reader.
+"""SFT data (``preprocess_data.py --sft``): templates, the exact loss mask, errors. The
+datasets as written and read, and the training samples over them: test_sft_reference.py.
 
 Every expected text and token sequence here is computed without the code under test: the
 templates are re-rendered by hand in Python, and the whole rendered conversation is
@@ -14,30 +15,12 @@ import numpy
 import pytest
 
 from megatron_jreg.data.chat_template import TULU_TEMPLATE, ChatEncoder, ConversationError
-from megatron_jreg.data.demo_corpus import DemoCorpusConfig, write_demo_corpus
 from megatron_jreg.data.preprocess import main
 from megatron_jreg.data.sft import SFTDataset
 from megatron_jreg.data.tokenizers import build_tokenizer
-from megatron_jreg.errors import InputError
 from preprocess_helpers import write_jsonl
+from sft_reference import CONVERSATIONS, run_sft, tulu_parts, tulu_text
 
-CONVERSATIONS = [
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "The quick brown fox?"},
-     {"role": "assistant", "content": "Jumps over the lazy dog."}],
-    [{"role": "user", "content": "Unicode please.", "name": "ignored field"},
-     {"role": "assistant", "content": "café, naïve, 東京, emoji 🙂"},
-     {"role": "user", "content": "Digits?"},
-     {"role": "assistant", "content": "12345 and 678."}],
-    [{"role": "user", "content": "Spaces and lines."},
-     {"role": "assistant", "content": " Sure.\nLine two.  "}],
-    [{"role": "user", "content": "Say nothing."},
-     {"role": "assistant", "content": ""},
-     {"role": "user", "content": "Now say hi."},
-     {"role": "assistant", "content": "Hi."},
-     {"role": "user", "content": "Thanks."},
-     {"role": "assistant", "content": "Tokenizers split text into pieces."}],
-]
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
           "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
@@ -45,18 +28,6 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 CUSTOM = ("{% for m in messages %}{% if m['role'] == 'assistant' %}### Assistant:\n"
           "{{ m['content'] }}{{ eos_token }}\n{% else %}### {{ m['role'] | capitalize }}:\n"
           "{{ m['content'] }}\n{% endif %}{% endfor %}")
-
-
-def tulu_parts(messages, eos):
-    """The tulu rendering as (text, loss-masked) parts: the documented format by hand."""
-    header = {"system": "<|system|>\n", "user": "<|user|>\n", "assistant": "<|assistant|>\n"}
-    parts = []
-    for m in messages:
-        if m["role"] == "assistant":
-            parts += [(header["assistant"], 0), (m["content"] + eos, 1), ("\n", 0)]
-        else:
-            parts.append((header[m["role"]] + m["content"] + "\n", 0))
-    return parts
 
 
 def chatml_parts(messages, eos):
@@ -79,10 +50,6 @@ def custom_parts(messages, eos):
         else:
             parts.append((f"### {m['role'].capitalize()}:\n{m['content']}\n", 0))
     return parts
-
-
-def tulu_text(messages, eos):
-    return "".join(text for text, _ in tulu_parts(messages, eos))
 
 
 # -- tokenizers, seen through their own libraries -------------------------------------------
@@ -182,14 +149,6 @@ def chatml_dir(tmp_path_factory, hf_tokenizer_json):
     return str(d)
 
 
-def run_sft(tmp_path, records, *flags, name="out"):
-    data = write_jsonl(tmp_path / f"{name}.jsonl", [
-        r if isinstance(r, str) else {"messages": r, "id": i} if isinstance(r, list) else r
-        for i, r in enumerate(records)])
-    prefix = str(tmp_path / name)
-    return main(["--sft", "--input", data, "--output-prefix", prefix, *flags]), data, prefix
-
-
 CASES = {  # name: (tokenizer, its model fixture, --chat-template, renderer)
     "byte-tulu": ("ByteTokenizer", None, "tulu", tulu_parts),
     "sentencepiece-tulu": ("SentencePieceTokenizer", "sp_model", "auto", tulu_parts),
@@ -268,24 +227,6 @@ def test_whitespace_before_the_end_of_turn_token_is_masked_in():
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     assert bytes(i for i in ids if i < 256) == b"[INST] hi [/INST] yo "
     assert [i for i, m in zip(ids, mask) if m] == [ord("y"), ord("o"), ord(" "), 256]
-
-
-def test_workers_and_partitions_write_identical_bytes(tmp_path, capsys):
-    chat = str(tmp_path / "chat.jsonl")
-    write_demo_corpus(DemoCorpusConfig(output=chat, chat=True, max_docs=300))
-    outputs = {}
-    for name, flags in (("w1", []), ("w2", ["--workers", "2"]),
-                        ("p2", ["--workers", "2", "--partitions", "2"])):
-        prefix = str(tmp_path / name)
-        assert main(["--sft", "--input", chat, "--output-prefix", prefix, "--tokenizer-type",
-                     "ByteTokenizer", "--chunk-bytes", "2048", *flags]) == 0
-        base = prefix + "_sft_document"
-        outputs[name] = [open(base + ext, "rb").read() for ext in
-                         (".bin", ".idx", "_loss_mask.bin", "_loss_mask.idx", ".json")]
-    assert outputs["w1"] == outputs["w2"] == outputs["p2"]
-    assert len(SFTDataset(str(tmp_path / "w1_sft_document"))) == 300
-    # nothing but the inputs and the three runs' five files each: no temporary names left
-    assert len(os.listdir(tmp_path)) == 1 + 3 * 5
 
 
 GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"},
@@ -398,85 +339,6 @@ def test_usage_errors_exit_2_before_any_output(tmp_path, capsys, case, message):
     assert leftovers(tmp_path, []) == before
 
 
-def test_overlong_conversations_are_skipped_or_truncated(tmp_path, capsys):
-    enc = ChatEncoder(build_tokenizer("ByteTokenizer"), TULU_TEMPLATE)
-    lengths = [len(enc.encode(m)[0]) for m in CONVERSATIONS]
-    limit = sorted(lengths)[1]  # two fit; conversation 0's answer starts before the limit
-    header = len(tulu_text(CONVERSATIONS[3][:1], "").encode()) + len("<|assistant|>\n")
-    long_answer_later = CONVERSATIONS[0][:2] + [
-        {"role": "user", "content": "x" * limit}, {"role": "assistant", "content": "late"}]
-    records = CONVERSATIONS + [long_answer_later]
-    rc, _, prefix = run_sft(tmp_path, records, "--tokenizer-type", "ByteTokenizer",
-                            "--max-seq-length", str(limit), "--overwrite")
-    assert rc == 0 and header < limit
-    skipped = SFTDataset(prefix + "_sft_document")
-    assert sorted(skipped.lengths.tolist()) == sorted(n for n in lengths if n <= limit)
-    counts = skipped.metadata["counts"]
-    assert counts["skipped_by_reason"] == {"longer than --max-seq-length": 3}
-    assert skipped.metadata["overlong"] == "skip" and skipped.metadata["max_seq_length"] == limit
-
-    rc, _, prefix = run_sft(tmp_path, records, "--tokenizer-type", "ByteTokenizer",
-                            "--max-seq-length", str(limit), "--overlong", "truncate",
-                            name="trunc")
-    assert rc == 0
-    cut = SFTDataset(prefix + "_sft_document")
-    assert cut.lengths.tolist() == [min(n, limit) for n in lengths]  # the last one is dropped
-    counts = cut.metadata["counts"]
-    assert counts["truncated"] == sum(n > limit for n in lengths)
-    assert counts["skipped_by_reason"] == {"no assistant token within --max-seq-length": 1}
-    for i, messages in enumerate(CONVERSATIONS):
-        ids, mask = enc.encode([{"role": m["role"], "content": m["content"]} for m in messages])
-        assert cut[i]["tokens"].tolist() == ids[:limit]
-        assert cut[i]["loss_mask"].tolist() == mask[:limit]
-    assert "truncated 2" in capsys.readouterr().out
-
-
-def test_reader_errors_name_the_file_and_the_fix(tmp_path, capsys):
-    rc, _, prefix = run_sft(tmp_path, CONVERSATIONS, "--tokenizer-type", "ByteTokenizer")
-    rc2, _, other = run_sft(tmp_path, CONVERSATIONS[:2], "--tokenizer-type", "ByteTokenizer",
-                            name="other")
-    assert rc == rc2 == 0
-    ds_prefix = prefix + "_sft_document"
-    with pytest.raises(InputError, match=r"pass the dataset prefix .*out_sft_document"):
-        SFTDataset(prefix)
-    work = tmp_path / "work"
-    work.mkdir()
-    names = [os.path.basename(ds_prefix) + ext for ext in
-             (".bin", ".idx", "_loss_mask.bin", "_loss_mask.idx", ".json")]
-
-    def fresh():
-        for name in os.listdir(work):
-            os.unlink(work / name)
-        for name in names:
-            shutil.copy(tmp_path / name, work / name)
-        return str(work / os.path.basename(ds_prefix))
-
-    for missing in names:
-        p = fresh()
-        os.unlink(work / missing)
-        with pytest.raises(InputError, match=re.escape(missing) + r" does not exist; rebuild it "
-                           r"with tools/preprocess_data.py --sft"):
-            SFTDataset(p)
-    p = fresh()  # another run's mask: its lengths do not fit these tokens
-    for ext in (".bin", ".idx"):
-        shutil.copy(other + "_sft_document_loss_mask" + ext, p + "_loss_mask" + ext)
-    with pytest.raises(InputError, match="loss mask's sequence lengths differ.*--sft"):
-        SFTDataset(p)
-    p = fresh()  # another run's metadata
-    shutil.copy(other + "_sft_document.json", p + ".json")
-    with pytest.raises(InputError, match="lists 2 conversations but the data holds 4"):
-        SFTDataset(p)
-    p = fresh()
-    with open(p + ".bin", "ab") as f:
-        f.write(b"\0\0")
-    with pytest.raises(InputError, match="come from different runs"):
-        SFTDataset(p)
-    ds = SFTDataset(fresh())
-    with pytest.raises(IndexError):
-        ds[4]
-    assert ds[-1]["tokens"].tolist() == ds[3]["tokens"].tolist()
-
-
 def test_rerun_with_overwrite_replaces_the_metadata(tmp_path, capsys):
     args = ("--tokenizer-type", "ByteTokenizer", "--overwrite")
     assert run_sft(tmp_path, CONVERSATIONS, *args)[0] == 0
@@ -501,29 +363,6 @@ def test_conversation_error_for_a_template_that_changes_content():
     assert [i for i, m in zip(ids, mask) if m] == [ord("a"), ord("b"), ord("c"), 256]
 
 
-def test_demo_chats_are_deterministic_short_and_valid(tmp_path, capsys):
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    assert write_demo_corpus(DemoCorpusConfig(output=str(a), chat=True))[0] == 500
-    write_demo_corpus(DemoCorpusConfig(output=str(b), chat=True))
-    assert a.read_bytes() == b.read_bytes()
-    records = [json.loads(line) for line in a.read_text().splitlines()]
-    turns = [sum(m["role"] == "assistant" for m in r["messages"]) for r in records]
-    assert set(turns) == {1, 2, 3}
-    assert 0.1 < sum(r["messages"][0]["role"] == "system" for r in records) / 500 < 0.5
-    assert len({json.dumps(r["messages"]) for r in records}) > 450  # varied, not repeats
-    assert all([m["role"] for m in r["messages"] if m["role"] != "system"]
-               == ["user", "assistant"] * t for r, t in zip(records, turns))
-    prefix = str(tmp_path / "demo")
-    assert main(["--sft", "--input", str(a), "--output-prefix", prefix,
-                 "--tokenizer-type", "ByteTokenizer"]) == 0
-    ds = SFTDataset(prefix + "_sft_document")
-    assert len(ds) == 500 and ds.lengths.max() <= 256  # the tiny SFT run trains at 256
-    assert ds.metadata["counts"]["skipped"] == 0
-    few = tmp_path / "few.jsonl"
-    assert write_demo_corpus(DemoCorpusConfig(output=str(few), chat=True, max_docs=20))[0] == 20
-    assert few.read_text().splitlines() == a.read_text().splitlines()[:20]
-
-
 def test_tokenizer_template_from_chat_template_jinja_or_named_list(tmp_path, hf_tokenizer_json):
     from megatron_jreg.data.chat_template import resolve_chat_template
 
@@ -539,41 +378,3 @@ def test_tokenizer_template_from_chat_template_jinja_or_named_list(tmp_path, hf_
     assert resolve_chat_template("tulu", kind, str(tmp_path)) == ("tulu", TULU_TEMPLATE)
 
 
-def test_parquet_messages_column_gives_the_same_dataset(tmp_path, capsys):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    clean = [[{"role": m["role"], "content": m["content"]} for m in c] for c in CONVERSATIONS]
-    pq.write_table(pa.table({"messages": clean}), tmp_path / "chat.parquet")
-    rc, _, prefix = run_sft(tmp_path, clean, "--tokenizer-type", "ByteTokenizer")
-    assert rc == 0
-    assert main(["--sft", "--input", str(tmp_path / "chat.parquet"), "--output-prefix",
-                 str(tmp_path / "pq"), "--tokenizer-type", "ByteTokenizer"]) == 0
-    for ext in (".bin", ".idx", "_loss_mask.bin", "_loss_mask.idx"):
-        assert (tmp_path / f"pq_sft_document{ext}").read_bytes() == open(
-            f"{prefix}_sft_document{ext}", "rb").read()
-
-
-def test_readme_sft_data_commands_run_as_written(tmp_path):
-    """The README's two SFT data lines, read from the README, run in an empty directory."""
-    import re
-    import shlex
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    readme = open(os.path.join(repo, "README.md"), encoding="utf-8").read()
-    section = readme[readme.index("### SFT data"):]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    lines = [line.split("#")[0].strip() for line in block.splitlines()]
-    lines = [line for line in lines if line]
-    assert len(lines) == 2 and lines[1].startswith("python tools/preprocess_data.py --sft"), lines
-    os.symlink(os.path.join(repo, "tools"), tmp_path / "tools")
-    env = dict(os.environ, PYTHONPATH=repo)
-    for line in lines:
-        argv = shlex.split(line)
-        proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, (line, proc.stderr[-2000:])
-    dataset = SFTDataset(str(tmp_path / "chat_sft_document"))
-    assert len(dataset) == 500 and dataset.metadata["chat_template_name"] == "tulu"

@@ -1,9 +1,11 @@
 """Supervised fine-tuning runs (``--sft``, ``--finetune``, ``--pretrained-checkpoint``).
 
-References: the loss and Psi of a step recomputed in plain PyTorch on the Hugging Face
-export of the weights that step ran with (masked cross-entropy over the global batch's
-assistant tokens, displacement over its non-padding tokens); one rank for the TP2, PP2 and
-DP2 runs; an uninterrupted run for the resumed one.
+References: the step's samples made by hand from the chat data (tests/sft_reference.py:
+the tulu rendering, byte tokens, the loss mask on the assistant tokens shifted by one for
+next-token prediction, padding); the loss and Psi of a step recomputed on them in plain
+PyTorch on the Hugging Face export of the weights that step ran with (masked cross-entropy
+over the global batch's assistant tokens, displacement over its non-padding tokens); one
+rank for the TP2, PP2 and DP2 runs; an uninterrupted run for the resumed one.
 """
 
 import json
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from sft_reference import byte_tulu, reference_sample, sample_order
 from trainer_runs import REPO, base_args, read_metrics, run_env, train
 
 SEQ = 128
@@ -58,15 +61,51 @@ def export(save, iteration, out):
     return out
 
 
-def reference_step(hf_dir, prefix, iteration, micro_batch=4, global_batch=8):
-    """Loss and Psi of training step ``iteration`` recomputed on an HF model in PyTorch."""
-    from transformers import AutoModelForCausalLM
+# the sft_data fixture: 200 demo conversations, split 90,10,0 (the first 180 train), the
+# byte tokenizer, whose EOD (256) the trainer pads with; the run's seed is base_args'
+CONVERSATIONS, TRAIN_CONVERSATIONS, PAD, SEED = 200, 180, 256, 1234
 
+
+def reference_samples(prefix, first, count):
+    """Train samples ``first..first+count-1`` made from chat.jsonl by hand (tests/data/
+    sft_reference.py): each conversation rendered with tulu, byte-tokenised, its loss mask
+    the assistant contents and their EOS, shifted by one for next-token prediction."""
+    path = os.path.join(os.path.dirname(prefix), "chat.jsonl")
+    conversations = [json.loads(line)["messages"] for line in open(path, encoding="utf-8")]
+    assert len(conversations) == CONVERSATIONS
+    return [reference_sample(*byte_tulu(conversations[sample_order(i, TRAIN_CONVERSATIONS,
+                                                                   SEED)]), SEQ, PAD)
+            for i in range(first, first + count)]
+
+
+def test_sft_samples_are_the_reference(sft_data):
+    """The samples the trainer reads (build_sft_samples with the trainer's arguments) for
+    the first two steps and one of the second epoch: tokens, labels, loss mask and token
+    mask equal the reference's."""
     from megatron_jreg.data.sft_samples import build_sft_samples
 
-    train_samples, _, _ = build_sft_samples([prefix], "90,10,0", SEQ, 1234, 10 * global_batch,
-                                            0, pad_id=258)
+    train_samples, _, _ = build_sft_samples([sft_data], "90,10,0", SEQ, SEED,
+                                            TRAIN_CONVERSATIONS + 16, 0, PAD)
+    for first in (0, 8, TRAIN_CONVERSATIONS + 3):
+        for i, ref in enumerate(reference_samples(sft_data, first, 8), start=first):
+            got = train_samples[i]
+            for key, want in ref.items():
+                assert got[key].tolist() == want.tolist(), (i, key)
+            assert got["position_ids"].tolist() == list(range(SEQ))
+    # the samples hold cut conversations (longer than SEQ + 1 tokens), short ones and
+    # targets outside the loss mask
+    refs = reference_samples(sft_data, 0, 16)
+    assert any(r["token_mask"].all() for r in refs) and not all(r["token_mask"].all() for r in refs)
+    assert all(0 < r["loss_mask"].sum() < r["token_mask"].sum() for r in refs)
+
+
+def reference_step(hf_dir, prefix, iteration, micro_batch=4, global_batch=8):
+    """Loss and Psi of training step ``iteration`` recomputed on an HF model in PyTorch, on
+    the reference samples."""
+    from transformers import AutoModelForCausalLM
+
     first = (iteration - 1) * global_batch
+    samples = reference_samples(prefix, first, global_batch)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     captured = []
     hooks = [model.model.embed_tokens.register_forward_hook(lambda m, i, o: captured.append(o))]
@@ -74,9 +113,9 @@ def reference_step(hf_dir, prefix, iteration, micro_batch=4, global_batch=8):
         lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
         for layer in model.model.layers]
     loss_sum, loss_count, micro_means, psis = 0.0, 0.0, [], []
-    for start in range(first, first + global_batch, micro_batch):
-        samples = [train_samples[i] for i in range(start, start + micro_batch)]
-        batch = {k: torch.as_tensor(np.stack([s[k] for s in samples])) for k in samples[0]}
+    for start in range(0, global_batch, micro_batch):
+        micro = samples[start:start + micro_batch]
+        batch = {k: torch.as_tensor(np.stack([s[k] for s in micro])) for k in micro[0]}
         captured.clear()
         with torch.no_grad():
             logits = model(batch["tokens"]).logits.float()
