@@ -1,0 +1,107 @@
+"""The Weights & Biases sink of a real run (--wandb-project, --wandb-exp-name) against the
+run's own JSONL metrics, and the checkpoint it saves under --ckpt-format torch_dist.
+
+wandb is an optional package (not installed here): a stand-in ``wandb`` module in the run's
+working directory (the first entry of ``sys.path`` under ``python -m``) records every call
+as a JSON line. It shadows an installed wandb, so the run never reaches the network."""
+
+import json
+import os
+
+import pytest
+import yaml
+from trainer_runs import base_args, run_env
+
+import forked_trainer
+
+FAKE_WANDB = '''"""Stand-in for wandb: each call appended as a JSON line to $FAKE_WANDB_CALLS."""
+import json
+import os
+
+
+def _record(**call):
+    with open(os.environ["FAKE_WANDB_CALLS"], "a") as f:
+        f.write(json.dumps(call) + "\\n")
+
+
+class Run:
+    def log(self, data, step=None, commit=None):
+        _record(call="log", data=data, step=step)
+
+    def finish(self, exit_code=None, quiet=None):
+        _record(call="finish")
+
+
+def init(**kwargs):
+    _record(call="init", kwargs=kwargs)
+    return Run()
+'''
+ITERS, LAYERS = 3, 4  # the tiny preset's layers
+
+
+@pytest.fixture(scope="module")
+def wandb_run(demo_data, tmp_path_factory):
+    """3 steps, logged every step, validated at step 2, saved at the end: (the recorded
+    wandb calls, the JSONL rows, the iteration directory of the checkpoint)."""
+    root = tmp_path_factory.mktemp("wandb_run")
+    (root / "wandb.py").write_text(FAKE_WANDB)
+    calls, metrics, ckpt = root / "calls.jsonl", root / "metrics.jsonl", root / "ckpt"
+    argv = base_args(demo_data, train_iters=ITERS, eval_interval=2, eval_iters=1,
+                     metrics_file=metrics, save=ckpt, ckpt_format="torch_dist",
+                     wandb_project="jreg-tests", wandb_exp_name="tiny-wandb")
+    proc = forked_trainer.run(argv, root, dict(run_env(), FAKE_WANDB_CALLS=str(calls)), 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = [[json.loads(line) for line in open(path)] for path in (calls, metrics)]
+    return read[0], read[1], ckpt / f"iter_{ITERS:07d}"
+
+
+def expected_train_log(row):
+    """Megatron-LM's W&B keys (its TensorBoard tags) for a JSONL train row."""
+    out = {"lm loss": row["lm_loss"], "jreg/penalty": row["jreg_penalty"], "jreg/R": row["R"],
+           "jreg/zeta_L": row["zeta_L"], "jreg/zeta_L-1": row["zeta_L-1"],
+           "jreg/zeta_L-2": row["zeta_L-2"], "learning-rate": row["lr"],
+           "grad-norm": row["grad_norm"], "throughput/tokens_per_s": row["tokens_per_s"],
+           "memory/GiB": row["memory_gib"]}
+    out.update({f"jreg/psi/layer_{layer:02d}": psi for layer, psi in enumerate(row["psi"], 1)})
+    return out
+
+
+def test_init_names_the_project_and_run_and_carries_the_run_config(wandb_run):
+    calls, _, saved = wandb_run
+    init = calls[0]
+    assert init["call"] == "init" and [c["call"] for c in calls].count("init") == 1
+    kwargs = init["kwargs"]
+    # no dir: wandb writes its files where it does by default (./wandb)
+    assert set(kwargs) == {"project", "name", "config"}
+    assert (kwargs["project"], kwargs["name"]) == ("jreg-tests", "tiny-wandb")
+    # the config is the run's, as its checkpoint records it
+    assert kwargs["config"] == yaml.safe_load((saved / "run_config.yaml").read_text())
+    assert kwargs["config"]["logging"]["wandb_exp_name"] == "tiny-wandb"
+
+
+def test_each_logged_step_is_the_jsonl_record_of_that_step(wandb_run):
+    """Every train and validation record of the metrics file, at its iteration as the W&B
+    step, with the same numbers under Megatron-LM's names, in the run's order; then the
+    run is finished once."""
+    calls, rows, _ = wandb_run
+    want = []
+    for row in rows:
+        if "lm_loss" in row:
+            want.append((row["iteration"], expected_train_log(row)))
+        else:
+            want.append((row["iteration"], {"validation/lm loss": row["validation_lm_loss"],
+                                            "validation/zeta_L": row["validation_zeta_L"]}))
+    assert [it for it, _ in want] == [1, 2, 2, 3]  # a validation record at step 2
+    assert len(want[0][1]) == 10 + LAYERS
+    logs = [(c["step"], c["data"]) for c in calls if c["call"] == "log"]
+    assert logs == want
+    assert [c["call"] for c in calls] == ["init"] + ["log"] * len(want) + ["finish"]
+
+
+def test_ckpt_format_torch_dist_is_what_is_on_disk(wandb_run):
+    """megatron-core's torch_dist format: metadata.json naming the backend, the sharded
+    tensors in .distcp files (PyTorch distributed checkpoint), beside the run's files."""
+    saved = wandb_run[2]
+    assert json.loads((saved / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert any(name.endswith(".distcp") for name in os.listdir(saved)), os.listdir(saved)
+    assert (saved / ".metadata").is_file()  # torch.distributed.checkpoint's own index
