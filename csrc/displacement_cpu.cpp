@@ -41,15 +41,31 @@ struct Simd {
 };
 using U16x8 [[gnu::vector_size(16)]] = uint16_t;  // bf16 bits, one per fp32 lane
 using U32x8 [[gnu::vector_size(32)]] = uint32_t;  // the fp32 bits
+using U16x4 [[gnu::vector_size(8)]] = uint16_t;   // bf16 bits, one per fp64 lane
+using U32x4 [[gnu::vector_size(16)]] = uint32_t;
+using F32x4 [[gnu::vector_size(16)]] = float;
 
 // kLanes elements of p as a vector of acc_t. GCC turns the loop into vector widening
-// (bf16: one zero-extend and a shift per vector).
+// (bf16: one zero-extend and a shift per vector); to fp64 (the forward's sums) fp32 and
+// bf16 widen in vector registers too: bf16 bits << 16 are the fp32 bits, fp32 to fp64 is
+// one conversion (both exact).
 template <typename scalar_t, typename acc_t>
 [[gnu::always_inline]] inline typename Simd<acc_t>::type load(const scalar_t* p) {
   using S = Simd<acc_t>;
   typename S::type v;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<acc_t, double> && std::is_same_v<scalar_t, float>) {
+    F32x4 f;
+    std::memcpy(&f, p, sizeof(f));
+    v = __builtin_convertvector(f, typename S::type);
+  } else if constexpr (std::is_same_v<acc_t, double> && std::is_same_v<scalar_t, c10::BFloat16>) {
+    U16x4 bits;
+    std::memcpy(&bits, p, sizeof(bits));
+    const U32x4 wide = __builtin_convertvector(bits, U32x4) << 16;
+    F32x4 f;
+    std::memcpy(&f, &wide, sizeof(f));
+    v = __builtin_convertvector(f, typename S::type);
   } else {
     acc_t tmp[S::kLanes];
     for (int64_t j = 0; j < S::kLanes; ++j) tmp[j] = static_cast<acc_t>(p[j]);

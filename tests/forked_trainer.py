@@ -64,10 +64,11 @@ class _Server:
         line, self.pending = self.pending.split(b"\n", 1)
         return line.decode()
 
-    def run(self, argv, cwd, env, timeout):
+    def run(self, argv, cwd, env, timeout, script=None):
         with tempfile.TemporaryDirectory(prefix="forked-trainer-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": out, "stderr": err,
+                       "script": script}
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
             pid = json.loads(self._reply())["pid"]
@@ -80,7 +81,7 @@ class _Server:
             with open(out, encoding="utf-8", errors="replace") as f_out, \
                     open(err, encoding="utf-8", errors="replace") as f_err:
                 stdout, stderr = f_out.read(), f_err.read()
-        args = [sys.executable, "-m", "megatron_jreg.train", *argv]
+        args = [sys.executable, *([script] if script else ["-m", "megatron_jreg.train"]), *argv]
         if timed_out:
             raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
         return subprocess.CompletedProcess(args, code, stdout, stderr)
@@ -100,12 +101,14 @@ def _close_all():
 atexit.register(_close_all)
 
 
-def run(argv, cwd, env, timeout):
-    """``python -m megatron_jreg.train *argv`` in ``cwd`` with ``env``, stdout and stderr
+def run(argv, cwd, env, timeout, script=None):
+    """``python -m megatron_jreg.train *argv`` (``python SCRIPT *argv`` for a ``script``, a
+    path relative to ``cwd``: one of tools/) in ``cwd`` with ``env``, stdout and stderr
     captured as text: a ``subprocess.CompletedProcess``."""
     argv = [str(a) for a in argv]
     if not enabled():
-        return subprocess.run([sys.executable, "-m", "megatron_jreg.train", *argv], cwd=cwd,
+        head = [script] if script else ["-m", "megatron_jreg.train"]
+        return subprocess.run([sys.executable, *head, *argv], cwd=cwd,
                               env=env, capture_output=True, text=True, timeout=timeout)
     key = tuple(env.get(name) for name in IMPORT_ENV)
     with _lock:
@@ -114,13 +117,19 @@ def run(argv, cwd, env, timeout):
     if server is None or server.proc.poll() is not None:
         server = _Server(env)
     try:
-        result = server.run(argv, cwd, env, timeout)
+        result = server.run(argv, cwd, env, timeout, script)
     except BaseException:
         server.proc.kill()
         raise
     with _lock:
         _idle[key].append(server)
     return result
+
+
+def run_tool(script, argv, env, cwd=REPO, timeout=600):
+    """``python SCRIPT *argv`` (``script``: a path such as ``tools/eval_jump.py``, relative
+    to ``cwd``, or absolute), forked as :func:`run` forks the trainer."""
+    return run(argv, cwd, env, timeout, script=str(script))
 
 
 # ---------------------------------------------------------------------------- the server
@@ -137,7 +146,8 @@ def _exit_code(code):
 
 
 def _child(request):
-    """In the forked process: become ``python -m megatron_jreg.train``, run, exit."""
+    """In the forked process: become ``python -m megatron_jreg.train`` (or ``python
+    SCRIPT``), run, exit."""
     import runpy
     import traceback
 
@@ -152,10 +162,15 @@ def _child(request):
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["-m", *request["argv"]]
-        sys.path[0] = os.getcwd()  # as python -m sets it
+        script = request.get("script")
+        sys.argv = [script or "-m", *request["argv"]]
+        # as python -m (the working directory) and python SCRIPT (its directory) set it
+        sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
         try:
-            runpy.run_module("megatron_jreg.train", run_name="__main__", alter_sys=True)
+            if script:
+                runpy.run_path(script, run_name="__main__")
+            else:
+                runpy.run_module("megatron_jreg.train", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exit_:
             code = _exit_code(exit_.code)
