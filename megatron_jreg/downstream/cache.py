@@ -6,8 +6,8 @@ checksum manifest of that iteration and the content of the tokenizer files its r
 names, which may live outside it, or of the --tokenizer-model given in their place; a Hugging Face directory or a cached hub id's snapshot:
 its path, the content of every file that is not a weight file (config.json, the tokenizer's
 files, the chat template) and the size and mtime of each weight file; a GGUF file, tokenizer
-included: its path, size and mtime), the task and a digest of its resolved config (an
-edited local YAML is a new task), the limit, the few-shot count, the dtype and the versions
+included: its path, size and mtime), the task and a digest of its resolved config and of the local
+files it names (an edited local YAML or data file is a new task), the limit, the few-shot count, the dtype and the versions
 of lm-eval and transformers. The device, the device map and the batch size are not part of
 it: they change the numbers only by rounding.
 

@@ -61,8 +61,9 @@ def task_manager(include_path: Optional[List[str]] = None):
 def check_tasks(manager, names: List[str]) -> Dict[str, str]:
     """Load each task (its dataset included) before any model; {name: config digest}.
 
-    The digest (of the task's resolved config: dataset, prompts, metrics) keys the cache,
-    so an edited local task is evaluated again.
+    The digest (of the task's resolved config: dataset, prompts, metrics, and the content
+    of every local file the config names, e.g. its ``data_files``) keys the cache, so an
+    edited local task or data file is evaluated again.
     """
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known]
@@ -99,7 +100,30 @@ def _digest(tasks) -> str:
 
     items = sorted((str(k), config(v)) for k, v in dict(tasks).items())
     text = json.dumps(items, sort_keys=True, default=_stable)
-    return hashlib.sha256(text.encode()).hexdigest()
+    files = {path: _file_key(path) for path in sorted(_local_files(items))}
+    return hashlib.sha256((text + json.dumps(files, sort_keys=True)).encode()).hexdigest()
+
+
+def _local_files(value) -> set:
+    """The existing local files a task config names (its data files, a local dataset path)."""
+    import os
+
+    if isinstance(value, str):
+        return {os.path.realpath(value)} if os.path.isabs(value) and os.path.isfile(value) else set()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_local_files(v) for v in value)) if value else set()
+    return set()
+
+
+def _file_key(path: str):
+    from megatron_jreg.downstream.cache import HASHED_BYTES
+    from megatron_jreg.data.tokenizers import file_sha256
+    import os
+
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns] if st.st_size > HASHED_BYTES else file_sha256(path)
 
 
 def _stable(value) -> str:
