@@ -10,18 +10,18 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jreg.cli import tool_values  # noqa: E402
-from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_sentencepiece  # noqa: E402
+from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_tokenizer  # noqa: E402
 
 
 def main(argv=None) -> int:
     values = tool_values({None: TrainTokenizerConfig}, argv, description=__doc__.splitlines()[0])
     try:
         config = TrainTokenizerConfig(**values[None])
-        path = train_sentencepiece(config)
+        trained = train_tokenizer(config)
     except (ValueError, FileNotFoundError) as e:  # megatron_jreg.errors.InputError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path} (vocab {config.vocab_size})")
+    print(trained.summary(config))
     return 0
 
 

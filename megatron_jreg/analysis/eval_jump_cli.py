@@ -189,7 +189,13 @@ def _measure(entry: SourceEntry, args: argparse.Namespace) -> JumpReport:
         args.max_tokens,
         source.vocab_size,
     )
-    extra = {"source": entry.describe, "seq_length": args.seq_length}
+    extra = {"source": entry.describe, "seq_length": args.seq_length, "dtype": args.dtype}
+    # where the weights ran: the --device given, or accelerate's --device-map in its place
+    device_map = getattr(args, "device_map", None)
+    if device_map:
+        extra["device_map"] = device_map
+    else:
+        extra["device"] = args.device
     if entry.iteration is not None:
         extra["iteration"] = entry.iteration
     extra.update(entry.extra)

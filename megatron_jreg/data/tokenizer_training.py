@@ -5,9 +5,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from megatron_jreg.atomic_write import (
     check_output_path,
@@ -20,9 +21,12 @@ from megatron_jreg.data.text_sources import resolve_inputs
 from megatron_jreg.errors import InputError
 
 
-# sentencepiece refuses an input_sentence_size of 1 to 100 with an internal check message; 0
-# (its "every line") is no number of sentences to sample either.
+# The smallest --max-sentences: the bound of sentencepiece's own sampling (its
+# input_sentence_size refuses 1 to 100), kept for the sample drawn here.
 _MIN_SENTENCES = 101
+# sentencepiece skips a line longer than this many bytes; such lines are left out before
+# sampling, so that every sampled line is trained on.
+_MAX_LINE_BYTES = 16384
 
 
 @dataclass(kw_only=True)
@@ -40,12 +44,14 @@ class TrainTokenizerConfig:
     input_format: str = field(default="jsonl", metadata={"choices": ("jsonl", "text")})
     """``jsonl`` or ``text`` (one document per line)."""
     max_sentences: int = field(default=2_000_000, metadata={"min": _MIN_SENTENCES})
-    """Lines sampled for training; bounds memory on big corpora. sentencepiece samples no
-    fewer than 101 (its ``input_sentence_size`` takes 0 for "every line" or more than 100)."""
+    """The most lines trained on, which bounds memory on big corpora: an input with more
+    lines is sampled uniformly (reservoir sampling seeded by ``--seed``), the lines kept in
+    input order. At least 101."""
     model_type: str = field(default="bpe", metadata={"choices": ("bpe", "unigram")})
     """``bpe`` (Llama-2) or ``unigram``."""
     seed: int = 1234
-    """Sampling seed, for reproducible models."""
+    """Seed of the sample of ``--max-sentences`` lines: the same input, seed and flags train
+    the same model. Unused when the input has no more lines than that."""
     overwrite: bool = False
     """Replace an existing ``<model_prefix>.model``/``.vocab`` (checkpoints trained with the
     old tokenizer would be read with the new one)."""
@@ -82,13 +88,79 @@ def _training_lines(config: TrainTokenizerConfig) -> Iterator[str]:
                             yield piece
 
 
+@dataclass(kw_only=True)
+class LineSample:
+    """The lines a tokenizer is trained on, and how they were drawn from the input."""
+
+    lines: list[str]
+    """The sampled lines, in input order."""
+    total: int
+    """Lines of the input that could be sampled (non-empty, not too long)."""
+    too_long: int = 0
+    """Lines left out for being longer than sentencepiece's limit (16384 bytes)."""
+
+    @property
+    def sampled(self) -> bool:
+        """True when some usable lines were left out of the sample."""
+        return len(self.lines) < self.total
+
+
+def sample_lines(lines: Iterable[str], size: int, seed: int) -> LineSample:
+    """``size`` lines drawn uniformly without replacement (Algorithm R, ``random.Random(seed)``),
+    returned in input order; every line when there are no more than ``size``. Holds at most
+    ``size`` lines at a time."""
+    if size < 1:
+        raise ValueError(f"sample_lines: size must be >= 1, got {size}")
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str]] = []
+    total = too_long = 0
+    for line in lines:
+        if len(line.encode("utf-8")) > _MAX_LINE_BYTES:
+            too_long += 1
+            continue
+        if total < size:
+            reservoir.append((total, line))
+        else:
+            slot = rng.randrange(total + 1)  # keep the line with probability size / (total + 1)
+            if slot < size:
+                reservoir[slot] = (total, line)
+        total += 1
+    reservoir.sort(key=lambda item: item[0])
+    return LineSample(lines=[line for _, line in reservoir], total=total, too_long=too_long)
+
+
+@dataclass(kw_only=True)
+class TrainedTokenizer:
+    """What :func:`train_tokenizer` wrote and the lines it trained on."""
+
+    model_path: str
+    sample: LineSample
+
+    def summary(self, config: TrainTokenizerConfig) -> str:
+        """One line: the file, the vocabulary and the lines trained on."""
+        sample = self.sample
+        if sample.sampled:
+            lines = (f"{len(sample.lines)} of {sample.total} lines, sampled with --seed "
+                     f"{config.seed}")
+        else:
+            lines = f"all {sample.total} lines"
+        if sample.too_long:
+            lines += f"; {sample.too_long} lines over {_MAX_LINE_BYTES} bytes left out"
+        return f"wrote {self.model_path} (vocab {config.vocab_size}; trained on {lines})"
+
+
 def _output_paths(config: TrainTokenizerConfig) -> list[str]:
     return [config.model_prefix + ".model", config.model_prefix + ".vocab"]
 
 
 def train_sentencepiece(config: TrainTokenizerConfig) -> str:
-    """Train and write the model, holding the lock of ``--model-prefix`` (one writer);
-    returns the ``.model`` path. An existing model is kept unless ``overwrite``."""
+    """Train and write the model (see :func:`train_tokenizer`); returns the ``.model`` path."""
+    return train_tokenizer(config).model_path
+
+
+def train_tokenizer(config: TrainTokenizerConfig) -> TrainedTokenizer:
+    """Train and write the model, holding the lock of ``--model-prefix`` (one writer). An
+    existing model is kept unless ``overwrite``."""
     with output_lock(config.model_prefix, "--model-prefix"):
         if not config.overwrite:
             for path in _output_paths(config):
@@ -98,14 +170,25 @@ def train_sentencepiece(config: TrainTokenizerConfig) -> str:
         return _train_and_write(config)
 
 
-def _train_and_write(config: TrainTokenizerConfig) -> str:
+def _too_few_pieces(config: TrainTokenizerConfig, sample: LineSample, most: str) -> InputError:
+    if sample.sampled:
+        lines = (f"the {len(sample.lines)} lines sampled (--max-sentences "
+                 f"{config.max_sentences}) from {sample.total}")
+        more = "a larger --max-sentences or more text"
+    else:
+        lines = f"all {sample.total} lines of the input (--max-sentences {config.max_sentences})"
+        more = "more text"
+    return InputError(f"--vocab-size {config.vocab_size}: {lines} yield only {most} pieces; "
+                      f"use --vocab-size {most} or less, or {more}")
+
+
+def _train_and_write(config: TrainTokenizerConfig) -> TrainedTokenizer:
     import sentencepiece
 
-    # Seeds sentence sampling and shuffling, so retraining gives the same model.
-    sentencepiece.set_random_generator_seed(config.seed)
+    sample = sample_lines(_training_lines(config), config.max_sentences, config.seed)
     model = io.BytesIO()
     try:
-        _train(sentencepiece, config, model)
+        _train(sentencepiece, config, sample.lines, model)
     except RuntimeError as err:  # sentencepiece reports bad settings as RuntimeError
         reason = str(err).strip().splitlines()[0]
         need = re.search(r"required_chars\. \d+ vs (\d+)", reason)
@@ -116,10 +199,7 @@ def _train_and_write(config: TrainTokenizerConfig) -> str:
         most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)",
                          reason)
         if most:  # the sample (or the whole text) yields fewer pieces than asked
-            raise InputError(f"--vocab-size {config.vocab_size}: the lines sampled (at most "
-                             f"--max-sentences {config.max_sentences}) yield only {most.group(1)} "
-                             f"pieces; use --vocab-size {most.group(1)} or less, or a larger "
-                             "--max-sentences or more text") from None
+            raise _too_few_pieces(config, sample, most.group(1)) from None
         raise InputError(f"sentencepiece cannot train on this input: {reason}") from None
     # Written under a temp name so an interrupted run never leaves a truncated model.
     model_path, vocab_path = _output_paths(config)
@@ -130,12 +210,14 @@ def _train_and_write(config: TrainTokenizerConfig) -> str:
 
     write_atomic(model_path, write_model)
     _write_vocab(model_path, vocab_path)
-    return model_path
+    return TrainedTokenizer(model_path=model_path, sample=sample)
 
 
-def _train(sentencepiece, config: TrainTokenizerConfig, model) -> None:
+def _train(sentencepiece, config: TrainTokenizerConfig, lines: list[str], model) -> None:
+    """Train on exactly ``lines``: sentencepiece neither samples nor shuffles them (its own
+    sampling draws from a random source no seed reaches)."""
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=_training_lines(config),
+        sentence_iterator=iter(lines),
         model_writer=model,
         vocab_size=config.vocab_size,
         model_type=config.model_type,
@@ -150,9 +232,9 @@ def _train(sentencepiece, config: TrainTokenizerConfig, model) -> None:
         bos_id=1,
         eos_id=2,
         pad_id=-1,
-        input_sentence_size=config.max_sentences,
-        shuffle_input_sentence=True,
-        max_sentence_length=16384,
+        input_sentence_size=0,  # every line given
+        shuffle_input_sentence=False,
+        max_sentence_length=_MAX_LINE_BYTES,
         minloglevel=2,
     )
 

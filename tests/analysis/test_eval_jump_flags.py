@@ -1,9 +1,10 @@
 """eval_jump's --dtype, --device, --iterations and --title, each shown by what it changes.
 
---dtype against HF's own hidden states of the model loaded in that dtype; --device by its
-refusal of a device this machine lacks; --iterations by the checkpoints a trajectory
-measures (the latest one against the trainer's own Psi_l); --title by the text of the
-written figure (an SVG keeps each text as a comment).
+--dtype against HF's own hidden states of the model loaded in that dtype, and both flags
+(or --device-map) as each report records them; --device by its refusal of a device this
+machine lacks; --iterations by the checkpoints a trajectory measures (the latest one
+against the trainer's own Psi_l); --title by the text of the written figure (an SVG keeps
+each text as a comment).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def test_dtype_measures_the_model_in_that_dtype(
     low, tokens = hf_displacement(tiny_hf_model, eval_documents, torch_dtype)
     fp32, _ = fp32_reference
     assert report["tokens"] == tokens
+    assert (report["dtype"], report["device"]) == (dtype, "cpu")  # the report says how it ran
     got = report["displacement"]
     # the hidden states of the low-precision model; only the cosine's own rounding differs
     assert got == pytest.approx(low, rel=1e-6)
@@ -82,6 +84,41 @@ def test_float32_and_device_cpu_are_the_fp32_model(
     psi, tokens = fp32_reference
     assert report["tokens"] == tokens
     assert report["displacement"] == pytest.approx(psi, rel=1e-6, abs=1e-9)
+    assert (report["dtype"], report["device"]) == ("float32", "cpu")
+
+
+def test_device_map_is_recorded_in_place_of_device(tiny_hf_model, eval_text, fp32_reference,
+                                                   tmp_path):
+    """--device-map auto replaces --device: the report names the map, and no device."""
+    pytest.importorskip("accelerate")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the layers would not all run on the CPU")
+    report = run_report(tmp_path, "--hf-model", tiny_hf_model, "--text-file", eval_text,
+                        "--include-final-norm", "--device-map", "auto", "--dtype", "bfloat16")
+    assert (report["dtype"], report["device_map"]) == ("bfloat16", "auto")
+    assert "device" not in report
+    # bfloat16 weights indeed: not the fp32 model's Psi_l, but within rounding of it
+    psi, _ = fp32_reference
+    assert report["displacement"] != pytest.approx(psi, rel=1e-4)
+    assert report["displacement"] == pytest.approx(psi, rel=0.05)
+
+
+def test_reports_keep_dtype_and_device_and_older_reports_load(tmp_path):
+    """--reports reads a report with dtype/device and one written without them (an older
+    eval_jump); --json writes each back with the keys it had."""
+    values = dict(num_layers=3, tokens=10, displacement=[0.1, 0.2, 0.5], include_final_norm=False)
+    new = JumpReport(model="new", extra={"dtype": "bfloat16", "device": "cuda"}, **values)
+    old = JumpReport(model="old", **values)
+    files = []
+    for report in (new, old):
+        files.append(tmp_path / f"{report.model}.json")
+        files[-1].write_text(report.to_json())
+    out = tmp_path / "both.json"
+    assert main(["--reports", *map(str, files), "--json", str(out)]) == 0
+    both = json.loads(out.read_text())
+    assert both == [json.loads(f.read_text()) for f in files]
+    assert (both[0]["dtype"], both[0]["device"]) == ("bfloat16", "cuda")
+    assert "dtype" not in both[1] and "device" not in both[1]
 
 
 @pytest.mark.parametrize("device,message", [
@@ -145,6 +182,7 @@ def test_iterations_measure_exactly_those_checkpoints(
     assert [r["iteration"] for r in reports] == [ITERS, 1]
     assert [r["model"] for r in reports] == [f"tp1@{ITERS}", "tp1@1"]
     assert all(r["tokens"] == 8 * SEQ for r in reports)
+    assert all((r["dtype"], r["device"]) == ("float32", "cpu") for r in reports)  # the defaults
     # the last checkpoint measures as the trainer's own JREG code does on it
     psi = checkpoint_reference[trained_checkpoints["tp1"]]["psi"]
     assert reports[0]["displacement"] == pytest.approx(psi, abs=1e-6)

@@ -9,6 +9,8 @@ import json
 import os
 import random
 import runpy
+import subprocess
+import sys
 
 import pytest
 
@@ -119,6 +121,74 @@ def test_max_sentences_bounds_the_lines_trained_on(marked_lines, tmp_path):
     everything, _ = train(tmp_path, "all", [path], *common, vocab_size=560)
     assert sum(is_piece(sampled, m) for m in marks) == 101
     assert sum(is_piece(everything, m) for m in marks) == len(marks)
+
+
+def marks_learned(sp, marks):
+    return {m for m in marks if is_piece(sp, m)}
+
+
+def test_seed_fixes_the_sample_across_processes(marked_lines, tmp_path):
+    """250 lines, --max-sentences 101: the same --seed writes the same model file in two
+    fresh processes; another seed trains on another 101 lines (the marks that are pieces)."""
+    import sentencepiece
+
+    path, marks = marked_lines
+    flags = ["--input", path, "--input-format", "text", "--vocab-size", "560",
+             "--max-sentences", "101"]
+    written = []
+    for name in ("first", "second"):
+        prefix = str(tmp_path / name)
+        proc = subprocess.run([sys.executable, os.path.join(TOOLS, "train_tokenizer.py"), *flags,
+                               "--model-prefix", prefix, "--seed", "7"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout == (f"wrote {prefix}.model (vocab 560; trained on 101 of 250 lines, "
+                               "sampled with --seed 7)\n")
+        with open(prefix + ".model", "rb") as f:
+            written.append(f.read())
+    assert written[0] == written[1]
+    seven = marks_learned(sentencepiece.SentencePieceProcessor(model_proto=written[0]), marks)
+    eight, _ = train(tmp_path, "eight", [path], "--input-format", "text", "--max-sentences", 101,
+                     "--seed", 8, vocab_size=560)
+    eight = marks_learned(eight, marks)
+    assert len(seven) == len(eight) == 101 and seven != eight
+
+
+def test_every_line_is_used_whatever_the_seed(marked_lines, tmp_path):
+    """No more lines than --max-sentences: nothing to sample, the seed changes nothing."""
+    path, marks = marked_lines
+    models = []
+    for seed in (1, 2):
+        sp, proto = train(tmp_path, f"seed{seed}", [path], "--input-format", "text",
+                          "--max-sentences", 250, "--seed", seed, vocab_size=560)
+        assert marks_learned(sp, marks) == set(marks)
+        models.append(proto.SerializeToString())
+    assert models[0] == models[1]
+
+
+def test_sample_is_uniform_and_in_input_order():
+    """sample_lines draws each of n lines with probability k/n: over 4000 seeds every line's
+    count is within 5 binomial standard deviations of 4000 k/n; each sample keeps the
+    input order, and 3 lines of a size-5 sample are all 3. A line over sentencepiece's
+    16384 bytes (which it would skip) is left out and counted."""
+    from megatron_jreg.data.tokenizer_training import sample_lines
+
+    n, k, seeds = 12, 4, 4000
+    lines = [f"line {i:02d}" for i in range(n)]
+    counts = dict.fromkeys(lines, 0)
+    for seed in range(seeds):
+        sample = sample_lines(iter(lines), k, seed)
+        assert sample.total == n and len(sample.lines) == k and sample.sampled
+        assert sample.lines == sorted(sample.lines)
+        for line in sample.lines:
+            counts[line] += 1
+    mean, sd = seeds * k / n, (seeds * k / n * (1 - k / n)) ** 0.5
+    assert all(abs(c - mean) < 5 * sd for c in counts.values()), counts
+    small = sample_lines(iter(lines[:3]), 5, 0)
+    assert small.lines == lines[:3] and small.total == 3 and not small.sampled
+    longest, over = "\u00e9" * 8192, "\u00e9" * 8192 + "a"  # 16384 and 16385 UTF-8 bytes
+    edge = sample_lines(iter(["a", longest, over, "b"]), 5, 0)
+    assert (edge.lines, edge.total, edge.too_long) == (["a", longest, "b"], 3, 1)
 
 
 def test_input_format_text_reads_the_raw_lines(two_fields, tmp_path):
