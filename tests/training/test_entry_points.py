@@ -163,6 +163,19 @@ def test_install_commands_are_found_and_well_formed():
                 f'{where}: lm_eval --model hf needs pip install "lm_eval[hf]==0.4.13"'
 
 
+def _copy_installed_kernel(checkout):
+    """This checkout's kernel-cache entry of the kernel installed now, into the copy."""
+    import megatron_jreg._C as kernel
+
+    cache = os.path.join(REPO, "build", "kernel-cache")
+    installed = open(kernel.__file__, "rb").read()
+    for entry in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
+        built = os.path.join(cache, entry, os.path.basename(kernel.__file__))
+        if os.path.isfile(built) and open(built, "rb").read() == installed:
+            shutil.copytree(os.path.join(cache, entry), checkout / "build" / "kernel-cache" / entry)
+            return
+
+
 @pytest.mark.install
 def test_every_documented_install_command_runs(tmp_path):
     """Each ``pip install`` of the docs, run as written from the root of a copy of this
@@ -170,7 +183,9 @@ def test_every_documented_install_command_runs(tmp_path):
     PATH. The copy and the environment keep the installs away from the checkout and the
     environment the other tests are running in (an editable install rebuilds the extension
     in place). Only the pip commands of a line run: README's set-up lines go on to run the
-    demo and the whole test suite, which would start this test again."""
+    demo and the whole test suite, which would start this test again. The copy takes this
+    checkout's build/kernel-cache (a user's checkout that was installed once has it): the
+    kernel compiled by the install that set up this suite is copied, not compiled again."""
     commands, seen = [], set()
     for path, cmd in doc_install_commands():
         if cmd not in seen:  # the same command twice installs nothing new
@@ -184,6 +199,7 @@ def test_every_documented_install_command_runs(tmp_path):
         if os.path.isfile(os.path.join(REPO, name)):  # a deleted, not yet committed file is listed
             os.makedirs(checkout / os.path.dirname(name), exist_ok=True)
             shutil.copy2(os.path.join(REPO, name), checkout / name)
+    _copy_installed_kernel(checkout)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     bindir = str(venv / "bin")

@@ -1,16 +1,21 @@
-"""examples/demo.sh and examples/sft_tiny.sh run as written, at small step counts.
+"""examples/demo.sh, examples/sft_tiny.sh and examples/jreg_across_families.sh run as written.
 
-sft_tiny.sh runs demo.sh first on a fresh OUT (corpus, tokenizer, data, baseline and JREG
-pretraining, eval_jump), then fine-tunes both checkpoints and measures them again; a
-second run of the same command resumes everything and trains nothing.
+demo.sh runs once as the README gives it (its own 300 steps per run, into a fresh OUT):
+pytest's slowest-tests list shows its time. sft_tiny.sh runs demo.sh first on an OUT that
+holds only the demo's data (baseline and JREG pretraining at a small step count, eval_jump),
+then fine-tunes both checkpoints and measures them again; a second run of the same command
+resumes everything and trains nothing.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
-from trainer_runs import REPO, run_env
+import pytest
+
+from trainer_runs import REPO, read_metrics, run_env
 
 ITERS = 21  # steps of each across-families run (the script warms up for 20)
 EVAL_TOKENS = 8192  # tokens eval_jump reads per model there
@@ -22,14 +27,48 @@ def prepared_files(data_dir):
             if os.path.isfile(os.path.join(data_dir, f))}
 
 
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """`bash examples/demo.sh` with its defaults into a fresh OUT: (OUT, the process)."""
+    out = tmp_path_factory.mktemp("readme_demo") / "demo"
+    proc = subprocess.run(["bash", "examples/demo.sh"], cwd=REPO, env=dict(run_env(), OUT=str(out)),
+                          capture_output=True, text=True, timeout=1500)
+    return out, proc
+
+
+def test_demo_as_the_readme_gives_it(demo_run):
+    """The README's first command after its install: 300 steps of the tiny preset without
+    and with JREG on the same seed and data. Both learn; the baseline develops a small
+    final-layer jump (Psi_4 > Psi_3) that JREG lowers, in training and on held-out text."""
+    out, proc = demo_run
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("done in ")
+    runs = {lam: read_metrics(out / f"tiny_lambda{lam}" / "metrics.jsonl") for lam in ("0", "1.0")}
+    for lam, rows in runs.items():
+        assert rows[-1]["iteration"] == 300, lam
+        assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 1.0, f"lambda {lam}: loss did not fall"
+        runs[lam] = rows[-1]
+    base, jreg = runs["0"], runs["1.0"]
+    assert base["jreg_penalty"] == 0.0 and jreg["jreg_penalty"] > 0.0
+    assert base["zeta_L"] > 0.0, "the baseline shows no final-layer jump to suppress"
+    assert jreg["zeta_L"] < base["zeta_L"], (jreg["zeta_L"], base["zeta_L"])
+    assert jreg["psi"][-1] < 0.7 * base["psi"][-1], (jreg["psi"], base["psi"])
+    report = {r["model"]: r for r in json.loads((out / "jump.json").read_text())}
+    assert set(report) == {"baseline", "jreg"}
+    assert report["jreg"]["jump_rate"]["L"] < report["baseline"]["jump_rate"]["L"]
+    assert (out / "jump.csv").stat().st_size > 0 and (out / "jump.png").stat().st_size > 0
+
+
 def run_script(out, **env):
     full = dict(run_env(), OUT=str(out), TRAIN_ITERS="30", SFT_ITERS="8", **env)
     return subprocess.run(["bash", "examples/sft_tiny.sh"], cwd=REPO, env=full,
                           capture_output=True, text=True, timeout=1500)
 
 
-def test_sft_tiny_runs_the_demo_then_sft_and_prints_the_jump_after_it(tmp_path):
+def test_sft_tiny_runs_the_demo_then_sft_and_prints_the_jump_after_it(demo_run, tmp_path):
     out = tmp_path / "demo"
+    shutil.copytree(demo_run[0] / "data", out / "data")  # the demo's data, no checkpoints
     proc = run_script(out)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]

@@ -1,33 +1,12 @@
-"""End-to-end trainer runs on the demo data: learning, JREG's effect, parallel equality."""
+"""End-to-end trainer runs on the demo data: parallel equality, resume, logging, bf16 and fp16.
+
+Learning and JREG's effect over the README demo's 300 steps: tests/training/test_example_scripts.py
+runs examples/demo.sh as written.
+"""
 
 import pytest
 
 from trainer_runs import base_args, read_metrics, train
-
-
-def test_loss_falls_and_jreg_lowers_the_jump(demo_sp_data, tmp_path):
-    """The README demo's recipe (examples/pretrain_tiny_jreg.sh): 300 steps of the tiny
-    preset without and with JREG, same seed and data; the baseline develops a small
-    final-layer jump (Psi_4 > Psi_3) that JREG lowers."""
-    data, tokenizer = demo_sp_data
-    runs = {}
-    for lam in (0.0, 1.0):
-        metrics = tmp_path / f"lam{lam}.jsonl"
-        train(base_args(data, tokenizer_type="SentencePieceTokenizer", tokenizer_model=tokenizer,
-                        train_iters=300, log_interval=50, seq_length=128, micro_batch_size=8,
-                        global_batch_size=16, lr_warmup_iters=20, min_lr=3e-4, split="98,2,0",
-                        jreg_lambda=lam, metrics_file=metrics))
-        runs[lam] = read_metrics(metrics)
-    for lam, rows in runs.items():
-        assert [r["iteration"] for r in rows] == [50, 100, 150, 200, 250, 300]
-        assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 1.0, f"lambda {lam}: loss did not fall"
-        assert len(rows[-1]["psi"]) == 4
-    base, jreg = runs[0.0][-1], runs[1.0][-1]
-    assert base["jreg_penalty"] == 0.0 and jreg["jreg_penalty"] > 0.0
-    assert base["zeta_L"] > 0.0, "the baseline shows no final-layer jump to suppress"
-    assert jreg["zeta_L"] < base["zeta_L"], (jreg["zeta_L"], base["zeta_L"])
-    assert jreg["psi"][-1] < 0.7 * base["psi"][-1], (jreg["psi"], base["psi"])
-    assert jreg["R"] < base["R"]
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +119,13 @@ def test_bf16_run_tracks_fp32_and_applies_the_penalty(demo_data, fp32_lambda_run
 
 
 def test_fp16_loss_scale_reaches_the_penalty(demo_data, fp32_lambda_runs, tmp_path):
-    """fp16 scales the loss by a dynamic loss scale (2^32 to start) and unscales gradients in
-    the optimizer; the penalty's injected gradient must carry the same scale, or after
-    unscaling JREG does nothing. A strong lambda makes the difference plain: the fp16 run
-    follows fp32 with the same lambda, not fp32 without JREG."""
+    """fp16 scales the loss by a dynamic loss scale (2^16 to start here: from the default
+    2^32, Megatron-LM's, every step of so short a run overflows and is skipped while the
+    scale halves) and unscales gradients in the optimizer; the penalty's injected gradient
+    must carry the same scale, or after unscaling JREG does nothing. A strong lambda makes
+    the difference plain: the fp16 run follows fp32 with the same lambda, not fp32 without
+    JREG."""
     metrics = tmp_path / "fp16.jsonl"
-    train(base_args(demo_data, train_iters=10, metrics_file=metrics, jreg_lambda=20.0, fp16=True))
+    train(base_args(demo_data, train_iters=10, metrics_file=metrics, jreg_lambda=20.0, fp16=True,
+                    initial_loss_scale=2**16))
     _follows_the_penalty(read_metrics(metrics), fp32_lambda_runs)
