@@ -44,7 +44,8 @@ class GPTDataConfig:
     reset_attention_mask: bool = False
     """Block attention across EOD."""
     eod_mask_loss: bool = False
-    """Do not train on predicting the EOD token."""
+    """No loss at the positions whose input token is EOD (where the next document's first
+    token is predicted from the end of the previous one); EOD as a target still counts."""
     num_dataset_builder_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -289,10 +290,11 @@ def token_masked_gpt_dataset_class():
 
     ``token_mask`` is False exactly at the positions whose input token is padding that
     GPTDataset appended (a sample that runs past the end of the data). GPTDataset maps
-    padding to token id 0 and marks it only through ``loss_mask``, which also drops EOD
-    targets under ``eod_mask_loss`` and the last real token (its target is padding); so
-    the padding is read from the sample before that mapping: the trailing run of the pad
-    id (padding is only ever appended). Real tokens, EOD included, are counted.
+    padding to token id 0 and marks it only through ``loss_mask``, which also drops the
+    last real token (its target is padding) and, under ``eod_mask_loss``, the positions
+    whose input token is EOD; so the padding is read from the sample before that mapping:
+    the trailing run of the pad id (padding is only ever appended). Real tokens, EOD
+    included, are counted.
     """
     global _TOKEN_MASKED_CLASS
     if _TOKEN_MASKED_CLASS is not None:

@@ -139,8 +139,11 @@ class ModelConfig:
     moe_aux_loss_coeff: float = field(default=0.0, metadata=_flag(
         "--moe-aux-loss-coeff", "load-balancing loss coefficient", min=0))
     moe_router_load_balancing_type: str = field(default="aux_loss", metadata=_flag(
-        "--moe-router-load-balancing-type", "aux_loss, seq_aux_loss, sinkhorn or none",
-        choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none")))
+        "--moe-router-load-balancing-type", "aux_loss, seq_aux_loss, sinkhorn (takes no "
+        "--moe-aux-loss-coeff) or none", choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none")))
+    moe_router_pre_softmax: bool = field(default=False, metadata=_flag(
+        "--moe-router-pre-softmax", "softmax over all experts before the top-k choice (default: "
+        "over the chosen k after it); needed at --moe-router-topk 1", const=True))
     moe_ffn_hidden_size: Optional[int] = field(default=None, metadata=_flag(
         "--moe-ffn-hidden-size", "each expert's MLP inner size; default --ffn-hidden-size", min=1))
     moe_token_dispatcher_type: str = field(default="allgather", metadata=_flag(

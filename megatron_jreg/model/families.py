@@ -1,7 +1,10 @@
 """Model families: which one a ModelConfig's architecture is (the Hugging Face class it
-exports to), and the mixture-of-experts flag checks. No imports: the model config uses it."""
+exports to), and the mixture-of-experts flag checks. Imports only the presets' data: the
+model config uses it."""
 
 from __future__ import annotations
+
+from megatron_jreg.model.presets import preset_flags
 
 
 def family_of(model) -> str:
@@ -11,8 +14,9 @@ def family_of(model) -> str:
     llama = (model.swiglu and model.normalization == "RMSNorm"
              and model.position_embedding_type == "rope" and not model.add_bias_linear)
     if llama and not model.add_qkv_bias:
-        if model.num_experts:
-            return "mixtral" if not model.qk_layernorm else "other"
+        if model.num_experts:  # Mixtral's router: softmax over the chosen experts
+            mixtral = not model.qk_layernorm and not model.moe_router_pre_softmax
+            return "mixtral" if mixtral else "other"
         return "qwen3" if model.qk_layernorm else "llama"
     gpt2 = (not model.swiglu and model.normalization == "LayerNorm"
             and model.position_embedding_type == "learned_absolute" and model.add_bias_linear
@@ -30,3 +34,15 @@ def check_experts(model) -> None:
                          f"--num-experts {model.num_experts}")
     if model.moe_aux_loss_coeff < 0:
         raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {model.moe_aux_loss_coeff}")
+    sinkhorn = model.moe_router_load_balancing_type == "sinkhorn"
+    # megatron-core's rules (TransformerConfig.__post_init__, TopKRouter.sinkhorn_load_balancing)
+    if model.moe_router_topk == 1 and not model.moe_router_pre_softmax and not sinkhorn:
+        raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over "
+                         "the one chosen expert has no gradient, as in Megatron-LM); add it")
+    if sinkhorn and model.moe_aux_loss_coeff > 0:
+        preset = model.model_preset
+        source = (f" (--model-preset {preset} sets it)" if preset
+                  and "--moe-aux-loss-coeff" in preset_flags(preset) else "")
+        raise ValueError(f"--moe-router-load-balancing-type sinkhorn takes no load-balancing "
+                         f"loss, but --moe-aux-loss-coeff is {model.moe_aux_loss_coeff}{source}; "
+                         "pass --moe-aux-loss-coeff 0")

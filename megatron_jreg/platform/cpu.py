@@ -3,7 +3,8 @@
 megatron-core assumes CUDA in about fifteen places. On a CPU run (tests, CI, the README's
 demo) :func:`activate` redirects each of them; on a GPU run it is never called. Every
 patch names the megatron file and the behaviour it answers to; ``tests/platform`` covers
-each one. The redirections are process-global and idempotent.
+each one (the alltoall token dispatcher's: ``tests/training/test_moe_dispatchers.py``).
+The redirections are process-global and idempotent.
 
 Only device redirection lives here. Workarounds for megatron-core bugs and for missing
 optional packages (Transformer Engine, Apex) apply on every device and live in
@@ -34,6 +35,42 @@ def _names_cuda(device) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
     return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _Stream:
+    """A CUDA stream on the CPU: CPU work runs in program order on one thread, so making a
+    stream, waiting for one and recording or waiting on its events are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return _Event()
+
+
+class _Event:
+    """A CUDA event on the CPU: complete when recorded."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _Stream()
 
 
 def _redirect_device(fn):
@@ -68,6 +105,11 @@ def _patch_torch_devices() -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
     # optimizer/distrib_optimizer.py moves checkpoint state with .cuda() (fully_reshardable).
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # transformer/moe/token_dispatcher.py (the alltoall dispatcher) makes a side stream for
+    # its device-to-host copies and synchronizes with it through an event.
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda *args, **kwargs: _CURRENT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     # optimizer/optimizer.py, optimizer/distrib_optimizer.py and optimizer/clip_grads.py
     # dispatch on param.type() == 'torch.cuda.FloatTensor' / 'torch.cuda.BFloat16Tensor'
@@ -125,6 +167,27 @@ def _patch_rng() -> None:
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
+def _patch_moe_dispatcher() -> None:
+    # transformer/moe/token_dispatcher.py (the alltoall dispatcher) copies its split sizes
+    # to the host as numpy arrays through moe_utils.maybe_move_tensor_to_cpu, which leaves a
+    # tensor already on the CPU a tensor; torch.distributed.all_to_all_single takes the
+    # numpy array and refuses the tensor: on the CPU the same arrays.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(move, "_megatron_jreg_cpu", False):
+        return
+
+    @functools.wraps(move)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._megatron_jreg_cpu = True
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def activate() -> None:
     """Apply every CPU redirection (idempotent). Call before building models/optimizers.
 
@@ -135,4 +198,5 @@ def activate() -> None:
         return
     _patch_torch_devices()
     _patch_rng()
+    _patch_moe_dispatcher()
     _ACTIVE = True

@@ -49,8 +49,9 @@ class OptimConfig:
         "--clip-grad", "global grad-norm clip (0 = off)", min=0))
     use_distributed_optimizer: bool = field(default=False, metadata=_flag(
         "--use-distributed-optimizer", "shard optimizer state over data-parallel ranks"))
-    initial_loss_scale: float = field(default=2.0**16, metadata=_flag(
-        "--initial-loss-scale", "fp16: initial dynamic loss scale", gt=0))
+    initial_loss_scale: float = field(default=2.0**32, metadata=_flag(
+        "--initial-loss-scale", "fp16: initial dynamic loss scale; default 2^32, as in "
+        "Megatron-LM (the first steps overflow and are skipped while the scale halves)", gt=0))
     override_opt_param_scheduler: bool = field(default=False, metadata=_flag(
         "--override-opt-param-scheduler",
         "on --load, use the schedule flags (--lr, --min-lr, warmup, decay) over the checkpoint's",
@@ -208,7 +209,9 @@ class DataConfig:
         "--dataloader-type", "single (in order) or cyclic (Megatron-LM's shuffled order, reshuffled "
         "each epoch)"))
     eod_mask_loss: bool = field(default=False, metadata=_flag(
-        "--eod-mask-loss", "no loss on predicting the end-of-document token", const=True))
+        "--eod-mask-loss", "no loss where the input token is the end of a document (the "
+        "prediction of the next document's first token); the end-of-document target still "
+        "counts", const=True))
     reset_position_ids: bool = field(default=False, metadata=_flag(
         "--reset-position-ids", "restart position ids after each end of document", const=True))
     reset_attention_mask: bool = field(default=False, metadata=_flag(
@@ -302,6 +305,9 @@ class LoggingConfig:
     wandb_project: Optional[str] = field(default=None, metadata=_flag(
         "--wandb-project", "also log to Weights & Biases (needs wandb installed)"))
     wandb_exp_name: Optional[str] = field(default=None, metadata=_flag("--wandb-exp-name", "W&B run name"))
+    wandb_save_dir: Optional[str] = field(default=None, metadata=_flag(
+        "--wandb-save-dir", "where W&B writes its local files; default --save's wandb/ directory "
+        "(as in Megatron-LM), without --save wandb's own (./wandb)"))
 
     def __post_init__(self):
         config_values.check_fields(self)

@@ -89,6 +89,16 @@ class ExperimentConfig:
         """The LM loss is the mean over the global batch's loss-masked tokens."""
         return self.training.calculate_per_token_loss or self.data.sft
 
+    def wandb_dir(self) -> Optional[str]:
+        """Where W&B writes its local files: --wandb-save-dir, else --save's ``wandb``
+        directory (Megatron-LM's default); None without either (wandb's own, ./wandb), and
+        without --wandb-project."""
+        if not self.logging.wandb_project:
+            return None
+        if self.logging.wandb_save_dir:
+            return self.logging.wandb_save_dir
+        return os.path.join(self.checkpoint.save, "wandb") if self.checkpoint.save else None
+
     def outputs(self) -> List[tuple]:
         """Every path the run writes: (flag, path, is a directory, written by every rank)."""
         out = []
@@ -98,6 +108,8 @@ class ExperimentConfig:
             out.append(("--metrics-file", self.logging.metrics_file, False, False))
         if self.logging.tensorboard_dir:
             out.append(("--tensorboard-dir", self.logging.tensorboard_dir, True, False))
+        if self.wandb_dir():
+            out.append(("--wandb-save-dir", self.wandb_dir(), True, False))
         if not self.data.sft:  # megatron-core's sample-index cache: every rank builds it
             cache = self.data.data_cache_path or os.path.join(
                 os.path.dirname(os.path.abspath(self.data_prefixes()[0])), "index-cache")

@@ -147,10 +147,11 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, project: str, name: Optional[str], config: dict):
+    def __init__(self, project: str, name: Optional[str], config: dict, save_dir: Optional[str]):
+        """``save_dir``: where wandb writes its local files (None: wandb's default)."""
         import wandb  # optional: --wandb-project is refused before any work without it
 
-        self.run = wandb.init(project=project, name=name, config=config)
+        self.run = wandb.init(project=project, name=name, config=config, dir=save_dir)
 
     def write(self, phase: str, iteration: int, values: Dict[str, object]) -> None:
         self.run.log(scalars(phase, values), step=iteration)
@@ -181,9 +182,11 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def build_metrics_logger(logging_cfg, train_iters: int, rank: int, run_config: dict) -> MetricsLogger:
+def build_metrics_logger(logging_cfg, train_iters: int, rank: int, run_config: dict,
+                         wandb_dir: Optional[str] = None) -> MetricsLogger:
     """Rank 0's sinks from the logging section; other ranks write nothing. Collective under
-    torch.distributed: every rank learns rank 0's run id (``MetricsLogger.run_id``)."""
+    torch.distributed: every rank learns rank 0's run id (``MetricsLogger.run_id``).
+    ``wandb_dir``: W&B's local directory (``ExperimentConfig.wandb_dir``)."""
     import torch.distributed as dist
 
     box = [new_run_id()]
@@ -198,7 +201,7 @@ def build_metrics_logger(logging_cfg, train_iters: int, rank: int, run_config: d
         sinks.append(TensorBoardSink(logging_cfg.tensorboard_dir))
     if logging_cfg.wandb_project:
         sinks.append(WandbSink(logging_cfg.wandb_project, logging_cfg.wandb_exp_name,
-                               json.loads(json.dumps(run_config, default=str))))
+                               json.loads(json.dumps(run_config, default=str)), wandb_dir))
     return MetricsLogger(sinks, run_id=box[0])
 
 

@@ -116,7 +116,7 @@ class Trainer:
                 self.iteration, self.consumed_samples, tokens = resumed  # tokens None: an older save
                 self.consumed_tokens = self.consumed_samples * cfg.model.seq_length if tokens is None else tokens
         self.metrics = build_metrics_logger(cfg.logging, self.train_cfg.train_iters, dist.get_rank(),
-                                            cfg.to_dict())
+                                            cfg.to_dict(), cfg.wandb_dir())
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler,
                                   extra=(getattr(signal, self.train_cfg.exit_signal),))
 

@@ -190,7 +190,7 @@ def test_unsupported_math_is_refused_by_name(argv, message, capsys):
      "--no-position-embedding with --position-embedding-type learned_absolute"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"],
      "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel"),
-    (["--num-experts", "3", "--moe-router-topk", "1", "--expert-model-parallel-size", "2"],
+    (["--num-experts", "3", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"],
      "--expert-model-parallel-size 2 must divide --num-experts 3"),
     (["--expert-model-parallel-size", "2"], "needs a mixture-of-experts model"),
 ])

@@ -2,18 +2,23 @@
 refused Megatron-LM flags, the WSD learning-rate schedule against megatron-core's
 definition written out here, how a resumed schedule is reconciled under each spelling of
 the scheduler flags, --ckpt-format, the timeout the process group is started with, the
-pre-work checks a --no-X negation turns back on, and the MoE token dispatcher's setting."""
+pre-work checks a --no-X negation turns back on, the mixture-of-experts router settings
+megatron-core refuses (refused here before any work), and the fp16 loss scale's default.
+(The MoE token dispatchers against each other: test_moe_dispatchers.py.)"""
 
+import copy
+import itertools
 import math
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 from set_up_trainer import NEGATIONS, RESTORED
 from trainer_runs import base_args
 
-from megatron_jreg import cli
+from megatron_jreg import cli, train
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, CheckpointError, load_scheduler
 from megatron_jreg.distributed import setup
 from megatron_jreg.model.builder import transformer_config
@@ -222,12 +227,99 @@ def test_negation_restores_the_pre_work_checks(in_file, flag, message, demo_data
         ExperimentConfig.from_argv(refused_argv).validate(world_size=1)
 
 
-# ---- the MoE token dispatcher ----------------------------------------------------------------
-def test_moe_token_dispatcher_type_reaches_the_transformer_config():
-    """megatron-core's MoE layer builds its dispatcher from this setting (the built
-    allgather dispatcher: test_trainer_options.py)."""
-    for kind in ("allgather", "alltoall"):
-        c = experiment(["--model-preset", "tiny", "--num-experts", 4,
-                        "--moe-token-dispatcher-type", kind])
-        c.model.vocab_size = 256
-        assert transformer_config(c.model, c.parallel).moe_token_dispatcher_type == kind
+# ---- mixture-of-experts routing --------------------------------------------------------------
+MIXTRAL = ["--model-preset", "mixtral-tiny"]  # 8 experts, top 2, --moe-aux-loss-coeff 0.01
+
+
+def main_refuses(argv, capsys) -> str:
+    """``megatron_jreg.train.main`` on ``argv``: exit status 2 and one line, before any work
+    (the parse ends the run; --data-path x does not exist)."""
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--data-path", "x"] + [str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "usage" not in err, err
+    return err
+
+
+def megatron_config(model, parallel, **settings):
+    """megatron-core's TransformerConfig of ``model`` with ``settings`` changed (past the
+    trainer's own checks): its __post_init__ applies megatron-core's rules."""
+    model = copy.copy(model)
+    for name, value in settings.items():
+        setattr(model, name, value)
+    return transformer_config(model, parallel)
+
+
+@pytest.mark.parametrize("topk, pre_softmax, balancing",
+                         itertools.product((1, 2), (False, True), ("aux_loss", "sinkhorn")))
+def test_router_settings_refused_exactly_where_megatron_core_refuses_them(
+        topk, pre_softmax, balancing, capsys):
+    """megatron-core's TransformerConfig is the reference: it raises for top-1 routing
+    without --moe-router-pre-softmax (a softmax over one expert has no gradient) unless the
+    routing is sinkhorn. The trainer refuses the same settings in one line before any work,
+    and hands the others to megatron-core as given."""
+    base = experiment(MIXTRAL + ["--moe-aux-loss-coeff", "0"])
+    base.model.vocab_size = 256
+    settings = dict(moe_router_topk=topk, moe_router_pre_softmax=pre_softmax,
+                    moe_router_load_balancing_type=balancing)
+    try:
+        megatron_config(base.model, base.parallel, **settings)
+        megatron_refuses = False
+    except ValueError as err:
+        assert "--moe-router-pre-softmax" in str(err)
+        megatron_refuses = True
+    argv = MIXTRAL + ["--moe-aux-loss-coeff", 0, "--moe-router-topk", topk,
+                      "--moe-router-load-balancing-type", balancing]
+    argv += ["--moe-router-pre-softmax"] if pre_softmax else []
+    if megatron_refuses:
+        err = main_refuses(argv, capsys)
+        assert "error: --moe-router-topk 1 needs --moe-router-pre-softmax" in err, err
+        return
+    c = experiment(argv)
+    c.model.vocab_size = 256
+    config = transformer_config(c.model, c.parallel)
+    assert {name: getattr(config, name) for name in settings} == settings
+
+
+def sinkhorn_routing(config):
+    """megatron-core's sinkhorn routing in training (TopKRouter.sinkhorn_load_balancing)
+    under ``config``, of 16 tokens' random logits: (probs, routing map)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    router = SimpleNamespace(config=config, topk=config.moe_router_topk, training=True)
+    logits = torch.randn(16, config.num_moe_experts, generator=torch.Generator().manual_seed(0))
+    return TopKRouter.sinkhorn_load_balancing(router, logits)
+
+
+def test_sinkhorn_takes_no_load_balancing_loss(capsys):
+    """megatron-core's sinkhorn routing asserts at the first forward when the
+    load-balancing coefficient is above 0; the trainer refuses that before any work, naming
+    both flags, the coefficient's origin when a preset set it, and the fix, which runs."""
+    c = experiment(MIXTRAL + ["--moe-router-load-balancing-type", "sinkhorn",
+                              "--moe-aux-loss-coeff", 0])
+    c.model.vocab_size = 256
+    config = transformer_config(c.model, c.parallel)
+    _, routing_map = sinkhorn_routing(config)
+    assert routing_map.sum(dim=1).tolist() == [2] * 16  # the fix routes, two experts a token
+    config.moe_aux_loss_coeff = 0.01  # the preset's coefficient, past the trainer's check
+    with pytest.raises(AssertionError, match="Sinkhorn routing does not support aux loss"):
+        sinkhorn_routing(config)
+    err = main_refuses(MIXTRAL + ["--moe-router-load-balancing-type", "sinkhorn"], capsys)
+    assert err.split("error: ", 1)[1] == (
+        "--moe-router-load-balancing-type sinkhorn takes no load-balancing loss, but "
+        "--moe-aux-loss-coeff is 0.01 (--model-preset mixtral-tiny sets it); pass "
+        "--moe-aux-loss-coeff 0\n")
+    err = main_refuses(["--model-preset", "tiny", "--num-experts", 4, "--moe-aux-loss-coeff",
+                        "0.02", "--moe-router-load-balancing-type", "sinkhorn"], capsys)
+    assert err.endswith("but --moe-aux-loss-coeff is 0.02; pass --moe-aux-loss-coeff 0\n"), err
+
+
+# ---- the fp16 loss scale ----------------------------------------------------------------------
+def test_initial_loss_scale_defaults_to_megatrons():
+    """Without --initial-loss-scale an fp16 run starts at megatron-core's OptimizerConfig
+    default, which is Megatron-LM's (2^32); the optimizer takes the setting as it is
+    (test_trainer_options.py builds one at 1024)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    default = OptimizerConfig.__dataclass_fields__["initial_loss_scale"].default
+    assert experiment(["--fp16"]).optim.initial_loss_scale == default == 2.0 ** 32

@@ -286,13 +286,39 @@ def test_initial_loss_scale_and_fp32_grad_reduction_under_fp16(demo_data):
 
 # ---- mixture of experts ----------------------------------------------------------------------
 
+def _routed(router, hidden):
+    """The router's probs and routing map of 10 random hidden states (in evaluation: no
+    load-balancing loss is attached), and those states as [tokens, hidden]."""
+    x = torch.randn(5, 2, hidden, generator=torch.Generator().manual_seed(0))
+    router.eval()
+    try:
+        with torch.no_grad():
+            probs, routing_map = router(x)
+    finally:
+        router.train()
+    return probs, routing_map, x.reshape(-1, hidden)
+
+
 def test_moe_flags_reach_the_router_and_the_experts(demo_data):
     argv = base_args(demo_data, **SHAPES, num_experts=4, moe_router_topk=3,
                      moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.02,
-                     moe_ffn_hidden_size=48, moe_grouped_gemm=True, no_exit_signal_handler=True)
+                     moe_ffn_hidden_size=48, moe_grouped_gemm=True, moe_router_pre_softmax=True,
+                     no_exit_signal_handler=True)
     with set_up(argv) as built:
         hidden = built.trainer.cfg.model.hidden_size
         layers = built.trainer.model[0].module.decoder.layers
+        # --moe-router-pre-softmax (Megatron-LM's routing): the softmax over all 4 experts'
+        # logits, of which the top 3 keep their probabilities; without it the 3 chosen
+        # logits are softmaxed among themselves (each token's weights summing to 1)
+        probs, routing_map, x = _routed(layers[0].mlp.router, hidden)
+        p = torch.softmax(x @ layers[0].mlp.router.weight.T, dim=-1)
+        top = p.topk(3, dim=-1)
+        expected = torch.zeros_like(p).scatter(1, top.indices, top.values)
+        assert torch.equal(routing_map, expected > 0)
+        torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-7)
+        assert (probs.sum(dim=-1) < 0.99).all()
+        # Mixtral's router renormalizes over the chosen experts: no family to export to
+        assert built.trainer.cfg.model.family == "other"
         assert len(layers) == built.trainer.cfg.model.num_layers
         for layer in layers:
             mlp = layer.mlp

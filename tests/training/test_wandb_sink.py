@@ -1,5 +1,6 @@
 """The Weights & Biases sink of a real run (--wandb-project, --wandb-exp-name) against the
-run's own JSONL metrics, and the checkpoint it saves under --ckpt-format torch_dist.
+run's own JSONL metrics, the directory wandb writes to (--wandb-save-dir), and the
+checkpoint the run saves under --ckpt-format torch_dist.
 
 wandb is an optional package (not installed here): a stand-in ``wandb`` module in the run's
 working directory (the first entry of ``sys.path`` under ``python -m``) records every call
@@ -7,6 +8,7 @@ as a JSON line. It shadows an installed wandb, so the run never reaches the netw
 
 import json
 import os
+import sys
 
 import pytest
 import yaml
@@ -17,6 +19,7 @@ import forked_trainer
 FAKE_WANDB = '''"""Stand-in for wandb: each call appended as a JSON line to $FAKE_WANDB_CALLS."""
 import json
 import os
+import sys
 
 
 def _record(**call):
@@ -71,9 +74,12 @@ def test_init_names_the_project_and_run_and_carries_the_run_config(wandb_run):
     init = calls[0]
     assert init["call"] == "init" and [c["call"] for c in calls].count("init") == 1
     kwargs = init["kwargs"]
-    # no dir: wandb writes its files where it does by default (./wandb)
-    assert set(kwargs) == {"project", "name", "config"}
+    assert set(kwargs) == {"project", "name", "config", "dir"}
     assert (kwargs["project"], kwargs["name"]) == ("jreg-tests", "tiny-wandb")
+    # no --wandb-save-dir: --save's wandb directory (Megatron-LM's default), made by the
+    # trainer (the stand-in makes nothing)
+    assert kwargs["dir"] == str(saved.parent / "wandb")
+    assert os.path.isdir(kwargs["dir"])
     # the config is the run's, as its checkpoint records it
     assert kwargs["config"] == yaml.safe_load((saved / "run_config.yaml").read_text())
     assert kwargs["config"]["logging"]["wandb_exp_name"] == "tiny-wandb"
@@ -105,3 +111,30 @@ def test_ckpt_format_torch_dist_is_what_is_on_disk(wandb_run):
     assert json.loads((saved / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     assert any(name.endswith(".distcp") for name in os.listdir(saved)), os.listdir(saved)
     assert (saved / ".metadata").is_file()  # torch.distributed.checkpoint's own index
+
+
+def test_wandb_save_dir_is_where_wandb_writes(tmp_path, monkeypatch):
+    """The dir wandb.init gets from the trainer's flags, through the trainer's metrics
+    sinks (in this process, with the stand-in module): --wandb-save-dir; without it --save's
+    wandb directory, as in Megatron-LM; with neither, wandb's own default (None)."""
+    from megatron_jreg.training.experiment import ExperimentConfig
+    from megatron_jreg.training.metrics import build_metrics_logger
+
+    calls = tmp_path / "calls.jsonl"
+    (tmp_path / "wandb.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setenv("FAKE_WANDB_CALLS", str(calls))
+    own, save = str(tmp_path / "own"), str(tmp_path / "ckpt")
+    cases = [(["--wandb-save-dir", own, "--save", save], own),
+             (["--save", save], os.path.join(save, "wandb")), ([], None)]
+    for argv, expected in cases:
+        cfg = ExperimentConfig.from_argv(["--data-path", "x", "--wandb-project", "p"] + argv)
+        assert cfg.wandb_dir() == expected
+        # the trainer makes and checks it before any work, as every output it writes
+        assert [o for o in cfg.outputs() if o[0] == "--wandb-save-dir"] == (
+            [("--wandb-save-dir", expected, True, False)] if expected else [])
+        build_metrics_logger(cfg.logging, 1, 0, cfg.to_dict(), cfg.wandb_dir()).close()
+    inits = [json.loads(line)["kwargs"]["dir"] for line in open(calls)
+             if json.loads(line)["call"] == "init"]
+    assert inits == [expected for _, expected in cases]
