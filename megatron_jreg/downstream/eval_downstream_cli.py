@@ -316,33 +316,37 @@ def run(args) -> List[DownstreamReport]:
     return reports
 
 
+_DEFAULT_IN_CHILD: set = set()  # signals a forked child takes with their default action
+
+
+def _reset_in_child():
+    for signum in _DEFAULT_IN_CHILD:
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except (ValueError, OSError):  # not the main thread of the child: left as it is
+            pass
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
+
+
 @contextlib.contextmanager
 def _signals_as_interrupt_here(signums=(signal.SIGTERM, signal.SIGHUP)):
     """``signals_as_interrupt`` for this process only. lm-eval forks a ``multiprocessing``
-    pool to bootstrap its stderrs and ends it with ``terminate()`` (SIGTERM): a worker that
-    inherited the handler died with a ``KeyboardInterrupt: SIGTERM`` traceback on stderr.
-    A forked child takes the signal's default action (a quiet exit) instead."""
+    pool to bootstrap its stderrs and ends it with ``terminate()`` (SIGTERM). A forked child
+    takes these signals' default action from the moment it exists: with the handler
+    inherited, a worker died with a ``KeyboardInterrupt: SIGTERM`` traceback, and a worker
+    blocked in C (on a lock held at the fork by another thread of this process) never ran
+    the Python handler at all, so ``terminate()`` waited for it forever."""
     with signals_as_interrupt(signums):
-        installing = os.getpid()
         if threading.current_thread() is not threading.main_thread():  # none was set
             yield
             return
-        handlers = {signum: signal.getsignal(signum) for signum in signums}
-
-        def guarded(signum, frame):
-            if os.getpid() != installing:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            handlers[signum](signum, frame)
-
-        for signum in signums:
-            signal.signal(signum, guarded)
+        _DEFAULT_IN_CHILD.update(signums)
         try:
             yield
         finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            _DEFAULT_IN_CHILD.difference_update(signums)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
