@@ -300,8 +300,7 @@ def run(args) -> List[DownstreamReport]:
         resolve_device(args.device)
     names = resolve_tasks(args.tasks)
     entries = _entries(args)
-    manager = harness.task_manager(args.include_path)
-    digests = harness.check_tasks(manager, names)
+    manager, digests = harness.load_tasks(args.include_path, names)
     cache = cache_mod.ResultCache(None if args.no_cache else args.cache_dir)
     reports = []
     for entry in entries:

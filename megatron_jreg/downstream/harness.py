@@ -48,14 +48,38 @@ def _import_lm_eval():
     return TaskManager
 
 
-def task_manager(include_path: Optional[List[str]] = None):
-    """lm-eval's TaskManager with the local task YAMLs of ``include_path``."""
+def _check_folders(include_path: Optional[List[str]]) -> None:
     for path in include_path or []:
         if not os.path.isdir(path):
             raise InputError(f"--include-path {path}: no such directory; give the folder of "
                              "the task YAML files")
+
+
+def task_manager(include_path: Optional[List[str]] = None):
+    """lm-eval's TaskManager with the local task YAMLs of ``include_path``."""
+    _check_folders(include_path)
     TaskManager = _import_lm_eval()
     return TaskManager(include_path=list(include_path) if include_path else None)
+
+
+def load_tasks(include_path: Optional[List[str]], names: List[str]):
+    """(TaskManager, {name: config digest}) for ``names`` (see :func:`check_tasks`).
+
+    When every task is one of ``include_path``'s, they are loaded by a manager that indexes
+    only those folders: indexing lm-eval's own thousands of task YAMLs takes seconds on
+    every run. A local task that needs one of lm-eval's (a group of its tasks, a YAML it
+    includes) is loaded again with lm-eval's tasks indexed too."""
+    if include_path:
+        _check_folders(include_path)
+        TaskManager = _import_lm_eval()
+        local = TaskManager(include_path=list(include_path), include_defaults=False)
+        if set(names) <= set(local.all_tasks):
+            try:
+                return local, check_tasks(local, names)
+            except InputError:
+                pass
+    manager = task_manager(include_path)
+    return manager, check_tasks(manager, names)
 
 
 def check_tasks(manager, names: List[str]) -> Dict[str, str]:

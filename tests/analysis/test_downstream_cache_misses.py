@@ -17,7 +17,6 @@ character of the choice) and the Brier score of the softmax over the choices.
 """
 
 import contextlib
-import functools
 import io
 import json
 import os
@@ -144,7 +143,6 @@ def few_shot_prefix(train):
 @pytest.fixture(scope="module")
 def runs(tiny_hf_model, tmp_path_factory):
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     from megatron_jreg.downstream.eval_downstream_cli import main
 
@@ -187,10 +185,6 @@ def runs(tiny_hf_model, tmp_path_factory):
         for key, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"),
                            ("TOKENIZERS_PARALLELISM", "false")):
             mp.setenv(key, value)
-        # only the local task folder is indexed (lm-eval's own thousands of YAMLs cost
-        # seconds per run and no task here needs them)
-        mp.setattr("lm_eval.tasks.TaskManager",
-                   functools.partial(TaskManager, include_defaults=False))
         mp.setattr(HFLM, "loglikelihood", spy)
         limit = ("--limit", str(LIMIT))
         run("base", "--device", "cpu")
