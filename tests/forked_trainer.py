@@ -10,10 +10,10 @@ and exits through the interpreter's exit steps (threads joined, atexit handlers)
 
 A server is only used for a run whose import-time environment (the variables in
 ``IMPORT_ENV``) is the one it was started with; a run that differs starts its own server.
-Tests that launch the trainer under torchrun, or that need its pid before it finishes
-(signals, kills), start real processes. ``MEGATRON_JREG_TEST_FORK=0`` runs every run in
-a fresh interpreter instead; ``tests/training/test_forked_trainer.py`` checks that both ways
-give the same run.
+:func:`run_tool` runs a script (one of tools/) the same way. Tests that launch the trainer
+or a tool under torchrun, or that need its pid before it finishes (signals, kills), start
+real processes. ``MEGATRON_JREG_TEST_FORK=0`` runs every run in a fresh interpreter
+instead; ``tests/training/test_forked_trainer.py`` checks that both ways give the same run.
 """
 
 import atexit
@@ -128,7 +128,12 @@ def run(argv, cwd, env, timeout, script=None):
 
 def run_tool(script, argv, env, cwd=REPO, timeout=600):
     """``python SCRIPT *argv`` (``script``: a path such as ``tools/eval_jump.py``, relative
-    to ``cwd``, or absolute), forked as :func:`run` forks the trainer."""
+    to ``cwd``, or absolute), forked as :func:`run` forks the trainer.
+
+    The child is not a new interpreter in what the server set up before the fork: its umask,
+    the modules the server imported (a test that checks what a tool imports, or the warnings
+    importing torch and megatron-core raises, needs a new interpreter), and what those
+    modules read from the environment as they were imported (tqdm's ``TQDM_*`` defaults)."""
     return run(argv, cwd, env, timeout, script=str(script))
 
 
@@ -163,6 +168,12 @@ def _child(request):
         os.environ.clear()
         os.environ.update(request["env"])
         script = request.get("script")
+        if script:  # what a new interpreter takes from its start: the temporary directory
+            # (tempfile caches TMPDIR's) and the directory spawn resolves a relative script in
+            import multiprocessing.process
+
+            tempfile.tempdir = None
+            multiprocessing.process.ORIGINAL_DIR = os.path.abspath(os.getcwd())
         sys.argv = [script or "-m", *request["argv"]]
         # as python -m (the working directory) and python SCRIPT (its directory) set it
         sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()

@@ -1,7 +1,8 @@
-"""Tiny trainer runs with checkpoints, and subprocess runs of the tools that read them.
+"""Tiny trainer runs with checkpoints, and runs of the tools that read them.
 
 Megatron's process group stays out of the pytest process: everything that loads a
-checkpoint runs in a subprocess.
+checkpoint runs in a process of its own (single-rank trainer and tool runs are forked from
+a process that has imported the trainer: tests/forked_trainer.py).
 """
 
 import json
@@ -33,6 +34,15 @@ def run(cmd, timeout=300, check=True):
     return proc
 
 
+def run_tool(script, argv, timeout=300, check=True, env=None):
+    """``python tools/SCRIPT *argv``, forked from a process that has imported the trainer
+    (tests/forked_trainer.py)."""
+    proc = forked_trainer.run_tool(f"tools/{script}", argv, env or run_env(), timeout=timeout)
+    if check:
+        succeeded(proc)
+    return proc
+
+
 def succeeded(proc):
     """``proc``, or an AssertionError with the ends of its output when it failed."""
     if proc.returncode != 0:
@@ -46,11 +56,10 @@ def succeeded(proc):
 def make_dataset(root):
     """A small byte-tokenized indexed dataset; returns its prefix."""
     corpus, prefix = os.path.join(root, "corpus.jsonl"), os.path.join(root, "demo")
-    run([sys.executable, "tools/make_demo_corpus.py", "--output", corpus, "--max-docs", "80"])
-    run(
+    run_tool("make_demo_corpus.py", ["--output", corpus, "--max-docs", "80"])
+    run_tool(
+        "preprocess_data.py",
         [
-            sys.executable,
-            "tools/preprocess_data.py",
             "--input",
             corpus,
             "--output-prefix",
@@ -60,7 +69,7 @@ def make_dataset(root):
             "--append-eod",
             "--workers",
             "1",
-        ]
+        ],
     )
     return prefix + "_text_document"
 
@@ -96,17 +105,8 @@ def train(data_prefix, save, nproc=1, save_interval=None, **layout):
 
 
 def eval_jump(argv, out_json):
-    """tools/eval_jump.py in a subprocess; returns (stdout, the JSON report(s))."""
-    proc = run(
-        [
-            sys.executable,
-            "tools/eval_jump.py",
-            *map(str, argv),
-            "--json",
-            str(out_json),
-            "--no-progress",
-        ]
-    )
+    """tools/eval_jump.py in a process of its own; returns (stdout, the JSON report(s))."""
+    proc = run_tool("eval_jump.py", [*argv, "--json", out_json, "--no-progress"])
     with open(out_json) as f:
         return proc.stdout, json.load(f)
 

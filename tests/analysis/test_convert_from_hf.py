@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import forked_trainer
 import pytest
 import torch
 
@@ -35,8 +36,9 @@ def _env():
 
 
 def _run(args, check=True, timeout=600):
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    """``python SCRIPT ARGS``, forked from a process that has imported the trainer
+    (tests/forked_trainer.py)."""
+    proc = forked_trainer.run_tool(args[0], args[1:], _env(), timeout=timeout)
     if check:
         assert proc.returncode == 0, f"{args}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from checkpoint_runs import REPO, SEQ, run
+from checkpoint_runs import REPO, SEQ, run_tool
 from megatron_jreg.checkpoint.hf_export import (
     byte_tokenizer_fast,
     main,
@@ -109,16 +109,7 @@ def test_byte_tokenizer_export_gives_the_trainers_ids():
 def exported(trained_checkpoints, tmp_path_factory):
     """The TP2 run exported (its weights resharded to one process on the way)."""
     out = str(tmp_path_factory.mktemp("hf") / "tp2-hf")
-    proc = run(
-        [
-            sys.executable,
-            "tools/convert_to_hf.py",
-            "--load",
-            trained_checkpoints["tp2"],
-            "--output",
-            out,
-        ]
-    )
+    proc = run_tool("convert_to_hf.py", ["--load", trained_checkpoints["tp2"], "--output", out])
     assert proc.stdout.strip().endswith(f"wrote {out}") and "warning" not in proc.stderr
     return out
 

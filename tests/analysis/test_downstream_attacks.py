@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from checkpoint_runs import REPO, run_env
+from checkpoint_runs import REPO, run_env, run_tool
 from downstream_tasks import CHOICE, write_tasks
 from megatron_jreg.downstream.eval_downstream_cli import _batch_size
 from megatron_jreg.errors import InputError
@@ -27,8 +27,7 @@ def env():
 
 
 def tool(script, argv):
-    return subprocess.run([sys.executable, f"tools/{script}", *map(str, argv)], cwd=REPO,
-                          env=env(), capture_output=True, text=True, timeout=600)
+    return run_tool(script, argv, timeout=600, check=False, env=env())
 
 
 def one_line_error(proc, *words):
@@ -150,14 +149,14 @@ def test_cache_key_follows_the_tokenizer_model_flag(tmp_path):
 @pytest.fixture(scope="module")
 def sp_checkpoint(tmp_path_factory):
     """A 3-step run with a SentencePiece tokenizer at a path the test may retrain in place."""
-    from checkpoint_runs import make_dataset, run, train
+    from checkpoint_runs import make_dataset, train
 
     root = tmp_path_factory.mktemp("sp_downstream")
     data = make_dataset(str(root))
     corpus = str(root / "corpus.jsonl")
     sp = str(root / "sp")
-    run([sys.executable, "tools/train_tokenizer.py", "--input", corpus, "--model-prefix", sp,
-         "--vocab-size", "420", "--overwrite"])
+    run_tool("train_tokenizer.py", ["--input", corpus, "--model-prefix", sp,
+                                    "--vocab-size", "420", "--overwrite"])
     save = train(data, str(root / "ck"), tokenizer_type="SentencePieceTokenizer",
                  tokenizer_model=sp + ".model", vocab_size=None)
     return save, sp + ".model", corpus, write_tasks(str(root / "tasks"), n=8)
@@ -166,16 +165,14 @@ def sp_checkpoint(tmp_path_factory):
 def test_eval_downstream_takes_the_tokenizer_model_the_refusal_names(sp_checkpoint, tmp_path):
     """Was: the refusal of a tokenizer retrained in place said "pass that tokenizer with
     --tokenizer-model", which eval_downstream did not know (unrecognized arguments)."""
-    from checkpoint_runs import run
-
     save, sp, corpus, tasks = sp_checkpoint
     kept = str(tmp_path / "kept.model")
     shutil.copyfile(sp, kept)
     common = ["--load", save, "--tasks", CHOICE, "--include-path", tasks, "--limit", "4",
               "--batch-size", "4", "--cache-dir", tmp_path / "cache"]
     try:
-        run([sys.executable, "tools/train_tokenizer.py", "--input", corpus, "--model-prefix",
-             sp[:-len(".model")], "--vocab-size", "400", "--overwrite"])
+        run_tool("train_tokenizer.py", ["--input", corpus, "--model-prefix",
+                                        sp[:-len(".model")], "--vocab-size", "400", "--overwrite"])
         proc = tool("eval_downstream.py", common)
         one_line_error(proc, f"the run's tokenizer {sp} is now", "(400 ids", "(420 ids",
                        "--tokenizer-model")

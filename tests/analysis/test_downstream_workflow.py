@@ -1,8 +1,9 @@
 """The documented Table 3 / App. G workflow, run exactly as written, offline.
 
 The three commands of README.md (seeds 1-2) and of docs/evaluation.md (seeds 1-3) are read
-from those files and run, only ``python`` replaced by this interpreter, in a directory
-with ``tools`` and ``runs/{baseline,jreg}-s{1,2,3}/ckpt`` (six real tiny training runs).
+from those files and run, ``python`` being this interpreter (forked from a process that has
+imported the trainer, tests/forked_trainer.py), in a directory with ``tools`` and
+``runs/{baseline,jreg}-s{1,2,3}/ckpt`` (six real tiny training runs).
 ``--tasks paper`` reads small generated stand-ins of the nine hub datasets from a
 pre-populated datasets cache (hub_cache.py), as the docs tell air-gapped users to do.
 
@@ -26,6 +27,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import forked_trainer
 import pytest
 
 from checkpoint_runs import REPO, make_dataset, run_env, train
@@ -118,9 +120,14 @@ def offline_env(root):
 
 
 def run_in(cwd, argv, env, timeout=600):
-    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, (f"{shlex.join(argv[1:])} failed ({proc.returncode}):\n"
+    """``python *argv`` in ``cwd``: a script (``tools/X.py ...``) forked from a process that
+    has imported the trainer (tests/forked_trainer.py), ``-c CODE ...`` in a new one."""
+    if argv[0] == "-c":
+        proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    else:
+        proc = forked_trainer.run_tool(argv[0], argv[1:], env, cwd=cwd, timeout=timeout)
+    assert proc.returncode == 0, (f"{shlex.join(map(str, argv))} failed ({proc.returncode}):\n"
                                   f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return proc
 
@@ -148,8 +155,7 @@ def run_documented(workdir, commands):
     """The three commands in the work directory; their processes and the two reports."""
     out = {"procs": []}
     for argv in commands:
-        out["procs"].append(run_in(workdir["root"], [sys.executable, *argv[1:]],
-                                   workdir["env"]))
+        out["procs"].append(run_in(workdir["root"], argv[1:], workdir["env"]))
     for arm in LAMBDA:
         out[arm] = json.loads((workdir["root"] / f"{arm}.json").read_text())
     return out
@@ -189,9 +195,9 @@ def reference(workdir, tmp_path_factory):
     root, env = workdir["root"], workdir["env"]
     tmp = tmp_path_factory.mktemp("reference")
     export, out = str(tmp / "hf"), tmp / "ref.json"
-    run_in(root, [sys.executable, "tools/convert_to_hf.py", "--load",
-                  f"runs/{REFERENCE}/ckpt", "--output", export], env)
-    run_in(root, [sys.executable, "-c", REFERENCE_SCRIPT, export, ",".join(PAPER), str(out)], env)
+    run_in(root, ["tools/convert_to_hf.py", "--load", f"runs/{REFERENCE}/ckpt", "--output", export],
+           env)
+    run_in(root, ["-c", REFERENCE_SCRIPT, export, ",".join(PAPER), str(out)], env)
     return json.loads(out.read_text())
 
 

@@ -169,12 +169,10 @@ def _damaged_copy(tmp_path, trained_checkpoints, damage):
     return root
 
 
-def _tool_error(argv):
-    import sys
+def _tool_error(script, argv):
+    from checkpoint_runs import run_tool
 
-    from checkpoint_runs import run
-
-    proc = run([sys.executable, *map(str, argv)], check=False)
+    proc = run_tool(script, argv, check=False)
     err = proc.stderr.strip()
     assert proc.returncode == 2, proc.stdout + err
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
@@ -188,11 +186,11 @@ def test_torn_latest_checkpoint_names_iteration(trained_checkpoints, checkpoint_
     )
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     err = _tool_error(
-        ["tools/eval_jump.py", "--load", root, "--text-file", checkpoint_text[0], "--no-progress"]
+        "eval_jump.py", ["--load", root, "--text-file", checkpoint_text[0], "--no-progress"]
     )
     assert "incomplete" in err and f"--iteration {ITERS - 1}" in err, err
     assert "--ckpt-step" not in err
-    err = _tool_error(["tools/convert_to_hf.py", "--load", root, "--output", tmp_path / "hf"])
+    err = _tool_error("convert_to_hf.py", ["--load", root, "--output", tmp_path / "hf"])
     assert f"--iteration {ITERS - 1}" in err and "--ckpt-step" not in err, err
     assert not (tmp_path / "hf").exists()
 
@@ -202,6 +200,6 @@ def test_damaged_metadata_names_iteration(trained_checkpoints, checkpoint_text, 
         tmp_path, trained_checkpoints, lambda d: (d / ".metadata").write_bytes(b"garbage")
     )
     err = _tool_error(
-        ["tools/eval_jump.py", "--load", root, "--text-file", checkpoint_text[0], "--no-progress"]
+        "eval_jump.py", ["--load", root, "--text-file", checkpoint_text[0], "--no-progress"]
     )
     assert "metadata" in err and "--iteration" in err and "--ckpt-step" not in err, err

@@ -2,9 +2,8 @@
 IndexError traceback from the position embedding."""
 
 import os
-import subprocess
-import sys
 
+import forked_trainer
 import pytest
 import torch
 
@@ -29,9 +28,9 @@ def test_hf_gpt2_seq_length_beyond_its_positions(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, MEGATRON_JREG_DEVICE="cpu")
 
     def eval_jump(seq):
-        return subprocess.run([sys.executable, "tools/eval_jump.py", "--hf-model", path,
-                               "--text-file", str(text), "--seq-length", str(seq), "--no-progress"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        return forked_trainer.run_tool("tools/eval_jump.py", [
+            "--hf-model", path, "--text-file", text, "--seq-length", seq, "--no-progress"],
+            env, timeout=300)
 
     proc = eval_jump(32)
     err = proc.stderr.strip().splitlines()

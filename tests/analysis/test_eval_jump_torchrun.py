@@ -10,6 +10,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import forked_trainer
 import pytest
 
 from checkpoint_runs import REPO, run_env
@@ -38,8 +39,14 @@ def _env():
 
 
 def _eval_jump(launcher, argv, out_json):
-    cmd = [*launcher, "tools/eval_jump.py", *map(str, argv), "--json", str(out_json), "--no-progress"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    """eval_jump under ``launcher``; one process (forked: tests/forked_trainer.py) for None."""
+    cmd = ["tools/eval_jump.py", *map(str, argv), "--json", str(out_json), "--no-progress"]
+    if launcher is None:
+        proc = forked_trainer.run_tool(cmd[0], cmd[1:], _env(), timeout=300)
+    else:
+        cmd = [*launcher, *cmd]
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+                              timeout=300)
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     with open(out_json) as f:
         return proc.stdout, json.load(f)
@@ -68,7 +75,7 @@ def uneven_text(tmp_path_factory):
 def single_process(trained_checkpoints, uneven_text, tmp_path_factory):
     args = ["--load", trained_checkpoints["tp1"], "--text-file", uneven_text,
             "--seq-length", SEQ_LENGTH, "--batch-size", 3]
-    _, report = _eval_jump([sys.executable], args, tmp_path_factory.mktemp("single") / "r.json")
+    _, report = _eval_jump(None, args, tmp_path_factory.mktemp("single") / "r.json")
     return args, report
 
 

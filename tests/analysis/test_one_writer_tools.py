@@ -17,6 +17,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import forked_trainer
 import pytest
 
 from checkpoint_runs import REPO, run_env
@@ -32,8 +33,7 @@ def env(**extra):
 
 
 def run_tool(script, argv, **extra):
-    return subprocess.run([sys.executable, f"tools/{script}", *map(str, argv)], cwd=REPO,
-                          env=env(**extra), capture_output=True, text=True, timeout=600)
+    return forked_trainer.run_tool(f"tools/{script}", argv, env(**extra), timeout=600)
 
 
 def busy(proc, flag, path):
@@ -123,8 +123,10 @@ def test_convert_to_hf_sigterm_removes_the_temporary_export(checkpoint, tmp_path
 
 def test_convert_to_hf_files_get_the_umask_mode(checkpoint, tmp_path):
     old = os.umask(0o022)
-    try:
-        proc = run_tool("convert_to_hf.py", ["--load", checkpoint, "--output", tmp_path / "hf"])
+    try:  # a process started here, which inherits this umask (a forked one has its server's)
+        proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--load", checkpoint,
+                               "--output", tmp_path / "hf"], cwd=REPO, env=env(),
+                              capture_output=True, text=True, timeout=600)
     finally:
         os.umask(old)
     assert proc.returncode == 0, proc.stderr[-3000:]

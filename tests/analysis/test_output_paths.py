@@ -5,9 +5,8 @@ naming the flag, exit 2, and no model load (no progress bar, no table, no export
 """
 
 import json
-import subprocess
-import sys
 
+import forked_trainer
 import pytest
 from unwritable import unwritable_dir
 
@@ -16,8 +15,7 @@ from checkpoint_runs import REPO, run_env
 
 def run_tool(script, argv):
     env = dict(run_env(), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, f"tools/{script}", *map(str, argv)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return forked_trainer.run_tool(f"tools/{script}", argv, env, timeout=600)
 
 
 def refused(proc, flag, path):

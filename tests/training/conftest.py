@@ -2,12 +2,15 @@
 docstrings, byte tokenizer), the README demo's data, SFT chat data. The helpers that run the
 trainer are in trainer_runs.py."""
 
-import subprocess
-import sys
-
+import forked_trainer
 import pytest
 from session_cache import build_once
-from trainer_runs import REPO, run_env
+from trainer_runs import run_env
+
+
+def _tool(cmd):
+    proc = forked_trainer.run_tool(cmd[0], cmd[1:], run_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="session")
@@ -19,12 +22,11 @@ def _build_demo_data(root):
     corpus = root / "corpus.jsonl"
     prefix = root / "demo"
     for cmd in (
-        [sys.executable, "tools/make_demo_corpus.py", "--output", str(corpus), "--max-mb", "0.6"],
-        [sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+        ["tools/make_demo_corpus.py", "--output", str(corpus), "--max-mb", "0.6"],
+        ["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
          str(prefix), "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"],
     ):
-        proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _tool(cmd)
     return str(prefix) + "_text_document"
 
 
@@ -37,15 +39,14 @@ def demo_sp_data(tmp_path_factory):
 def _build_demo_sp_data(root):
     corpus, model_prefix, prefix = root / "corpus.jsonl", root / "tokenizer", root / "demo"
     for cmd in (
-        [sys.executable, "tools/make_demo_corpus.py", "--output", str(corpus)],
-        [sys.executable, "tools/train_tokenizer.py", "--input", str(corpus), "--model-prefix",
+        ["tools/make_demo_corpus.py", "--output", str(corpus)],
+        ["tools/train_tokenizer.py", "--input", str(corpus), "--model-prefix",
          str(model_prefix), "--vocab-size", "2000"],
-        [sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+        ["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
          str(prefix), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
          str(model_prefix) + ".model", "--append-eod", "--workers", "2"],
     ):
-        proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _tool(cmd)
     return str(prefix) + "_text_document", str(model_prefix) + ".model"
 
 
@@ -58,11 +59,10 @@ def sft_data(tmp_path_factory):
 
 def _build_sft_data(root):
     for cmd in (
-        [sys.executable, "tools/make_demo_corpus.py", "--chat", "--output", str(root / "chat.jsonl"),
+        ["tools/make_demo_corpus.py", "--chat", "--output", str(root / "chat.jsonl"),
          "--max-docs", "200"],
-        [sys.executable, "tools/preprocess_data.py", "--sft", "--input", str(root / "chat.jsonl"),
+        ["tools/preprocess_data.py", "--sft", "--input", str(root / "chat.jsonl"),
          "--output-prefix", str(root / "chat"), "--tokenizer-type", "ByteTokenizer", "--workers", "1"],
     ):
-        proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _tool(cmd)
     return str(root / "chat_sft_document")

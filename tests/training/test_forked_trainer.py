@@ -1,5 +1,6 @@
-"""The suite's forked single-rank trainer runs (tests/forked_trainer.py) are the runs a
-fresh ``python -m megatron_jreg.train`` makes: same exit code, output and metrics."""
+"""The suite's forked single-rank trainer runs and tool runs (tests/forked_trainer.py) are
+the runs a fresh ``python -m megatron_jreg.train`` or ``python tools/X.py`` makes: same
+exit code, output, metrics and files."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 from trainer_runs import REPO, base_args, run_env
 
 TIMING = re.compile(r"(tokens/s|in) [\d,.]+s?|mem [\d.]+ GiB|\d+\.\ds")
+RATE = re.compile(r" in [\d.]+ s \([^)]*\)")  # preprocess_data's time and throughput
 
 
 def fresh(argv, cwd=REPO, env=None):
@@ -64,3 +66,40 @@ def test_a_run_past_its_timeout_is_killed(demo_data):
         forked_trainer.run(base_args(demo_data, train_iters=100000), REPO, run_env(), 3)
     # the server is still usable after the kill
     assert forked_trainer.run(["--help"], REPO, run_env(), 60).returncode == 0
+
+
+def test_a_forked_tool_run_is_the_fresh_interpreters_run(tmp_path):
+    """tools/make_demo_corpus.py, tools/preprocess_data.py (two worker processes of its own),
+    an existing output refused and an argparse error, forked and in a fresh interpreter:
+    same exit codes, stdout, stderr and files."""
+    runs = {}
+    for how in ("fresh", "forked"):
+        out = tmp_path / how
+        out.mkdir()
+        preprocess = ["--input", out / "c.jsonl", "--output-prefix", out / "d",
+                      "--tokenizer-type", "ByteTokenizer", "--append-eod"]
+        steps = [("tools/make_demo_corpus.py", ["--output", out / "c.jsonl", "--max-docs", "40"]),
+                 ("tools/preprocess_data.py", preprocess + ["--workers", "2"]),
+                 ("tools/preprocess_data.py", preprocess),  # the output exists: exit 2
+                 ("tools/make_demo_corpus.py", ["--max-docs", "40"])]  # no --output: exit 2
+        procs = []
+        for script, argv in steps:
+            if how == "fresh":
+                proc = subprocess.run([sys.executable, script, *map(str, argv)], cwd=REPO,
+                                      env=run_env(), capture_output=True, text=True, timeout=300)
+            else:
+                proc = forked_trainer.run_tool(script, argv, run_env(), timeout=300)
+            stdout = RATE.sub("", proc.stdout.replace(str(out), "OUT")).splitlines()
+            procs.append((proc.returncode, stdout, proc.stderr.replace(str(out), "OUT")))
+        files = {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+        runs[how] = (procs, files)
+    assert runs["forked"] == runs["fresh"]
+    procs, files = runs["forked"]
+    assert [code for code, _, _ in procs] == [0, 0, 2, 2]
+    assert sorted(files) == ["c.jsonl", "d_text_document.bin", "d_text_document.idx"]
+    # the byte tokenizer: one token per UTF-8 byte of each document, and its EOD
+    texts = [json.loads(line)["text"] for line in files["c.jsonl"].decode().splitlines()]
+    done = [line for line in procs[1][1] if line.startswith("done:")]
+    assert len(texts) == 40 and done, procs[1]
+    assert f"40 documents, {sum(len(t.encode()) + 1 for t in texts)} tokens" in done[0]
+    assert procs[3][2].startswith("make_demo_corpus.py: error: "), procs[3][2]  # its argv[0]

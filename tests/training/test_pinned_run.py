@@ -4,17 +4,15 @@ naming both, and an explicit choice goes on, said once."""
 
 import os
 import shutil
-import subprocess
-import sys
 
+import forked_trainer
 import pytest
 
-from trainer_runs import REPO, base_args, run_env, train
+from trainer_runs import base_args, run_env, train
 
 
 def tool(argv, check=True):
-    proc = subprocess.run([sys.executable] + argv, cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = forked_trainer.run_tool(argv[0], argv[1:], run_env(), timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import forked_trainer
 import numpy as np
 import pytest
 import torch
@@ -25,8 +26,7 @@ PRETRAIN = dict(train_iters=2, seq_length=64, jreg_lambda=0.0)
 
 
 def tool(argv):
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=run_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = forked_trainer.run_tool(argv[0], argv[1:], run_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -2,19 +2,19 @@
 proportions, the JREG weightings/alpha/kernels reach the logged R and the gradient, and
 activation recomputation (full uniform/block, selective) trains exactly as without it.
 
-Runs go through ``megatron_jreg.train`` in a subprocess, wrapped by a small driver that
-records, without changing anything, what the trainer fed its train steps and how often
-megatron-core checkpointed and replayed layers (so "same numbers as without recompute"
-cannot pass by recompute silently not happening)."""
+Runs go through ``megatron_jreg.train`` in a process of their own (forked from one that has
+imported the trainer: tests/forked_trainer.py), wrapped by a small driver that records,
+without changing anything, what the trainer fed its train steps and how often megatron-core
+checkpointed and replayed layers (so "same numbers as without recompute" cannot pass by
+recompute silently not happening)."""
 
 import json
 import math
 import random
-import subprocess
-import sys
 
+import forked_trainer
 import pytest
-from trainer_runs import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import base_args, read_metrics, run_env, train
 
 from megatron_jreg.jreg import regularizer
 
@@ -76,8 +76,7 @@ def driver(tmp_path_factory):
 
 
 def recorded_train(driver, argv, record_path, timeout=600):
-    proc = subprocess.run([sys.executable, str(driver), str(record_path)] + argv, cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=timeout)
+    proc = forked_trainer.run_tool(driver, [record_path, *argv], run_env(), timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
@@ -117,11 +116,11 @@ def two_corpora(tmp_path_factory):
     prefixes = []
     for name, chars, sep, seed in (("a", A_CHARS, A_SEP, 1), ("b", B_CHARS, B_SEP, 2)):
         _write_corpus(root / f"{name}.jsonl", chars, sep, seed)
-        proc = subprocess.run(
-            [sys.executable, "tools/preprocess_data.py", "--input", str(root / f"{name}.jsonl"),
-             "--output-prefix", str(root / name), "--tokenizer-type", "ByteTokenizer",
-             "--append-eod", "--workers", "1"],
-            cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+        proc = forked_trainer.run_tool(
+            "tools/preprocess_data.py",
+            ["--input", root / f"{name}.jsonl", "--output-prefix", root / name,
+             "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"],
+            run_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         prefixes.append(str(root / name) + "_text_document")
     return prefixes

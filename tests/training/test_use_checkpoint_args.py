@@ -8,20 +8,18 @@ tokenizer the checkpoint carries.
 
 import json
 import os
-import subprocess
-import sys
 
+import forked_trainer
 import pytest
 import torch
 import yaml
 
 from session_cache import build_once
-from trainer_runs import REPO, read_metrics, run_env, train
+from trainer_runs import read_metrics, run_env, train
 
 
 def _run(cmd):
-    proc = subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = forked_trainer.run_tool(cmd[0], cmd[1:], run_env(), timeout=600)
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc
 
