@@ -30,7 +30,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 HASHED_BYTES = 256 << 20  # a larger non-weight file is keyed by size and mtime
 
 
-def _file_key(path: str):
+def file_key(path: str):
     st = os.stat(path)
     if st.st_size > HASHED_BYTES:
         return [st.st_size, st.st_mtime_ns]
@@ -48,16 +48,16 @@ def hf_model_identity(model_dir: str) -> Dict[str, object]:
             st = os.stat(path)
             weights[name] = [st.st_size, st.st_mtime_ns]
         else:  # config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
-            files[name] = _file_key(path)
+            files[name] = file_key(path)
     return {"hf_model": model_dir, "files": files, "weights": weights}
 
 
 def _path_key(path: str):
     """A tokenizer file by its content; a directory (vocab.json and merges.txt) by each file's."""
     if os.path.isdir(path):
-        return {name: _file_key(os.path.join(path, name)) for name in sorted(os.listdir(path))
+        return {name: file_key(os.path.join(path, name)) for name in sorted(os.listdir(path))
                 if os.path.isfile(os.path.join(path, name))}
-    return _file_key(path) if os.path.isfile(path) else None
+    return file_key(path) if os.path.isfile(path) else None
 
 
 def tokenizer_files_identity(data, tokenizer_model: Optional[str] = None) -> Dict[str, object]:

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+from megatron_jreg.downstream.cache import file_key
 from megatron_jreg.errors import InputError, missing_extra
 
 OFFLINE_HINT = (
@@ -124,14 +125,12 @@ def _digest(tasks) -> str:
 
     items = sorted((str(k), config(v)) for k, v in dict(tasks).items())
     text = json.dumps(items, sort_keys=True, default=_stable)
-    files = {path: _file_key(path) for path in sorted(_local_files(items))}
+    files = {path: file_key(path) for path in sorted(_local_files(items))}
     return hashlib.sha256((text + json.dumps(files, sort_keys=True)).encode()).hexdigest()
 
 
 def _local_files(value) -> set:
     """The existing local files a task config names (its data files, a local dataset path)."""
-    import os
-
     if isinstance(value, str):
         return {os.path.realpath(value)} if os.path.isabs(value) and os.path.isfile(value) else set()
     if isinstance(value, dict):
@@ -139,15 +138,6 @@ def _local_files(value) -> set:
     if isinstance(value, (list, tuple)):
         return set().union(*(_local_files(v) for v in value)) if value else set()
     return set()
-
-
-def _file_key(path: str):
-    from megatron_jreg.downstream.cache import HASHED_BYTES
-    from megatron_jreg.data.tokenizers import file_sha256
-    import os
-
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns] if st.st_size > HASHED_BYTES else file_sha256(path)
 
 
 def _stable(value) -> str:
