@@ -108,8 +108,9 @@ class ExperimentConfig:
             out.append(("--metrics-file", self.logging.metrics_file, False, False))
         if self.logging.tensorboard_dir:
             out.append(("--tensorboard-dir", self.logging.tensorboard_dir, True, False))
-        if self.wandb_dir():
-            out.append(("--wandb-save-dir", self.wandb_dir(), True, False))
+        wandb_dir = self.wandb_dir()
+        if wandb_dir:
+            out.append(("--wandb-save-dir", wandb_dir, True, False))
         if not self.data.sft:  # megatron-core's sample-index cache: every rank builds it
             cache = self.data.data_cache_path or os.path.join(
                 os.path.dirname(os.path.abspath(self.data_prefixes()[0])), "index-cache")
