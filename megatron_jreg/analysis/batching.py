@@ -6,7 +6,7 @@ sequence (so a ``--max-tokens`` cut and any input error are the same everywhere)
 data-parallel rank takes every ``dp``-th one, in batches of one shape, ``[batch_size,
 width of the longest sequence]`` (rounded up to a multiple of TP under sequence
 parallelism), as many on every rank (a short rank runs fully masked batches); the
-per-layer sums are then added over the world with one all-reduce.
+per-layer sums are then added over the world with one all-reduce (:attr:`MeasureWorld.groups`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.errors import InputError
-from megatron_jreg.platform.device import collective_device
 
 NO_TOKENS = (
     "no tokens to evaluate: the input is empty after skipping blank documents; "
@@ -151,20 +149,11 @@ class MeasureWorld:
             return _StreamPlan(sequences, batch_size, pad_id, max_tokens)
         return _ShardPlan(sequences, batch_size, pad_id, self)
 
-    def reduce(self, acc: JumpAccumulator) -> JumpAccumulator:
-        """The sums over every rank of the world (TP, PP and DP), as one accumulator."""
-        if not self.distributed:
-            return acc
-        import torch.distributed as dist
-
-        stats = torch.tensor([acc.psi_sums, acc.counts], dtype=torch.float64,
-                             device=collective_device())  # [2, L]
-        dist.all_reduce(stats)
-        total = JumpAccumulator(acc.num_layers)
-        for layer in range(1, acc.num_layers + 1):
-            psi_sum, count = float(stats[0, layer - 1]), int(round(float(stats[1, layer - 1])))
-            total.add_sums(layer, psi_sum, count)
-        return total
+    @property
+    def groups(self) -> Tuple[None, ...]:
+        """The process groups a measurement's sums are added over: the default group (every
+        rank of the world: TP, PP and DP) under torchrun, none on one process."""
+        return (None,) if self.distributed else ()
 
 
 ONE_PROCESS = MeasureWorld()

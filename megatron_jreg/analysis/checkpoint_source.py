@@ -10,10 +10,9 @@ training-time :class:`JregTracker` measures inside each layer, so ``Psi_l`` here
 the trainer's on the same tokens. ``h_L`` is taken before the final norm unless
 ``include_final_norm``.
 
-Under torchrun each rank adds what it holds, and one all-reduce (:class:`MeasureWorld`)
-gives exactly the sums of one process: each layer lives on one pipeline stage; without
-sequence parallelism the TP ranks hold identical states and only TP rank 0 counts; with
-it each TP rank counts its chunk of the sequence; DP ranks hold disjoint documents.
+Under torchrun each rank adds its own tokens and one all-reduce gives exactly the sums of
+one process, by the trainer's rule for counting each token once
+(:mod:`megatron_jreg.ops.psi_accumulator`).
 
 Documents are tokenized as the trainer's data was (``tokenizer.encode``: no BOS/EOS).
 """
@@ -44,7 +43,7 @@ from megatron_jreg.checkpoint.model_loader import (
 from megatron_jreg.cli import add_fields
 from megatron_jreg.errors import InputError
 from megatron_jreg.model.config import ParallelConfig
-from megatron_jreg.ops.token_mask import local_token_mask
+from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
 
 
 class CheckpointSource:
@@ -86,13 +85,6 @@ class CheckpointSource:
             self._tokenizer = build_run_tokenizer(self.loaded.configs, self._tokenizer_model)
         return list(self._tokenizer.encode(text))
 
-    def _local_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """[b, s] -> the [s(/tp), b] mask of this rank's hidden states, counted once."""
-        local = local_token_mask(mask, self.sequence_parallel, self.tp_rank, self.tp_size)
-        if not self.sequence_parallel and self.tp_rank != 0:
-            local = torch.zeros_like(local)  # the same states as TP rank 0: count them once
-        return local.to(self.device)
-
     @torch.no_grad()
     def accumulate(self, input_ids: torch.Tensor, mask: torch.Tensor, acc: JumpAccumulator) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -114,8 +106,12 @@ class CheckpointSource:
             output = model(tokens, positions, attention_mask)  # logits on the last stage
             return output, lambda _: (torch.zeros((), device=self.device), {})
 
+        # the [s(/tp), b] mask of this rank's hidden states, with the tokens it adds
+        local = local_token_mask(mask, self.sequence_parallel, self.tp_rank, self.tp_size)
+        if not owns_tokens(self.sequence_parallel, self.tp_rank):
+            local = torch.zeros_like(local)  # TP rank 0 adds the replicated tokens
         chunks = self.loaded.chunks
-        self._capture.run(acc, self._local_mask(mask), lambda: get_forward_backward_func()(
+        self._capture.run(acc, local.to(self.device), lambda: get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None]),
             model=chunks if len(chunks) > 1 else chunks[0],

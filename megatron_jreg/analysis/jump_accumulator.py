@@ -2,7 +2,8 @@
 
 ``Psi_l`` is the mean of ``psi_l`` over every counted token of the set: the accumulator
 keeps per-layer sums of ``psi`` and token counts in float64, so the result is the same
-however the tokens were batched (never a mean of per-batch means).
+however the tokens were batched (never a mean of per-batch means). The sums are
+:class:`megatron_jreg.ops.psi_accumulator.PsiAccumulator`'s, the trainer's own.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
-
 from megatron_jreg import strict_json
-from megatron_jreg.jreg import jump_rates, masked_sum
-from megatron_jreg.ops import token_displacement
+from megatron_jreg.jreg import jump_rates
+from megatron_jreg.ops.psi_accumulator import PsiAccumulator
 
 # The keys of the report JSON that every consumer may rely on.
 REPORT_KEYS = ("model", "num_layers", "tokens", "displacement", "jump_rate", "include_final_norm")
@@ -24,128 +23,15 @@ REPORT_KEYS = ("model", "num_layers", "tokens", "displacement", "jump_rate", "in
 DERIVED_KEYS = ("jump_rate_by_layer",)
 
 
-class JumpAccumulator:
-    """Sums of ``psi_l`` and token counts for layers 1..L, fed batch by batch.
+class JumpAccumulator(PsiAccumulator):
+    """Sums of ``psi_l`` and token counts for layers 1..L over an evaluation set, and the
+    report they give.
 
     A hidden-state source calls :meth:`add` once per layer and batch with the layer's
     input ``h_{l-1}`` and output ``h_l``; a source that already reduced its tokens (a
     pipeline stage, a data-parallel rank) calls :meth:`add_sums`, and accumulators of
-    different ranks combine with :meth:`merge`.
+    different ranks combine with :meth:`merge` or :meth:`reduce`.
     """
-
-    def __init__(self, num_layers: int, impl: str = "auto"):
-        if num_layers < 1:
-            raise ValueError(f"JumpAccumulator: num_layers must be >= 1, got {num_layers}")
-        self.num_layers = num_layers
-        self.impl = impl
-        self._sums: List[float] = [0.0] * num_layers  # float64 (Python floats)
-        self._counts: List[int] = [0] * num_layers
-        # (layer, sum, count) of batches added on the device and not yet read: reading them
-        # one by one would wait for the GPU inside every layer's forward
-        self._pending: List[tuple] = []
-
-    def _flush(self) -> None:
-        """Fold the pending device sums into the float64 totals, in the order added (the
-        same totals as adding each at once), with one wait for the device."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        # one device: the layers of a model spread by a device map add on their own devices
-        device = pending[0][1].device
-        totals = torch.stack([total.to(device, torch.float64) for _, total, _ in pending])
-        counts = torch.stack([torch.as_tensor(count, dtype=torch.float64, device=device)
-                              for _, _, count in pending])  # exact below 2**53 tokens
-        for (layer, _, _), (total, count) in zip(pending, torch.stack([totals, counts], 1).tolist()):
-            self._sums[layer - 1] += total
-            self._counts[layer - 1] += int(count)
-
-    @property
-    def psi_sums(self) -> List[float]:
-        self._flush()
-        return self._sums
-
-    @property
-    def counts(self) -> List[int]:
-        self._flush()
-        return self._counts
-
-    def _check_layer(self, layer: int) -> None:
-        if not 1 <= layer <= self.num_layers:
-            raise ValueError(f"JumpAccumulator: layer must be in 1..{self.num_layers}, got {layer}")
-
-    @torch.no_grad()
-    def add(
-        self,
-        layer: int,
-        h_prev: torch.Tensor,
-        h_next: torch.Tensor,
-        mask: Optional[torch.Tensor] = None,
-    ) -> None:
-        """Add one batch of layer ``layer`` (1-based): h_prev = h_{l-1}, h_next = h_l.
-
-        h_prev, h_next: [..., h] in any layout ([b, s, h] or Megatron's [s, b, h]), in any
-        dtype and on any devices (h_prev and the mask are moved to h_next's); psi is fp32.
-        mask: bool of the token shape [...] (True = counted; padding is False), or None.
-        """
-        self._check_layer(layer)
-        # a pair from a model spread over devices is combined on h_next's device
-        h_prev = h_prev.detach().to(h_next.device)
-        if mask is not None:
-            mask = mask.to(h_next.device)
-        psi = token_displacement(h_prev, h_next.detach(), impl=self.impl)  # [...] fp32
-        try:
-            total = masked_sum(psi.double(), mask)
-        except ValueError as err:
-            raise ValueError(f"JumpAccumulator.add: {err}") from None
-        count = psi.numel() if mask is None else mask.sum()
-        self._pending.append((layer, total, count))
-
-    def add_states(
-        self, states: Sequence[torch.Tensor], mask: Optional[torch.Tensor] = None
-    ) -> None:
-        """Add all layers of one batch from the L+1 states h_0..h_L."""
-        if len(states) != self.num_layers + 1:
-            raise ValueError(
-                f"JumpAccumulator.add_states: expected {self.num_layers + 1} states h_0..h_L, "
-                f"got {len(states)}"
-            )
-        for layer in range(1, self.num_layers + 1):
-            self.add(layer, states[layer - 1], states[layer], mask)
-
-    def add_sums(self, layer: int, psi_sum: float, count: int) -> None:
-        """Add an already reduced sum of ``psi_l`` over ``count`` tokens."""
-        self._check_layer(layer)
-        if count < 0:
-            raise ValueError(f"JumpAccumulator.add_sums: count must be >= 0, got {count}")
-        self._flush()
-        self._sums[layer - 1] += float(psi_sum)
-        self._counts[layer - 1] += int(count)
-
-    def merge(self, other: "JumpAccumulator") -> None:
-        """Add another accumulator's sums (e.g. from another data-parallel rank)."""
-        if other.num_layers != self.num_layers:
-            raise ValueError(
-                f"JumpAccumulator.merge: {other.num_layers} layers into {self.num_layers}"
-            )
-        for layer in range(1, self.num_layers + 1):
-            self.add_sums(layer, other.psi_sums[layer - 1], other.counts[layer - 1])
-
-    @property
-    def tokens(self) -> int:
-        """The number of counted tokens (the same for every layer once a batch is complete)."""
-        if len(set(self.counts)) != 1:
-            raise RuntimeError(
-                f"JumpAccumulator: layers saw different token counts {self.counts}; "
-                "a source must add every layer of every batch"
-            )
-        return self.counts[0]
-
-    def displacement(self) -> List[float]:
-        """Psi_1..Psi_L, the mean psi over all counted tokens."""
-        tokens = self.tokens
-        if tokens == 0:
-            raise ValueError("JumpAccumulator: no tokens were counted; nothing to average")
-        return [s / tokens for s in self.psi_sums]
 
     def report(
         self,

@@ -2,7 +2,7 @@
 
 The one measurement path of every source (HF models, our checkpoints on one process or
 under torchrun): the source adds each batch's per-layer sums to a JumpAccumulator, the
-world adds them up over its ranks (nothing to do on one process).
+accumulator adds them up over the world's ranks (nothing to do on one process).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from megatron_jreg.analysis.batching import (
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator, JumpReport
 from megatron_jreg.analysis.sources import HiddenStateSource
 from megatron_jreg.errors import InputError
+from megatron_jreg.platform.device import collective_device
 
 __all__ = ["measure_jump", "pad_batch", "batches"]  # pad_batch, batches: from batching
 
@@ -56,7 +57,7 @@ def measure_jump(
             bar.update(step)
     if plan.tokens == 0:
         raise InputError(NO_TOKENS)
-    total = world.reduce(acc)
+    total = acc.reduce(world.groups, device=collective_device() if world.groups else None)
     if total.counts != [plan.tokens] * total.num_layers:
         raise RuntimeError(
             f"{label}: the layers counted {total.counts} tokens, expected {plan.tokens} each; "

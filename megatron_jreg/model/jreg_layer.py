@@ -8,8 +8,9 @@ loss never needs another stage's tensors. The mean over tokens, the layer weight
 ``megatron_jreg.jreg``'s functions.
 
 Hidden states are [s, b, h]. Under sequence parallelism each TP rank holds s/tp tokens: the
-token mean divides by the global count, and the logged value is summed over the TP group.
-Without it the states are replicated over TP and each rank holds the full value.
+token mean divides by the global count, and each rank's share is summed over the TP group.
+Without it the states are replicated over TP and TP rank 0's value is logged. The logged
+values are a :class:`megatron_jreg.ops.psi_accumulator.PsiAccumulator`, eval_jump's too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_jreg.jreg import layer_weights, masked_mean, regularizer
 from megatron_jreg.model.config import JregConfig
 from megatron_jreg.ops import attach_penalty, token_displacement
-from megatron_jreg.ops.token_mask import local_token_mask
+from megatron_jreg.ops.psi_accumulator import PsiAccumulator, local_token_mask, owns_tokens
 from megatron_jreg.platform.device import current_device
 
 
@@ -38,9 +39,10 @@ CONTEXT_PARALLEL_UNSUPPORTED = ("not supported with JREG yet: context parallelis
 class JregTracker:
     """Per-process JREG state shared by the model's layers.
 
-    Holds the config and layer weights, the backward scale of the penalty, and per-layer
-    accumulators of Psi_l over the micro-batches of one step (or one evaluation). The
-    accumulators live on the activations' device and are reduced only by :meth:`reduce`.
+    Holds the config and layer weights, the backward scale of the penalty, and a
+    :class:`PsiAccumulator` of each layer's Psi_l over the micro-batches of one step (or one
+    evaluation), counted in micro-batches. It lives on the activations' device and is
+    reduced only by :meth:`reduce`.
     """
 
     def __init__(self, config: JregConfig, num_layers: int, sequence_parallel: bool = False):
@@ -54,8 +56,9 @@ class JregTracker:
         self._weights_list = self.weights.tolist()
         self.loss_scale = 1.0
         self.token_mask: Optional[torch.Tensor] = None  # [b, s] bool of the current micro-batch
-        self._sums: Optional[torch.Tensor] = None  # [L] sum over micro-batches of Psi_l partials
-        self._counts = [0] * num_layers  # micro-batches seen per layer
+        # sum over micro-batches of this rank's share of Psi_l, fp32 as the partials are
+        self._psi = PsiAccumulator(num_layers, dtype=torch.float32)
+        self._microbatches = [0] * num_layers  # micro-batches seen per layer on this rank
         # Full recompute replays a layer in backward, after later micro-batches' forwards
         # have replaced token_mask. Each layer's no-grad pass queues its mask here and the
         # recompute takes it back: megatron's schedules run a chunk's backwards in the order
@@ -71,8 +74,8 @@ class JregTracker:
         self.token_mask = mask
 
     def reset(self) -> None:
-        self._sums = None
-        self._counts = [0] * self.num_layers
+        self._psi.reset()
+        self._microbatches = [0] * self.num_layers
         self._recompute_masks.clear()
 
     # ---- called by each layer -------------------------------------------------------------
@@ -132,37 +135,32 @@ class JregTracker:
         return h_next
 
     def _record(self, layer_number: int, partial: torch.Tensor) -> None:
-        if self._sums is None:
-            self._sums = torch.zeros(self.num_layers, dtype=torch.float32, device=partial.device)
-        self._sums[layer_number - 1] += partial
-        self._counts[layer_number - 1] += 1
+        # counted once over TP: this rank's share of Psi_l when the tokens are its own; the
+        # micro-batch itself, held by every TP rank, by TP rank 0
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        if owns_tokens(self.sequence_parallel, tp_rank):
+            self._psi.add_sums(layer_number, partial, 1.0 if tp_rank == 0 else 0.0)
+        self._microbatches[layer_number - 1] += 1
 
     # ---- per step, collective -----------------------------------------------------------
     def reduce(self) -> Dict[str, object]:
         """Psi_1..Psi_L (global layer numbers) averaged over micro-batches and DP ranks.
 
-        Collective over the TP (with sequence parallelism), PP and DP groups: every rank
-        calls it. Returns {"psi": [L floats], "R": float, "penalty": float, "microbatches":
-        [this rank's micro-batch count per layer, 0 for layers on other stages]}.
+        Collective over the TP, PP and DP groups: every rank calls it. Returns {"psi": [L
+        floats], "R": float, "penalty": float, "microbatches": [this rank's micro-batch
+        count per layer, 0 for layers on other stages]}.
         """
-        # a rank that recorded nothing (no layer of this step ran here) reduces zeros on
-        # the run's device
-        device = self._sums.device if self._sums is not None else current_device()
-        sums = self._sums if self._sums is not None else torch.zeros(self.num_layers, device=device)
-        counts = torch.tensor(self._counts, dtype=torch.float32, device=device)
-        psi = sums / counts.clamp(min=1.0)
+        groups = []
         if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-            if self.sequence_parallel:
-                dist.all_reduce(psi, group=parallel_state.get_tensor_model_parallel_group())
-            # each layer lives on exactly one pipeline rank: the others contribute zeros
-            dist.all_reduce(psi, group=parallel_state.get_pipeline_model_parallel_group())
-            dp_group = parallel_state.get_data_parallel_group()
-            dist.all_reduce(psi, group=dp_group)
-            psi = psi / dist.get_world_size(group=dp_group)
-        values: List[float] = psi.tolist()
+            groups = [parallel_state.get_tensor_model_parallel_group(),
+                      parallel_state.get_pipeline_model_parallel_group(),
+                      parallel_state.get_data_parallel_group()]
+        # a rank that recorded nothing (no layer of this step ran here) adds zeros on the
+        # run's device
+        values: List[float] = self._psi.reduce(groups, device=current_device()).means().tolist()
         r = regularizer(values, self._weights_list)
         return {"psi": values, "R": r, "penalty": self.config.lam * r,
-                "microbatches": list(self._counts)}
+                "microbatches": list(self._microbatches)}
 
 
 class JregTransformerLayer(TransformerLayer):
