@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from typing import Dict, List, Optional
@@ -120,6 +121,22 @@ class CheckpointSource:
             micro_batch_size=batch,
             forward_only=True,
         ))
+
+
+def load_checkpoint_source(
+    root: str,
+    iteration: int,
+    parallel: ParallelConfig,
+    name: str,
+    include_final_norm: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+    tokenizer_model: Optional[str] = None,
+) -> CheckpointSource:
+    """Load iteration ``iteration`` of the run saved in ``root`` at the layout ``parallel``
+    (this rank's chunks under torchrun), ready to measure."""
+    loaded = load_model(root, iteration, parallel, device=device, dtype=dtype)
+    return CheckpointSource(loaded, name, include_final_norm, tokenizer_model)
 
 
 def checkpoint_world(sequence_parallel: bool) -> MeasureWorld:
@@ -255,14 +272,11 @@ def _build(args: argparse.Namespace) -> List[SourceEntry]:
         for it in iterations:
             label = f"{_run_name(root)}@{it}"
 
-            def open_source(root: str = root, it: int = it, label: str = label):
-                loaded = load_model(root, it, parallel, device=device, dtype=dtype)
-                return CheckpointSource(loaded, label, include_final_norm, tokenizer_model)
-
             entries.append(
                 SourceEntry(
                     label=label,
-                    open=open_source,
+                    open=functools.partial(load_checkpoint_source, root, it, parallel, label,
+                                           include_final_norm, device, dtype, tokenizer_model),
                     # a trajectory sorts and tabulates by iteration; several runs do not
                     iteration=it if len(roots) == 1 else None,
                     describe=os.path.abspath(root),
