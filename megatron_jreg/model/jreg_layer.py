@@ -137,7 +137,8 @@ class JregTracker:
     def _record(self, layer_number: int, partial: torch.Tensor) -> None:
         # counted once over TP: this rank's share of Psi_l when the tokens are its own; the
         # micro-batch itself, held by every TP rank, by TP rank 0
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_rank = (parallel_state.get_tensor_model_parallel_rank()
+                   if parallel_state.model_parallel_is_initialized() else 0)
         if owns_tokens(self.sequence_parallel, tp_rank):
             self._psi.add_sums(layer_number, partial, 1.0 if tp_rank == 0 else 0.0)
         self._microbatches[layer_number - 1] += 1
