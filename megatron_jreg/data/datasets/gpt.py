@@ -15,7 +15,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from megatron_jreg.data.token_range import index_key
+from megatron_jreg.data.datasets.token_range import index_key
 
 _SPLIT_HELP = "comma-separated train,valid,test weights, e.g. 969,30,1"
 # megatron-core's .idx header: magic (9 bytes), version (Q), dtype code (B), sequence count
@@ -140,7 +140,7 @@ def build_gpt_datasets(
 ):
     """(train, valid, test) datasets; a split with zero weight or size gives None.
 
-    ``tokenizer`` is a ``megatron_jreg.data.tokenizers`` tokenizer (GPTDataset reads its
+    ``tokenizer`` is a ``megatron_jreg.data.tokenizers.build`` tokenizer (GPTDataset reads its
     ``eod``, ``vocab_size`` and ``unique_identifiers``). Sample counts of None mean one epoch
     for an unweighted blend; for a weighted blend (megatron-core needs counts there) a
     validation or test count of None or 0 leaves that split out.
