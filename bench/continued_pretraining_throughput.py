@@ -90,7 +90,7 @@ def plain_tokens_per_s(args) -> float:
     for layer in layers:
         hooks.append(layer.register_forward_hook(
             lambda m, a, out: captured.append(out[0] if isinstance(out, tuple) else out)))
-    from megatron_jreg.data.demo_corpus import DemoCorpusConfig, iter_demo_documents
+    from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, iter_demo_documents
 
     text = "\n".join(d["text"] for _, d in zip(range(400), iter_demo_documents(
         DemoCorpusConfig(output="unused"))))

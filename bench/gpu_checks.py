@@ -86,7 +86,7 @@ def default_jsonl() -> str:
 # the package's modules the checks import (the trainer's imports cover the data tools')
 PACKAGE_MODULES = ("megatron_jreg.ops", "megatron_jreg.model.builder", "megatron_jreg.training.step",
                    "megatron_jreg.training.optimizer", "megatron_jreg.training.trainer",
-                   "megatron_jreg.data.preprocess", "megatron_jreg.train")
+                   "megatron_jreg.data.preprocess.pipeline", "megatron_jreg.train")
 INSTALL = "python3 -m pip install --no-build-isolation --no-deps -e ."
 
 

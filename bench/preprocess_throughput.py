@@ -49,8 +49,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_jreg.data.demo_corpus import DemoCorpusConfig, iter_demo_documents  # noqa: E402
-from megatron_jreg.data.tokenizer_training import (  # noqa: E402
+from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, iter_demo_documents  # noqa: E402
+from megatron_jreg.data.tokenizers.training import (  # noqa: E402
     TrainTokenizerConfig,
     train_sentencepiece,
 )

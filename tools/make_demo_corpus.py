@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jreg.cli import tool_values  # noqa: E402
-from megatron_jreg.data.demo_corpus import DemoCorpusConfig, write_demo_corpus  # noqa: E402
+from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, write_demo_corpus  # noqa: E402
 
 
 def main(argv=None) -> int:

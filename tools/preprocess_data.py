@@ -11,7 +11,7 @@ import sys
 # Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_jreg.data.preprocess import main  # noqa: E402
+from megatron_jreg.data.preprocess.pipeline import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jreg.cli import tool_values  # noqa: E402
-from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_tokenizer  # noqa: E402
+from megatron_jreg.data.tokenizers.training import TrainTokenizerConfig, train_tokenizer  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
 
-from megatron_jreg.data.text_sources import BadLineError, jsonl_records, utf8_lines
+from megatron_jreg.data.preprocess.sources import BadLineError, jsonl_records, utf8_lines
 from megatron_jreg.errors import InputError
 
 Document = Union[str, Sequence[int]]

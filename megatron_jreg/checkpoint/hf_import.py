@@ -182,7 +182,7 @@ def _check_save(save: str) -> None:
 def staged_tokenizer_identity(tokenizer_dir: str, rows: int, hf_model: str) -> str:
     """The saved tokenizer as the trainer reads it: its ids must fit the embedding's
     ``rows``; returns its identity for the run config (what resume and the tools check)."""
-    from megatron_jreg.data.tokenizers import HuggingFaceTokenizer, tokenizer_identity
+    from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity
 
     tokenizer = HuggingFaceTokenizer(tokenizer_dir)
     if tokenizer.vocab_size > rows:

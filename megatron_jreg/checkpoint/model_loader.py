@@ -325,7 +325,7 @@ def build_run_tokenizer(configs: Dict[str, object], tokenizer_model: Optional[st
     now holding vocab.json and merges.txt), NullTokenizer from the saved vocabulary, which
     counts its EOD (the trainer saves ``--vocab-size`` + 1).
     """
-    from megatron_jreg.data.tokenizers import build_tokenizer
+    from megatron_jreg.data.tokenizers.build import build_tokenizer
 
     data = configs["data"]
     kind = data.tokenizer_type
@@ -364,7 +364,7 @@ def _check_pinned(configs, tokenizer, model_file, override: Optional[str]) -> No
     """The tokenizer built must be the one the run trained with (its saved identity): a
     file retrained in place is refused; one passed with --tokenizer-model is used as
     asked, said once."""
-    from megatron_jreg.data.tokenizers import describe_tokenizer, tokenizer_identity
+    from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
 
     data, vocab = configs["data"], configs["model"].vocab_size
     pinned = getattr(data, "tokenizer_identity", None)

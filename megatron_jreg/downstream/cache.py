@@ -23,7 +23,7 @@ import os
 from typing import Dict, Optional
 
 from megatron_jreg.atomic_write import output_locks, write_text_atomic
-from megatron_jreg.data.tokenizers import file_sha256
+from megatron_jreg.data.tokenizers.build import file_sha256
 from megatron_jreg.errors import InputError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

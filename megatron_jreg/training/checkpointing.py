@@ -36,7 +36,7 @@ def _identity_of(saved) -> Optional[str]:
     """The tokenizer identity of a checkpoint saved before the pin, from its recorded
     tokenizer as it is now (its run config names it); None when it cannot be built."""
     from megatron_jreg.checkpoint.model_loader import build_run_tokenizer
-    from megatron_jreg.data.tokenizers import tokenizer_identity
+    from megatron_jreg.data.tokenizers.build import tokenizer_identity
     from megatron_jreg.errors import InputError
 
     try:
@@ -165,7 +165,7 @@ class Checkpointer:
         resume and ``--finetune`` share); a different tokenizer is refused naming both
         unless --allow-tokenizer-change. Records this run's tokenizer in its config."""
         from megatron_jreg.checkpoint.model_loader import read_run_configs
-        from megatron_jreg.data.tokenizers import describe_tokenizer, tokenizer_identity
+        from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
         from megatron_jreg.errors import InputError
         from megatron_jreg.training.checkpoint_args import architecture_differences
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron_jreg import config_values
-from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS
-from megatron_jreg.data.tokenizers import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
+from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS
+from megatron_jreg.data.tokenizers.build import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
 from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig, _flag
 from megatron_jreg.training.megatron_lm import MegatronLMConfig
 

@@ -15,8 +15,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from megatron_jreg import cli
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
-from megatron_jreg.data.batches import data_prefixes
-from megatron_jreg.data.gpt_datasets import GPTDataConfig, check_indexed_dataset
+from megatron_jreg.data.datasets.batches import data_prefixes
+from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
 from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.training.config import (
     BUILDERS,
@@ -188,7 +188,7 @@ class ExperimentConfig:
 
     def _check_sft_data(self) -> None:
         """--sft reads chat datasets (token and loss-mask pairs), unweighted."""
-        from megatron_jreg.data.sft import SFTDataset
+        from megatron_jreg.data.datasets.sft import SFTDataset
 
         items = list(self.data.data_path)
         if data_prefixes(items) != items:

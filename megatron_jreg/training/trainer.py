@@ -21,12 +21,12 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.atomic_write import check_output_dir, check_output_path
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
-from megatron_jreg.data.batches import rank_microbatches
-from megatron_jreg.data.gpt_datasets import build_gpt_datasets
-from megatron_jreg.data.run_data_check import check_data_against_run
-from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
-from megatron_jreg.data.sft_samples import build_sft_samples
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.datasets.batches import rank_microbatches
+from megatron_jreg.data.datasets.gpt import build_gpt_datasets
+from megatron_jreg.data.datasets.run_data_check import check_data_against_run
+from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
+from megatron_jreg.data.datasets.sft_samples import build_sft_samples
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
     initialize_model_parallel,
@@ -56,7 +56,7 @@ from megatron_jreg.training.metrics import (
 )
 from megatron_jreg.training.megatron_lm import notes
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
-from megatron_jreg.training.sample_order import CyclicOrder
+from megatron_jreg.data.datasets.sample_order import CyclicOrder
 from megatron_jreg.training.signals import SignalFlag
 from megatron_jreg.errors import InputError
 from megatron_jreg.training.step import forward_backward

@@ -92,7 +92,7 @@ def test_mapping_covers_every_llama_weight():
 
 
 def test_byte_tokenizer_export_gives_the_trainers_ids():
-    from megatron_jreg.data.tokenizers import ByteTokenizer
+    from megatron_jreg.data.tokenizers.build import ByteTokenizer
 
     ours = ByteTokenizer()
     hf = byte_tokenizer_fast(ours.eod, ours.bos, ours.pad)

@@ -10,7 +10,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 @pytest.fixture(scope="session")
 def sp_model(tmp_path_factory):
-    from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_sentencepiece
+    from megatron_jreg.data.tokenizers.training import TrainTokenizerConfig, train_sentencepiece
 
     d = tmp_path_factory.mktemp("sp")
     corpus = write_jsonl(d / "train.jsonl", [{"text": t} for t in make_documents(300)])

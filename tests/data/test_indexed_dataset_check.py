@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from megatron_jreg.data import gpt_datasets
-from megatron_jreg.data.preprocess import main as preprocess
+from megatron_jreg.data.datasets import gpt as gpt_datasets
+from megatron_jreg.data.preprocess.pipeline import main as preprocess
 from preprocess_helpers import make_documents, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,8 +95,8 @@ def test_empty_dataset_is_refused(tmp_path):
 
 
 def test_build_gpt_datasets_checks_every_prefix(tmp_path, pair):
-    from megatron_jreg.data.gpt_datasets import GPTDataConfig, build_gpt_datasets
-    from megatron_jreg.data.tokenizers import ByteTokenizer
+    from megatron_jreg.data.datasets.gpt import GPTDataConfig, build_gpt_datasets
+    from megatron_jreg.data.tokenizers.build import ByteTokenizer
 
     other = build(tmp_path, "b", 120, seed=1)
     with open(other + ".bin", "ab") as f:

@@ -15,10 +15,10 @@ import sys
 import numpy
 import pytest
 
-from megatron_jreg.data.indexed_writer import DTYPE_CODES, IndexedDatasetWriter
-from megatron_jreg.data.preprocess import main
-from megatron_jreg.data.sft import SFTDataset
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.preprocess.writer import DTYPE_CODES, IndexedDatasetWriter
+from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import make_documents, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -151,7 +151,7 @@ def test_tool_output_is_megatrons_for_library_tokenizers(tmp_path, tokenizer_arg
 
 
 def test_sft_tokens_and_uint8_mask_are_megatrons(tmp_path, capsys):
-    from megatron_jreg.data.demo_corpus import DemoCorpusConfig, write_demo_corpus
+    from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, write_demo_corpus
 
     chat = str(tmp_path / "chat.jsonl")
     write_demo_corpus(DemoCorpusConfig(output=chat, chat=True, max_docs=60))
@@ -174,7 +174,7 @@ import sys
 FORBIDDEN = ("torch", "megatron", "transformers")
 def heavy():
     return sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
-import megatron_jreg.data.preprocess as preprocess
+import megatron_jreg.data.preprocess.pipeline as preprocess
 original = preprocess.encode_chunk_in_worker
 def checked_encode(chunk):
     result = original(chunk)

@@ -11,8 +11,8 @@ import sys
 import numpy
 import pytest
 
-from megatron_jreg.data.megatron_tokenizers import build_megatron_tokenizer
-from megatron_jreg.data.preprocess import main
+from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
+from megatron_jreg.data.preprocess.pipeline import main
 from preprocess_helpers import SENTENCES, make_documents, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

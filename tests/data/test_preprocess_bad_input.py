@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from megatron_jreg.data import preprocess
-from megatron_jreg.data.preprocess import main
+from megatron_jreg.data.preprocess import pipeline as preprocess
+from megatron_jreg.data.preprocess.pipeline import main
 from preprocess_helpers import make_documents, output_files, write_jsonl
 
 GOOD = '{"text": "a good document"}'
@@ -148,7 +148,7 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, monkeypatch, capsys, how, c
 def test_interrupted_merge_leaves_no_dataset(tmp_path, monkeypatch, capsys, how, code):
     """--partitions: every partition finished, then the parent is interrupted between the
     first and the second partition's add_index (the merge into the final dataset)."""
-    from megatron_jreg.data.indexed_writer import IndexedDatasetWriter
+    from megatron_jreg.data.preprocess.writer import IndexedDatasetWriter
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in make_documents(300)])
     real_add = IndexedDatasetWriter.add_index

@@ -6,7 +6,7 @@ import runpy
 
 import pytest
 
-from megatron_jreg.data.demo_corpus import DemoCorpusConfig, write_demo_corpus
+from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, write_demo_corpus
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
 
@@ -33,8 +33,8 @@ def test_demo_corpus_is_deterministic_and_real_text(tmp_path):
 def test_demo_pipeline_end_to_end(tmp_path, capsys):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_jreg.data.preprocess import main as preprocess_main
-    from megatron_jreg.data.tokenizers import build_tokenizer
+    from megatron_jreg.data.preprocess.pipeline import main as preprocess_main
+    from megatron_jreg.data.tokenizers.build import build_tokenizer
 
     corpus = str(tmp_path / "demo.jsonl")
     assert tool_main("make_demo_corpus.py")(["--output", corpus, "--max-docs", "400"]) == 0

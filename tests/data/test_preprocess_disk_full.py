@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megatron_jreg.data.preprocess import main
+from megatron_jreg.data.preprocess.pipeline import main
 from preprocess_helpers import make_documents, output_files, write_jsonl
 
 MESSAGE_END = "; free space or pick another --output-prefix"
@@ -108,7 +108,7 @@ def test_abort_deletes_without_writing(tmp_path, monkeypatch):
     # the fix, stopped the cleanup before it deleted anything.
     import numpy
 
-    from megatron_jreg.data.indexed_writer import IndexedDatasetOutput
+    from megatron_jreg.data.preprocess.writer import IndexedDatasetOutput
 
     disk = SimulatedDisk(10_000)
     monkeypatch.setattr(builtins, "open", open_on(disk, str(tmp_path)))

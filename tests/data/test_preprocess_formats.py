@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from megatron_jreg.data.preprocess import main
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import make_documents, write_jsonl
 from test_preprocess_roundtrip import read_documents
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_jreg.data.preprocess import main
-from megatron_jreg.data.tokenizers import ByteTokenizer, pack
+from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.data.tokenizers.build import ByteTokenizer, pack
 from preprocess_helpers import make_documents, output_files, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -99,7 +99,7 @@ def test_fallback_watch_without_prctl_ends_an_orphan(tmp_path):
     # Where prctl is missing (macOS), a thread in the child polls its parent instead.
     script = textwrap.dedent("""
         import os, sys, time
-        from megatron_jreg.data import parent_death
+        from megatron_jreg.data.preprocess import parent_death
         parent_death._set_parent_death_signal = lambda: False
         parent_pid = os.getpid()
         pid = os.fork()

@@ -9,8 +9,8 @@ import numpy
 import pytest
 import torch
 
-from megatron_jreg.data.preprocess import main
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import make_documents, write_jsonl
 
 KINDS = ["ByteTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
@@ -93,7 +93,7 @@ def test_json_keys_text_gzip_directory_and_glob(tmp_path):
 
 @pytest.mark.parametrize("tokenizer_args", ["SentencePieceTokenizer"], indirect=True)
 def test_gpt_dataset_batches(tmp_path, tokenizer_args):
-    from megatron_jreg.data.gpt_datasets import GPTDataConfig, build_gpt_datasets
+    from megatron_jreg.data.datasets.gpt import GPTDataConfig, build_gpt_datasets
 
     flags, kwargs = tokenizer_args
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in make_documents(200, seed=3)])
@@ -128,7 +128,7 @@ def test_index_cache_is_built_under_the_cache_lock(tmp_path):
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401 (imported
     import megatron.core.datasets.gpt_dataset  # noqa: F401  here, not inside the wait below)
 
-    from megatron_jreg.data.gpt_datasets import GPTDataConfig, build_gpt_datasets
+    from megatron_jreg.data.datasets.gpt import GPTDataConfig, build_gpt_datasets
 
     docs = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in make_documents(50, seed=5)])
     prefix = run(tmp_path, [docs], ["--tokenizer-type", "ByteTokenizer"], "--append-eod", name="a")

@@ -5,8 +5,8 @@ import json
 import numpy
 import pytest
 
-from megatron_jreg.data.document_encoder import token_dtype
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.preprocess.workers import token_dtype
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import SENTENCES
 
 KINDS = ["ByteTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]

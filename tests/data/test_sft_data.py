@@ -14,10 +14,10 @@ import shutil
 import numpy
 import pytest
 
-from megatron_jreg.data.chat_template import TULU_TEMPLATE, ChatEncoder, ConversationError
-from megatron_jreg.data.preprocess import main
-from megatron_jreg.data.sft import SFTDataset
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.preprocess.chat_templates import TULU_TEMPLATE, ChatEncoder, ConversationError
+from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import write_jsonl
 from sft_reference import CONVERSATIONS, run_sft, tulu_parts, tulu_text
 
@@ -364,7 +364,7 @@ def test_conversation_error_for_a_template_that_changes_content():
 
 
 def test_tokenizer_template_from_chat_template_jinja_or_named_list(tmp_path, hf_tokenizer_json):
-    from megatron_jreg.data.chat_template import resolve_chat_template
+    from megatron_jreg.data.preprocess.chat_templates import resolve_chat_template
 
     shutil.copy(hf_tokenizer_json, tmp_path / "tokenizer.json")
     kind = "HuggingFaceTokenizer"

@@ -9,8 +9,8 @@ the trainer builds adds ``token_mask``: False exactly at the padded input positi
 import numpy as np
 import torch
 
-from megatron_jreg.data.gpt_datasets import token_masked_gpt_dataset_class
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.datasets.gpt import token_masked_gpt_dataset_class
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 
 SEQ = 16
 

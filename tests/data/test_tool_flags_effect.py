@@ -171,7 +171,7 @@ def test_sample_is_uniform_and_in_input_order():
     count is within 5 binomial standard deviations of 4000 k/n; each sample keeps the
     input order, and 3 lines of a size-5 sample are all 3. A line over sentencepiece's
     16384 bytes (which it would skip) is left out and counted."""
-    from megatron_jreg.data.tokenizer_training import sample_lines
+    from megatron_jreg.data.tokenizers.training import sample_lines
 
     n, k, seeds = 12, 4, 4000
     lines = [f"line {i:02d}" for i in range(n)]

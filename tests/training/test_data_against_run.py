@@ -67,8 +67,8 @@ def test_split_with_no_documents_is_refused_not_hung(tmp_path):
 
 
 def _first_samples(prefix, cache_dir, n=4):
-    from megatron_jreg.data.gpt_datasets import GPTDataConfig, build_gpt_datasets
-    from megatron_jreg.data.tokenizers import build_tokenizer
+    from megatron_jreg.data.datasets.gpt import GPTDataConfig, build_gpt_datasets
+    from megatron_jreg.data.tokenizers.build import build_tokenizer
 
     config = GPTDataConfig(data_path=[prefix], split="100,0,0", seq_length=16,
                            cache_dir=str(cache_dir))
@@ -87,7 +87,7 @@ def test_rebuilt_prefix_never_reads_a_stale_index_cache(tmp_path):
 
 
 def test_token_range_cache_is_keyed_by_content(tmp_path):
-    from megatron_jreg.data.token_range import index_key, max_token_id
+    from megatron_jreg.data.datasets.token_range import index_key, max_token_id
 
     prefix, cache = str(tmp_path / "data"), str(tmp_path / "cache")
     write_pair(prefix, [[1, 7, 3], [200, 4]])
@@ -104,7 +104,7 @@ def test_token_range_cache_is_keyed_by_content(tmp_path):
 WORKER = """
 import sys
 import torch.distributed as dist
-from megatron_jreg.data.run_data_check import check_data_against_run
+from megatron_jreg.data.datasets.run_data_check import check_data_against_run
 dist.init_process_group("gloo")
 prefix, cache, out = sys.argv[1], sys.argv[2], sys.argv[3]
 with open(f"{out}{dist.get_rank()}", "w") as f:
@@ -138,7 +138,7 @@ def test_two_ranks_share_the_pass_and_agree(tmp_path):
 def test_token_range_cache_sees_an_in_place_rewrite_with_the_mtime_put_back(tmp_path):
     # Same size, same inode, mtime restored with os.utime: only the ctime tells (the kernel
     # sets it on every write and utime cannot put it back).
-    from megatron_jreg.data.token_range import max_token_id
+    from megatron_jreg.data.datasets.token_range import max_token_id
 
     prefix, cache = str(tmp_path / "data"), str(tmp_path / "cache")
     write_pair(prefix, [[1, 7, 3], [200, 4]])
@@ -160,7 +160,7 @@ def test_a_cache_record_not_written_for_this_content_is_not_trusted(tmp_path):
     another program) was served: a forged max of 3 over ids near 900 (an IndexError later)."""
     import json
 
-    from megatron_jreg.data.token_range import _cache_path, max_token_id
+    from megatron_jreg.data.datasets.token_range import _cache_path, max_token_id
 
     prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
     write_pair(prefix, random_docs(5, 50, 900))

@@ -270,8 +270,8 @@ def test_cyclic_order_is_megatron_lms_sampler(total, mbs, dp):
     sampler gives each DP rank, step after step across epochs (and from a resumed step)."""
     import torch
 
-    from megatron_jreg.data.batches import rank_microbatches
-    from megatron_jreg.training.sample_order import CyclicOrder
+    from megatron_jreg.data.datasets.batches import rank_microbatches
+    from megatron_jreg.data.datasets.sample_order import CyclicOrder
 
     dataset = [{"tokens": [i]} for i in range(total)]
     num_mb = 2

@@ -1,4 +1,4 @@
-"""Megatron-LM's tokenizer types (megatron_jreg/data/megatron_tokenizers.py): Llama2Tokenizer,
+"""Megatron-LM's tokenizer types (megatron_jreg/data/tokenizers/megatron_lm.py): Llama2Tokenizer,
 GPT2BPETokenizer (checked against transformers' GPT-2 tokenizers built from the same files)
 and NullTokenizer, as Megatron-LM 0.16 defines them, and the trainer taking them by name."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trainer_runs import base_args, train
-from megatron_jreg.data.megatron_tokenizers import (
+from megatron_jreg.data.tokenizers.megatron_lm import (
     GPT2BPETokenizer,
     Llama2Tokenizer,
     NullTokenizer,

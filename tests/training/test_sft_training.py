@@ -82,7 +82,7 @@ def test_sft_samples_are_the_reference(sft_data):
     """The samples the trainer reads (build_sft_samples with the trainer's arguments) for
     the first two steps and one of the second epoch: tokens, labels, loss mask and token
     mask equal the reference's."""
-    from megatron_jreg.data.sft_samples import build_sft_samples
+    from megatron_jreg.data.datasets.sft_samples import build_sft_samples
 
     train_samples, _, _ = build_sft_samples([sft_data], "90,10,0", SEQ, SEED,
                                             TRAIN_CONVERSATIONS + 16, 0, PAD)
@@ -198,7 +198,7 @@ def test_export_carries_the_chat_template(one_rank, sft_data, tmp_path):
     trained on (the template is in tokenizer_config.json)."""
     from transformers import AutoTokenizer
 
-    from megatron_jreg.data.sft import SFTDataset
+    from megatron_jreg.data.datasets.sft import SFTDataset
 
     out = export(one_rank["save"], 4, str(tmp_path / "hf"))
     config = json.load(open(os.path.join(out, "tokenizer_config.json")))

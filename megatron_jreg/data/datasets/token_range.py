@@ -27,7 +27,7 @@ from typing import Optional
 import numpy
 
 from megatron_jreg.atomic_write import write_text_atomic
-from megatron_jreg.data.indexed_writer import DTYPE_CODES, read_header
+from megatron_jreg.data.preprocess.writer import DTYPE_CODES, read_header
 
 _CHUNK_BYTES = 64 << 20  # one pass, 64 MiB at a time: a dataset of any size fits in memory
 _DIGESTS: dict = {}  # (path, size, mtime_ns, inode, ctime_ns) -> SHA-256 of the .idx

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy
 
-from megatron_jreg.data.parent_death import die_with_parent
-from megatron_jreg.data.text_sources import Chunk
-from megatron_jreg.data.tokenizers import build_tokenizer, pack
+from megatron_jreg.data.preprocess.parent_death import die_with_parent
+from megatron_jreg.data.preprocess.sources import Chunk
+from megatron_jreg.data.tokenizers.build import build_tokenizer, pack
 
 # Skip reasons, as counted and printed with --skip-invalid.
 MALFORMED_JSON = "malformed JSON"
@@ -336,7 +336,7 @@ class DocumentEncoder:
 
 
 # -- multiprocessing entry points ------------------------------------------------------------
-_ENCODER = None  # a DocumentEncoder, or sft_encoder.SFTEncoder
+_ENCODER = None  # a DocumentEncoder, or sft_workers.SFTEncoder
 
 
 def init_worker(spec, parent_pid: int, encoder=None) -> None:

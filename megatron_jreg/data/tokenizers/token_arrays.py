@@ -1,6 +1,6 @@
 """Small helpers shared by the tokenizers: ids as packed arrays, and file identity.
 
-Kept apart from ``tokenizers`` so that ``megatron_tokenizers`` (which ``tokenizers``
+Kept apart from ``build`` so that ``megatron_lm`` (which ``build``
 dispatches to) can use them without an import circle. numpy and the standard library only.
 """
 

@@ -2,7 +2,7 @@
 
 ``single`` (the default, Megatron-LM's MegatronPretrainingSampler) reads the train samples
 in order: step after step, consecutive chunks of micro-batch x data-parallel samples, which
-is what ``data.batches.rank_microbatches`` does with the dataset itself. ``cyclic``
+is what ``batches.rank_microbatches`` does with the dataset itself. ``cyclic``
 (MegatronPretrainingRandomSampler with data sharding, Megatron-LM's default) gives each DP
 rank its own bucket of the dataset and reads it in a random order drawn anew each epoch
 from a generator seeded by the epoch number; this view maps the index that

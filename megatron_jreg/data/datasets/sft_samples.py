@@ -130,7 +130,7 @@ def refuse_no_loss_tokens(datasets: Sequence, split: str, seq_length: int) -> No
 def build_sft_samples(prefixes: Sequence[str], split: str, seq_length: int, seed: int,
                       train_samples: int, valid_samples: int, pad_id: int):
     """(train, valid or None, padding waste of the train split) over ``prefixes``."""
-    from megatron_jreg.data.sft import SFTDataset
+    from megatron_jreg.data.datasets.sft import SFTDataset
 
     datasets = [SFTDataset(p) for p in prefixes]
     total = sum(len(d) for d in datasets)

@@ -23,10 +23,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
 from megatron_jreg.atomic_write import OutputBusy, check_output_dir, output_lock, temp_marker
-from megatron_jreg.data.document_encoder import encode_chunk_in_worker, init_worker
-from megatron_jreg.data.indexed_writer import IndexedDatasetOutput
-from megatron_jreg.data.parent_death import die_with_parent
-from megatron_jreg.data.preprocess_config import (
+from megatron_jreg.data.preprocess.config import (
     _NO_ROOM,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
@@ -36,15 +33,18 @@ from megatron_jreg.data.preprocess_config import (
     Terminated,
     config_from_args,
 )
-from megatron_jreg.data.progress import Progress, RunStats
-from megatron_jreg.data.sft import metadata_path, write_metadata
-from megatron_jreg.data.sft_encoder import sft_metadata
-from megatron_jreg.data.text_sources import (
+from megatron_jreg.data.preprocess.parent_death import die_with_parent
+from megatron_jreg.data.preprocess.progress import Progress, RunStats
+from megatron_jreg.data.preprocess.sft_files import metadata_path, write_metadata
+from megatron_jreg.data.preprocess.sft_workers import sft_metadata
+from megatron_jreg.data.preprocess.sources import (
     Segment,
     iter_chunks,
     resolve_inputs,
     split_into_partitions,
 )
+from megatron_jreg.data.preprocess.workers import encode_chunk_in_worker, init_worker
+from megatron_jreg.data.preprocess.writer import IndexedDatasetOutput
 from megatron_jreg.errors import InputError
 
 def _mp_context() -> multiprocessing.context.BaseContext:

@@ -15,7 +15,8 @@ import re
 import struct
 from dataclasses import dataclass
 
-from megatron_jreg.data.token_range import index_key
+from megatron_jreg.data.datasets.blend import parse_data_path
+from megatron_jreg.data.datasets.token_range import index_key
 
 _SPLIT_HELP = "comma-separated train,valid,test weights, e.g. 969,30,1"
 # megatron-core's .idx header: magic (9 bytes), version (Q), dtype code (B), sequence count
@@ -64,10 +65,8 @@ class GPTDataConfig:
         self.blend()  # the --data-path weights, checked before any work
 
     def blend(self) -> tuple[list[str], list[float] | None]:
-        """(prefixes, weights or None), parsed the way Megatron-LM parses ``--data-path``."""
-        from megatron.core.datasets.utils import get_blend_from_list
-
-        prefixes, weights = get_blend_from_list(list(self.data_path))
+        """(prefixes, weights or None) of ``--data-path`` (``blend.parse_data_path``)."""
+        prefixes, weights = parse_data_path(self.data_path)
         for prefix, weight in zip(prefixes, weights or ()):
             if not (math.isfinite(weight) and weight > 0):  # megatron-core asserts w > 0
                 raise ValueError(f"--data-path weight {weight} of {prefix!r}: every weight must be "
@@ -140,7 +139,7 @@ def build_gpt_datasets(
 ):
     """(train, valid, test) datasets; a split with zero weight or size gives None.
 
-    ``tokenizer`` is a ``megatron_jreg.data.tokenizers`` tokenizer (GPTDataset reads its
+    ``tokenizer`` is a ``megatron_jreg.data.tokenizers.build`` tokenizer (GPTDataset reads its
     ``eod``, ``vocab_size`` and ``unique_identifiers``). Sample counts of None mean one epoch
     for an unweighted blend; for a weighted blend (megatron-core needs counts there) a
     validation or test count of None or 0 leaves that split out.

@@ -9,7 +9,7 @@ hash), so these objects are passed to it directly.
 ``encode`` never adds BOS/EOS: document boundaries are the EOD token that preprocessing appends
 (``--append-eod``), which is where ``GPTDataset`` resets positions and masks.
 
-Megatron-LM's own types (``MEGATRON_LM_TOKENIZERS``) live in ``data.megatron_tokenizers``,
+Megatron-LM's own types (``MEGATRON_LM_TOKENIZERS``) live in ``tokenizers.megatron_lm``,
 which ``build_tokenizer`` imports when one is asked for (that module imports ``pack`` and
 ``file_sha256`` from here).
 
@@ -26,9 +26,9 @@ from typing import Sequence
 
 import numpy
 
-# Megatron-LM's types are built by data.megatron_tokenizers, as Megatron-LM defines them.
-from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS
-from megatron_jreg.data.token_arrays import file_sha256, pack  # noqa: F401 (the callers' import)
+# Megatron-LM's types are built by tokenizers.megatron_lm, as Megatron-LM defines them.
+from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS
+from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack  # noqa: F401 (the callers' import)
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer", *MEGATRON_LM_TOKENIZERS
@@ -263,7 +263,7 @@ def build_tokenizer(
             f"takes its size from its files, so drop --vocab-size"
         )
     if tokenizer_type in MEGATRON_LM_TOKENIZERS:
-        from megatron_jreg.data.megatron_tokenizers import build_megatron_tokenizer
+        from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
 
         return build_megatron_tokenizer(tokenizer_type, tokenizer_model, vocab_size,
                                         vocab_file, merge_file)

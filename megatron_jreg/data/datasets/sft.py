@@ -1,15 +1,9 @@
-"""SFT data as ``tools/preprocess_data.py --sft`` writes it, and ``SFTDataset`` to read it.
+"""``SFTDataset``: an SFT dataset as ``tools/preprocess_data.py --sft`` writes it, read back.
 
-For ``--output-prefix OUT`` the dataset prefix is ``P = OUT_sft_document``:
+The files (``P.bin``/``.idx`` tokens, ``P_loss_mask.bin``/``.idx`` loss masks, ``P.json``
+metadata, for ``P = OUT_sft_document``) are described in ``preprocess.sft_files``.
 
-- ``P.bin``/``P.idx``: token ids, megatron-core's indexed-dataset format, one sequence per
-  conversation (the whole rendered conversation, tokenised once).
-- ``P_loss_mask.bin``/``.idx``: the same format in uint8, the same sequence lengths; 1 on
-  the tokens of each assistant message's content and its end-of-turn token, else 0.
-- ``P.json``: metadata: the chat template (name and jinja text), the tokenizer, its EOD id
-  and the counts of the run.
-
-The reader uses numpy on the format ``indexed_writer`` documents, not megatron-core:
+The reader uses numpy on the format ``preprocess.writer`` documents, not megatron-core:
 importing it costs seconds and it cannot tell a mask that does not belong to its tokens.
 """
 
@@ -20,29 +14,11 @@ import os
 
 import numpy
 
-from megatron_jreg.atomic_write import write_text_atomic
-from megatron_jreg.data.indexed_writer import DTYPE_CODES, HEADER_BYTES, VERSION, read_header
+from megatron_jreg.data.preprocess.sft_files import FORMAT, MASK_SUFFIX, metadata_path
+from megatron_jreg.data.preprocess.writer import DTYPE_CODES, HEADER_BYTES, VERSION, read_header
 from megatron_jreg.errors import InputError
 
-FORMAT = "megatron-jreg sft 1"
-MASK_SUFFIX = "_loss_mask"
 _REBUILD = "rebuild it with tools/preprocess_data.py --sft"
-
-
-def sft_prefixes(output_prefix: str) -> list[str]:
-    """The token and loss-mask dataset prefixes that ``--output-prefix`` gives."""
-    prefix = f"{output_prefix}_sft_document"
-    return [prefix, prefix + MASK_SUFFIX]
-
-
-def metadata_path(prefix: str) -> str:
-    return prefix + ".json"
-
-
-def write_metadata(prefix: str, metadata: dict) -> None:
-    """Written last, under a temporary name: its counts vouch for the two datasets."""
-    text = json.dumps(metadata, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    write_text_atomic(metadata_path(prefix), text)
 
 
 def _hint(prefix: str) -> str:

@@ -1,13 +1,13 @@
-"""Megatron-LM's tokenizer types that ``data.tokenizers`` does not build itself:
+"""Megatron-LM's tokenizer types that ``tokenizers.build`` does not build itself:
 ``Llama2Tokenizer``, ``GPT2BPETokenizer`` and ``NullTokenizer``, as Megatron-LM 0.16's
 ``megatron/training/tokenizer/tokenizer.py`` defines them (its default, legacy path).
 
-Same interface as ``data.tokenizers``: ``vocab_size``, ``eod``, ``encode``, ``encode_batch``,
+Same interface as ``tokenizers.build``: ``vocab_size``, ``eod``, ``encode``, ``encode_batch``,
 ``encode_packed``, ``decode`` and a JSON-able ``unique_identifiers``. One difference is
 Megatron-LM's own: ``Llama2Tokenizer.encode`` starts every text with BOS, as its
 ``tokenize`` does, so ``preprocess_data.py`` writes the documents Megatron-LM writes.
 
-``data.tokenizers.build_tokenizer`` builds these too (it imports this module when asked
+``tokenizers.build.build_tokenizer`` builds these too (it imports this module when asked
 for one); this module takes ``pack``, ``file_sha256`` and the type names from there. Imports
 neither torch nor megatron-core: preprocessing workers import it.
 """
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy
 
-from megatron_jreg.data.token_arrays import file_sha256, pack
+from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack
 
 MEGATRON_LM_TOKENIZERS = ("Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer")
 

@@ -7,12 +7,12 @@ import errno
 from dataclasses import dataclass, field
 
 from megatron_jreg.cli import tool_parser, tool_values
-from megatron_jreg.data.chat_template import resolve_chat_template
-from megatron_jreg.data.document_encoder import EncoderSpec
-from megatron_jreg.data.sft import metadata_path, sft_prefixes
-from megatron_jreg.data.sft_encoder import OVERLONG_CHOICES, SFTSpec
-from megatron_jreg.data.text_sources import INPUT_FORMATS
-from megatron_jreg.data.tokenizers import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
+from megatron_jreg.data.preprocess.chat_templates import resolve_chat_template
+from megatron_jreg.data.preprocess.sft_files import metadata_path, sft_prefixes
+from megatron_jreg.data.preprocess.sft_workers import OVERLONG_CHOICES, SFTSpec
+from megatron_jreg.data.preprocess.sources import INPUT_FORMATS
+from megatron_jreg.data.preprocess.workers import EncoderSpec
+from megatron_jreg.data.tokenizers.build import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
 from megatron_jreg.errors import InputError
 
 EXIT_USAGE = 2  # bad flags, inputs or data: the user must fix something (argparse uses 2 too)

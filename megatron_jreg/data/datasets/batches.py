@@ -10,18 +10,15 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from megatron_jreg.data.datasets.blend import parse_data_path
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "token_mask")
 
 
 def data_prefixes(data_path: Sequence[str]) -> List[str]:
     """The dataset prefixes of ``--data-path``: plain prefixes, or the prefixes of
     weight/prefix pairs (``0.7 a_text_document 0.3 b_text_document``)."""
-    items = list(data_path)
-    try:
-        [float(x) for x in items[0::2]]
-        return list(items[1::2]) if len(items) % 2 == 0 and len(items) > 1 else list(items)
-    except ValueError:
-        return list(items)
+    return parse_data_path(data_path)[0]
 
 
 def rank_microbatches(dataset, start: int, micro_batch_size: int, num_microbatches: int,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_jreg.data.token_range import (
+from megatron_jreg.data.datasets.token_range import (
     cached_max_token_id,
     max_token_id,
     scan_max_token_id,
@@ -51,8 +51,8 @@ def check_data_against_run(prefixes: Sequence[str], vocab_size: int,
                     f"tokenizer; train with the tokenizer the data was built with (--tokenizer-type, "
                     f"--tokenizer-model), or rebuild it with tools/preprocess_data.py and this one")
         if sft is not None and rank0:
-            from megatron_jreg.data.sft import SFTDataset
-            from megatron_jreg.data.sft_samples import refuse_no_loss_tokens
+            from megatron_jreg.data.datasets.sft import SFTDataset
+            from megatron_jreg.data.datasets.sft_samples import refuse_no_loss_tokens
 
             refuse_no_loss_tokens([SFTDataset(p) for p in prefixes], *sft)
     except ValueError as err:

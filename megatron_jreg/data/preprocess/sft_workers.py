@@ -4,7 +4,7 @@ Each line is one conversation, ``{"messages": [{"role", "content"}, ...]}``; oth
 the record or of a message, are ignored. A chunk's answer holds two datasets' worth of
 bytes, the tokens and the uint8 loss mask, one sequence per conversation in both, so the
 parent writes them like any other preprocessing output (identical for any worker count).
-Like ``document_encoder``, nothing here imports megatron-core or torch.
+Like ``workers``, nothing here imports megatron-core or torch.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy
 
-from megatron_jreg.data.chat_template import ROLES, ChatEncoder, ConversationError
-from megatron_jreg.data.document_encoder import (
+from megatron_jreg.data.preprocess.chat_templates import ROLES, ChatEncoder, ConversationError
+from megatron_jreg.data.preprocess.sft_files import FORMAT
+from megatron_jreg.data.preprocess.sources import Chunk
+from megatron_jreg.data.preprocess.workers import (
     MALFORMED_JSON,
     NOT_AN_OBJECT,
     UNENCODABLE,
@@ -26,9 +28,7 @@ from megatron_jreg.data.document_encoder import (
     surrogate_error,
     token_dtype,
 )
-from megatron_jreg.data.sft import FORMAT
-from megatron_jreg.data.text_sources import Chunk
-from megatron_jreg.data.tokenizers import build_tokenizer
+from megatron_jreg.data.tokenizers.build import build_tokenizer
 
 OVERLONG_CHOICES = ("skip", "truncate")
 
