@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from megatron_jreg.data import gpt_datasets
-from megatron_jreg.data.preprocess import main as preprocess
+from megatron_jreg.commands.preprocess import main as preprocess
 from preprocess_helpers import make_documents, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

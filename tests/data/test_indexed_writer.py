@@ -16,7 +16,7 @@ import numpy
 import pytest
 
 from megatron_jreg.data.indexed_writer import DTYPE_CODES, IndexedDatasetWriter
-from megatron_jreg.data.preprocess import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.sft import SFTDataset
 from megatron_jreg.data.tokenizers import build_tokenizer
 from preprocess_helpers import make_documents, write_jsonl

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from megatron_jreg.data import preprocess
-from megatron_jreg.data.preprocess import main
+from megatron_jreg.commands.preprocess import main
 from preprocess_helpers import make_documents, output_files, write_jsonl
 
 GOOD = '{"text": "a good document"}'

@@ -9,7 +9,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_jreg.data.preprocess import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.tokenizers import build_tokenizer
 from preprocess_helpers import make_documents, write_jsonl
 

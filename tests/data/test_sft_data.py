@@ -15,7 +15,7 @@ import numpy
 import pytest
 
 from megatron_jreg.data.chat_template import TULU_TEMPLATE, ChatEncoder, ConversationError
-from megatron_jreg.data.preprocess import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.sft import SFTDataset
 from megatron_jreg.data.tokenizers import build_tokenizer
 from preprocess_helpers import write_jsonl
