@@ -10,7 +10,8 @@ Adding a kind:
 
 1. Write a class satisfying :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource``
    and ``checkpoint_source.CheckpointSource``).
-2. Write a :class:`SourceKind` whose ``build`` checks the flags and returns one
+2. Write a :class:`SourceKind` with the dataclass of its flags (``flags``; the command
+   ``eval_jump`` adds them) and a ``build`` that checks the parsed values and returns one
    :class:`SourceEntry` per model to evaluate (one per iteration for a trajectory; set
    ``iteration`` so eval_jump prints the trajectory table and plot).
 3. Append it to :func:`source_kinds.builtin_source_kinds`.
