@@ -167,6 +167,20 @@ setup(
     packages=find_packages(include=["megatron_jreg", "megatron_jreg.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    entry_points={
+        # the trainer, and each tool of tools/ under its own name
+        "console_scripts": [
+            "megatron-jreg-train = megatron_jreg.commands.train:main",
+            "megatron-jreg-preprocess = megatron_jreg.commands.preprocess:main",
+            "megatron-jreg-eval-jump = megatron_jreg.commands.eval_jump:main",
+            "megatron-jreg-eval-downstream = megatron_jreg.commands.eval_downstream:main",
+            "megatron-jreg-convert-to-hf = megatron_jreg.commands.convert_to_hf:main",
+            "megatron-jreg-convert-from-hf = megatron_jreg.commands.convert_from_hf:main",
+            "megatron-jreg-compare-seeds = megatron_jreg.commands.compare_seeds:main",
+            "megatron-jreg-make-demo-corpus = megatron_jreg.commands.make_demo_corpus:main",
+            "megatron-jreg-train-tokenizer = megatron_jreg.commands.train_tokenizer:main",
+        ],
+    },
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
 )

@@ -99,7 +99,7 @@ def run_sft(tmp_path, records, *flags, name="out"):
     lines); returns (exit code, input path, output prefix)."""
     from preprocess_helpers import write_jsonl
 
-    from megatron_jreg.data.preprocess.pipeline import main
+    from megatron_jreg.commands.preprocess import main
 
     data = write_jsonl(tmp_path / f"{name}.jsonl", [
         {"messages": r, "id": i} if isinstance(r, list) else r for i, r in enumerate(records)])

@@ -19,7 +19,6 @@ Documents are tokenized as the trainer's data was (``tokenizer.encode``: no BOS/
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -41,7 +40,6 @@ from megatron_jreg.checkpoint.model_loader import (
     launched_world_size,
     load_model,
 )
-from megatron_jreg.cli import add_fields
 from megatron_jreg.errors import InputError
 from megatron_jreg.model.config import ParallelConfig
 from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
@@ -175,7 +173,7 @@ def layout_flags() -> Dict[str, str]:
     return {name: flags[name] for name in LAYOUT_FIELDS}
 
 
-def layout_flags_given(args: argparse.Namespace) -> List[str]:
+def layout_flags_given(args) -> List[str]:
     """The layout flags set away from their defaults (one process, TP1 PP1)."""
     defaults = ParallelConfig()
     return [flag for name, flag in layout_flags().items()
@@ -212,15 +210,11 @@ class CheckpointSourceFlags:
     sequence_parallel: bool = _layout_field("sequence_parallel", False)
 
 
-def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    add_fields(group, CheckpointSourceFlags)
-
-
 def _run_name(root: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(root)))
 
 
-def parallel_layout(args: argparse.Namespace) -> ParallelConfig:
+def parallel_layout(args) -> ParallelConfig:
     """The ParallelConfig the flags ask for (TP1 PP1 for a plain one-process run)."""
     tp = getattr(args, "tensor_model_parallel_size", 1)
     pp = getattr(args, "pipeline_model_parallel_size", 1)
@@ -245,7 +239,7 @@ def parallel_layout(args: argparse.Namespace) -> ParallelConfig:
     return parallel
 
 
-def _build(args: argparse.Namespace) -> List[SourceEntry]:
+def _build(args) -> List[SourceEntry]:
     roots = list(args.load)
     parallel = parallel_layout(args)
     trajectory = bool(getattr(args, "all_iterations", False) or getattr(args, "iterations", None))
@@ -290,7 +284,7 @@ def _build(args: argparse.Namespace) -> List[SourceEntry]:
 CHECKPOINT_SOURCE_KIND = SourceKind(
     name="checkpoint",
     flag="--load",
-    add_arguments=_add_arguments,
+    flags=CheckpointSourceFlags,
     selected=lambda args: bool(getattr(args, "load", None)),
     build=_build,
 )

@@ -15,7 +15,6 @@ before the final norm unless ``include_final_norm``, in which case it is
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from typing import List, Optional, Tuple
@@ -27,7 +26,6 @@ from megatron_jreg.analysis.devices import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
-from megatron_jreg.cli import add_fields
 from megatron_jreg.errors import InputError
 
 # (decoder layers, final norm) attribute paths, tried in order.
@@ -158,11 +156,7 @@ class HFSourceFlags:
         "bfloat16 (psi is still computed in fp32). Needs accelerate."})
 
 
-def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    add_fields(group, HFSourceFlags)
-
-
-def _build(args: argparse.Namespace) -> List[SourceEntry]:
+def _build(args) -> List[SourceEntry]:
     include_final_norm = bool(getattr(args, "include_final_norm", False))
     device = getattr(args, "device", "cpu")
     dtype = getattr(args, "dtype", "float32")
@@ -191,7 +185,7 @@ def _build(args: argparse.Namespace) -> List[SourceEntry]:
 HF_SOURCE_KIND = SourceKind(
     name="hf",
     flag="--hf-model",
-    add_arguments=_add_arguments,
+    flags=HFSourceFlags,
     selected=lambda args: bool(getattr(args, "hf_model", None)),
     build=_build,
 )

@@ -10,7 +10,8 @@ Adding a kind:
 
 1. Write a class satisfying :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource``
    and ``checkpoint_source.CheckpointSource``).
-2. Write a :class:`SourceKind` whose ``build`` checks the flags and returns one
+2. Write a :class:`SourceKind` with the dataclass of its flags (``flags``; the command
+   ``eval_jump`` adds them) and a ``build`` that checks the parsed values and returns one
    :class:`SourceEntry` per model to evaluate (one per iteration for a trajectory; set
    ``iteration`` so eval_jump prints the trajectory table and plot).
 3. Append it to :func:`source_kinds.builtin_source_kinds`.
@@ -18,7 +19,6 @@ Adding a kind:
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
@@ -78,28 +78,27 @@ class SourceEntry:
 
 @dataclass(kw_only=True)
 class SourceKind:
-    """A family of sources and its command-line flags."""
+    """A family of sources and its command-line flags.
+
+    A kind's settings reach it as the parsed values: one attribute per flag (its field
+    name), whatever kind they belong to."""
 
     name: str
     """Short name, used in error messages."""
     flag: str
     """The flag that selects this kind (e.g. ``--hf-model``)."""
-    add_arguments: Callable[[argparse._ArgumentGroup], None]
-    """Adds the kind's flags to the parser."""
-    selected: Callable[[argparse.Namespace], bool]
-    """True when the parsed flags ask for this kind."""
-    build: Callable[[argparse.Namespace], List[SourceEntry]]
-    """Validates the flags (raising InputError) and lists the models to evaluate."""
+    selected: Callable[[Any], bool]
+    """True when the parsed values ask for this kind."""
+    build: Callable[[Any], List[SourceEntry]]
+    """Validates the values (raising InputError) and lists the models to evaluate."""
+    flags: Optional[type] = None
+    """The dataclass whose fields are the kind's flags (the command makes them)."""
+    add_arguments: Optional[Callable[[Any], None]] = None
+    """Adds the kind's flags to an argument group itself, for a kind without ``flags``."""
 
 
-def add_source_arguments(parser: argparse.ArgumentParser, kinds: List[SourceKind]) -> None:
-    group = parser.add_argument_group("model to measure (one kind)")
-    for kind in kinds:
-        kind.add_arguments(group)
-
-
-def build_sources(args: argparse.Namespace, kinds: List[SourceKind]) -> List[SourceEntry]:
-    """The models the flags ask for: none, or those of exactly one kind."""
+def build_sources(args: Any, kinds: List[SourceKind]) -> List[SourceEntry]:
+    """The models the parsed values ask for: none, or those of exactly one kind."""
     chosen = [kind for kind in kinds if kind.selected(args)]
     if len(chosen) > 1:
         flags = " and ".join(kind.flag for kind in chosen)

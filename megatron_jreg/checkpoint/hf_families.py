@@ -2,8 +2,8 @@
 
 megatron-core GPTModel state dict (TP1, as ``model_loader.load_model`` rebuilds it) ->
 ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` or ``GPT2LMHeadModel``
-names and config; ``hf_export`` writes the directory. The names are listed in
-``hf_export``'s docstring. :func:`megatron_state_dict` is the inverse, for ``hf_import``.
+names and config; ``to_hf`` writes the directory. The names are listed in
+``to_hf``'s docstring. :func:`megatron_state_dict` is the inverse, for ``from_hf``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class _StateReader:
 
 
 class _HFReader(_StateReader):
-    """The Hugging Face side (hf_import): what is missing or left over is the user's
+    """The Hugging Face side (from_hf): what is missing or left over is the user's
     files' fault, an InputError."""
 
     SKIP = ("rotary_emb.inv_freq",)
@@ -246,11 +246,11 @@ def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads:
     return out
 
 
-# the model types hf_import converts, by name
+# the model types from_hf converts, by name
 FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "mixtral": "Mixtral", "gpt2": "GPT-2"}
 
 
-# ---- Hugging Face -> megatron-core (hf_import) -------------------------------------------
+# ---- Hugging Face -> megatron-core (from_hf) -------------------------------------------
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from checkpoint_runs import REPO, SEQ, run_tool
-from megatron_jreg.checkpoint.hf_export import (
+from megatron_jreg.checkpoint.to_hf import (
     byte_tokenizer_fast,
-    main,
     megatron_to_hf_state_dict,
     split_qkv,
 )
+from megatron_jreg.commands.convert_to_hf import main
 
 transformers = pytest.importorskip("transformers")
 
@@ -150,7 +150,7 @@ def test_hf_logits_match_ours(exported, checkpoint_reference, checkpoint_text, t
 def test_eval_jump_on_the_export_equals_the_trainers_psi(
     exported, checkpoint_reference, checkpoint_text, trained_checkpoints, tmp_path
 ):
-    from megatron_jreg.analysis.eval_jump_cli import main as eval_jump_main
+    from megatron_jreg.commands.eval_jump import main as eval_jump_main
 
     out = tmp_path / "hf.json"
     assert (

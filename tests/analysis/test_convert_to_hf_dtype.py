@@ -23,7 +23,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 EXPORT = """
 import sys
-from megatron_jreg.checkpoint.hf_export import main
+from megatron_jreg.commands.convert_to_hf import main
 load, pairs = sys.argv[1], sys.argv[2:]
 for output, dtype in zip(pairs[::2], pairs[1::2]):
     assert main(["--load", load, "--output", output, "--dtype", dtype, "--no-tokenizer"]) == 0

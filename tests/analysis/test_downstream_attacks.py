@@ -14,7 +14,7 @@ import pytest
 
 from checkpoint_runs import REPO, run_env, run_tool
 from downstream_tasks import CHOICE, write_tasks
-from megatron_jreg.downstream.eval_downstream_cli import _batch_size
+from megatron_jreg.downstream.evaluate import _batch_size
 from megatron_jreg.errors import InputError
 
 pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ def test_eval_downstream_refuses_a_batch_size_below_one(tiny_hf_model, tmp_path,
 
 FORKED = """
 import multiprocessing, os, signal, sys, time
-from megatron_jreg.downstream.eval_downstream_cli import _signals_as_interrupt_here
+from megatron_jreg.downstream.evaluate import _signals_as_interrupt_here
 
 
 def square(x):

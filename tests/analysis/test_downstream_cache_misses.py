@@ -144,7 +144,7 @@ def few_shot_prefix(train):
 def runs(tiny_hf_model, tmp_path_factory):
     from lm_eval.models.huggingface import HFLM
 
-    from megatron_jreg.downstream.eval_downstream_cli import main
+    from megatron_jreg.commands.eval_downstream import main
 
     root = tmp_path_factory.mktemp("cache_misses")
     model_dir = str(root / "model")

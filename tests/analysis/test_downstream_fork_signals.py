@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from megatron_jreg.downstream.eval_downstream_cli import _signals_as_interrupt_here
+from megatron_jreg.downstream.evaluate import _signals_as_interrupt_here
 
 
 def _child_disposition():

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from checkpoint_runs import ITERS, SEQ, eval_jump
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

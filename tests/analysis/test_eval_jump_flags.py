@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from checkpoint_runs import ITERS, SEQ, run
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.analysis.jump_accumulator import JumpReport
 
 pytest.importorskip("transformers")

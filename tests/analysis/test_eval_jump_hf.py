@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 
 pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_jreg.analysis import JumpReport, compare_reports, load_report
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.analysis.trajectory import format_trajectory_table, trajectory_to_csv
 
 NAN = float("nan")

@@ -16,7 +16,7 @@ from megatron_jreg.analysis import (
     SourceKind,
     builtin_source_kinds,
 )
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 
 
 class ToySource:

@@ -16,7 +16,7 @@ import pytest
 from checkpoint_runs import REPO, run_env
 from megatron_jreg.checkpoint.model_loader import check_layout, check_model_split
 from megatron_jreg.errors import InputError
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.model.config import ParallelConfig
 
 # seven documents (DP=2 with --batch-size 3: rank 0 runs 4 documents in two batches,

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from megatron_jreg.checkpoint.hf_export import HF_CLASSES, hf_config, hf_state_dict  # noqa: E402
+from megatron_jreg.checkpoint.to_hf import HF_CLASSES, hf_config, hf_state_dict  # noqa: E402
 from megatron_jreg.errors import InputError  # noqa: E402
 
 VOCAB, SEQ = 96, 24

@@ -369,7 +369,7 @@ def test_downstream_temporary_directory_is_removed_on_error(tmp_path, monkeypatc
 
     from megatron_jreg import hf_models
     from megatron_jreg.downstream import cache as cache_mod
-    from megatron_jreg.downstream import eval_downstream_cli as cli
+    from megatron_jreg.downstream import evaluate as cli
     from megatron_jreg.downstream import harness
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -435,7 +435,7 @@ def _one_line_error(capsys, main, argv, prog):
 
 def test_bad_references_eval_jump(capsys, tmp_path, empty_hub):
     from megatron_jreg import hf_models
-    from megatron_jreg.analysis.eval_jump_cli import main
+    from megatron_jreg.commands.eval_jump import main
 
     text = tmp_path / "t.txt"
     text.write_text("w1 w2\n")
@@ -452,7 +452,7 @@ def test_bad_references_eval_jump(capsys, tmp_path, empty_hub):
 
 def test_bad_references_eval_downstream(capsys, tmp_path, empty_hub):
     pytest.importorskip("lm_eval")
-    from megatron_jreg.downstream.eval_downstream_cli import main
+    from megatron_jreg.commands.eval_downstream import main
 
     for reference, fix in _bad_references(tmp_path):
         err = _one_line_error(capsys, main, ["--hf-model", reference, "--tasks", "boolq",

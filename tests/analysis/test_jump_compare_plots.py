@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_jreg.analysis import InputError, JumpReport, compare_reports, load_report
-from megatron_jreg.analysis.eval_jump_cli import main
+from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.analysis.trajectory import (
     format_trajectory_table,
     sort_trajectory,

@@ -168,7 +168,7 @@ def test_eval_downstream_refused_while_another_writes_a_report(tiny_hf_model, tm
 
 def test_eval_downstream_cache_entry_has_one_writer(tiny_hf_model, tmp_path, monkeypatch):
     from megatron_jreg.downstream import cache as cache_mod
-    from megatron_jreg.downstream import eval_downstream_cli as cli
+    from megatron_jreg.downstream import evaluate as cli
     from megatron_jreg.downstream import harness
 
     started, release, calls, out = threading.Event(), threading.Event(), [], []

@@ -16,7 +16,7 @@ import numpy
 import pytest
 
 from megatron_jreg.data.preprocess.writer import DTYPE_CODES, IndexedDatasetWriter
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.datasets.sft import SFTDataset
 from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import make_documents, write_jsonl

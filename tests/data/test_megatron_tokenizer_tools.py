@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from preprocess_helpers import SENTENCES, make_documents, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -248,7 +248,7 @@ def test_build_run_tokenizer_finds_moved_gpt2_files(tmp_path, sp_model, gpt2_fil
 def test_export_tokenizer_gives_the_runs_ids(tmp_path, kind, sp_model, gpt2_files):
     from transformers import AutoTokenizer
 
-    from megatron_jreg.checkpoint.hf_export import export_tokenizer
+    from megatron_jreg.checkpoint.to_hf import export_tokenizer
 
     configs, trainers = run_configs(kind, sp_model, gpt2_files)
     out = tmp_path / "hf"
@@ -265,7 +265,7 @@ def test_export_tokenizer_gives_the_runs_ids(tmp_path, kind, sp_model, gpt2_file
 
 
 def test_export_tokenizer_refuses_null_tokenizer(tmp_path, sp_model, gpt2_files):
-    from megatron_jreg.checkpoint.hf_export import export_tokenizer
+    from megatron_jreg.checkpoint.to_hf import export_tokenizer
     from megatron_jreg.errors import InputError
 
     configs, _ = run_configs("NullTokenizer", sp_model, gpt2_files)

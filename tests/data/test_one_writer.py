@@ -231,7 +231,8 @@ import sys, time
 sys.path.insert(0, {repo!r})
 marker = sys.argv[1]
 if __name__ == "__main__":  # not in a spawned worker, which imports this file again
-    from megatron_jreg.data.preprocess import pipeline as preprocess, writer as indexed_writer
+    from megatron_jreg.data.preprocess import writer as indexed_writer
+    from megatron_jreg.commands import preprocess
 
     def held(self):  # the .bin and spill temporaries are written; the rename never comes
         open(marker, "w").close()

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from megatron_jreg.data.preprocess import pipeline as preprocess
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from preprocess_helpers import make_documents, output_files, write_jsonl
 
 GOOD = '{"text": "a good document"}'

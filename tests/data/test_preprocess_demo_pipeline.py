@@ -33,7 +33,7 @@ def test_demo_corpus_is_deterministic_and_real_text(tmp_path):
 def test_demo_pipeline_end_to_end(tmp_path, capsys):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_jreg.data.preprocess.pipeline import main as preprocess_main
+    from megatron_jreg.commands.preprocess import main as preprocess_main
     from megatron_jreg.data.tokenizers.build import build_tokenizer
 
     corpus = str(tmp_path / "demo.jsonl")

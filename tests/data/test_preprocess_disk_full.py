@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from preprocess_helpers import make_documents, output_files, write_jsonl
 
 MESSAGE_END = "; free space or pick another --output-prefix"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import make_documents, write_jsonl
 from test_preprocess_roundtrip import read_documents

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.tokenizers.build import ByteTokenizer, pack
 from preprocess_helpers import make_documents, output_files, write_jsonl
 

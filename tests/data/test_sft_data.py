@@ -15,7 +15,7 @@ import numpy
 import pytest
 
 from megatron_jreg.data.preprocess.chat_templates import TULU_TEMPLATE, ChatEncoder, ConversationError
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.datasets.sft import SFTDataset
 from megatron_jreg.data.tokenizers.build import build_tokenizer
 from preprocess_helpers import write_jsonl

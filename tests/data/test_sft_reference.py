@@ -15,7 +15,7 @@ from sft_reference import (BYTE_EOS, CONVERSATIONS, byte_tulu, reference_sample,
                            sample_order, tulu_text)
 
 from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, write_demo_corpus
-from megatron_jreg.data.preprocess.pipeline import main
+from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.datasets.sft import SFTDataset
 from megatron_jreg.data.datasets.sft_samples import build_sft_samples
 from megatron_jreg.errors import InputError

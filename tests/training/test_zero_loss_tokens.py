@@ -17,7 +17,7 @@ LONG = "Please read this long question carefully before you answer it. " * 4  # 
 
 def chat_data(root, short_ones):
     """40 conversations whose replies start past byte 200, but the first ``short_ones``."""
-    from megatron_jreg.data.preprocess.pipeline import main
+    from megatron_jreg.commands.preprocess import main
 
     lines = []
     for i in range(40):

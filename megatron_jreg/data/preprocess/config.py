@@ -1,23 +1,17 @@
-"""``tools/preprocess_data.py``'s flags, validated config and exit codes."""
+"""``tools/preprocess_data.py``'s validated config, whose fields are its flags."""
 
 from __future__ import annotations
 
-import argparse
 import errno
 from dataclasses import dataclass, field
 
-from megatron_jreg.cli import tool_parser, tool_values
 from megatron_jreg.data.preprocess.chat_templates import resolve_chat_template
+from megatron_jreg.data.preprocess.workers import EncoderSpec
 from megatron_jreg.data.preprocess.sft_files import metadata_path, sft_prefixes
 from megatron_jreg.data.preprocess.sft_workers import OVERLONG_CHOICES, SFTSpec
 from megatron_jreg.data.preprocess.sources import INPUT_FORMATS
-from megatron_jreg.data.preprocess.workers import EncoderSpec
 from megatron_jreg.data.tokenizers.build import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
 from megatron_jreg.errors import InputError
-
-EXIT_USAGE = 2  # bad flags, inputs or data: the user must fix something (argparse uses 2 too)
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
 
 # Write errors the user fixes by making room; any other OSError is a bug or a system fault.
 _NO_ROOM = {errno.ENOSPC: "no space left", getattr(errno, "EDQUOT", -1): "disk quota exceeded"}
@@ -186,18 +180,3 @@ class PreprocessConfig:
             split_sentences=self.split_sentences,
             keep_newlines=self.keep_newlines,
         )
-
-
-DESCRIPTION = ("Tokenise raw text into megatron-core .bin/.idx datasets; with --sft, chat "
-               "conversations into tokens and a loss mask.")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The flags of ``PreprocessConfig``'s fields (``megatron_jreg.cli.tool_parser``)."""
-    return tool_parser({None: PreprocessConfig}, description=DESCRIPTION)
-
-
-def config_from_args(argv: list[str] | None = None) -> PreprocessConfig:
-    """Raises ``PreprocessError`` for a bad value; bad flags exit 2 from argparse."""
-    values = tool_values({None: PreprocessConfig}, argv, description=DESCRIPTION)
-    return PreprocessConfig(**values[None])

@@ -1,4 +1,5 @@
-"""Raw text to megatron-core indexed datasets: ``tools/preprocess_data.py`` lives here.
+"""Raw text to megatron-core indexed datasets: the work of ``tools/preprocess_data.py``
+(its command line: :mod:`megatron_jreg.commands.preprocess`).
 
 Pipeline: the parent reads line-aligned chunks (about ``chunk_bytes`` each) and hands them
 to a pool of workers, which parse, validate and tokenise a whole chunk per message and send
@@ -25,13 +26,9 @@ from concurrent.futures import ProcessPoolExecutor
 from megatron_jreg.atomic_write import OutputBusy, check_output_dir, output_lock, temp_marker
 from megatron_jreg.data.preprocess.config import (
     _NO_ROOM,
-    EXIT_INTERRUPTED,
-    EXIT_TERMINATED,
-    EXIT_USAGE,
     PreprocessConfig,
     PreprocessError,
     Terminated,
-    config_from_args,
 )
 from megatron_jreg.data.preprocess.parent_death import die_with_parent
 from megatron_jreg.data.preprocess.progress import Progress, RunStats
@@ -331,32 +328,3 @@ def _run_locked(config: PreprocessConfig) -> RunStats:
 
 def _raise_terminated(signum, frame) -> None:
     raise Terminated()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: returns the exit code (0 ok, 2 user error, 130 Ctrl-C, 143 SIGTERM)."""
-    try:
-        config = config_from_args(argv)
-    except PreprocessError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        stats = run_preprocess(config)
-    except PreprocessError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted: partial outputs removed", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Terminated:
-        print("terminated: partial outputs removed", file=sys.stderr)
-        return EXIT_TERMINATED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    print(stats.summary())
-    for prefix in config.output_prefixes():
-        print(f"wrote {prefix}.bin and {prefix}.idx")
-    if config.sft:
-        print(f"wrote {metadata_path(config.output_prefixes()[0])}")
-    return 0

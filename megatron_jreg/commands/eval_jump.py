@@ -1,4 +1,12 @@
-"""The command line of ``tools/eval_jump.py``: parse, build the sources, measure, write.
+"""``tools/eval_jump.py``: parse, build the sources, measure, write.
+
+    python tools/eval_jump.py --hf-model DIR --text-file eval.txt --json out.json
+    python tools/eval_jump.py --load CKPT --all-iterations --text-file eval.txt --plot traj.png
+    torchrun --nproc_per_node 4 tools/eval_jump.py --load CKPT --tensor-model-parallel-size 2 \\
+        --text-file eval.txt --json out.json        # TP2 x DP2
+
+Model kinds plug in through ``megatron_jreg.analysis.source_kinds``; the report format is
+in docs/evaluation.md.
 
 Every problem with the user's input surfaces as an :class:`InputError`, printed on one
 line of stderr with exit status 2; tables go to stdout, the progress bar to stderr.
@@ -31,7 +39,6 @@ from megatron_jreg.analysis.source_kinds import builtin_source_kinds
 from megatron_jreg.analysis.sources import (
     SourceEntry,
     SourceKind,
-    add_source_arguments,
     build_sources,
 )
 from megatron_jreg.analysis.text_inputs import read_documents, token_sequences
@@ -41,10 +48,11 @@ from megatron_jreg.analysis.trajectory import (
     trajectory_to_csv,
 )
 from megatron_jreg.cli import add_fields, tool_parser
+from megatron_jreg.commands.exit_codes import NONFINITE, OK, run_command
 from megatron_jreg.errors import InputError
 
 PROG = "eval_jump"
-EXIT_NONFINITE = 3  # as the trainer exits on a NaN loss
+EXIT_NONFINITE = NONFINITE  # as the trainer exits on a NaN loss
 
 EPILOG = (
     "exit status: 0 on success; 2 for bad input (one line on stderr naming it); "
@@ -118,7 +126,12 @@ def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
         "(Shibata et al., EACL 2026). See docs/evaluation.md.",
         epilog=EPILOG,
     )
-    add_source_arguments(parser, list(kinds))
+    group = parser.add_argument_group("model to measure (one kind)")
+    for kind in kinds:
+        if kind.flags is not None:
+            add_fields(group, kind.flags)
+        if kind.add_arguments is not None:
+            kind.add_arguments(group)
     for title, cls in FLAG_GROUPS.items():
         add_fields(parser.add_argument_group(title), cls)
     return parser
@@ -287,7 +300,7 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     # every rank holds the same reports, so the status is the same everywhere; the outputs
     # are written first (with NaN as nan/null), then the problem is reported
     problem = nonfinite_message(measured)
-    status = EXIT_NONFINITE if problem else 0
+    status = EXIT_NONFINITE if problem else OK
     if not output:
         return status
     if args.json:
@@ -315,10 +328,14 @@ def main(argv: Optional[Sequence[str]] = None, kinds: Optional[Sequence[SourceKi
     args = build_parser(kinds).parse_args(argv)
     # one writer per report: held from before the first model loads until the files are in
     outputs = [("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)]
-    try:
+
+    def measure() -> int:
         with output_locks(outputs if _is_output_rank() else []):
             return run(args, kinds)
-    except InputError as e:
-        if _is_output_rank():  # every rank meets the same input error; say it once
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+
+    # every rank meets the same input error; say it once
+    return run_command(measure, prefix=f"{PROG}: error", say=_is_output_rank())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

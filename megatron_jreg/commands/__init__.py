@@ -1,0 +1,1 @@
+"""Entry points: one module per command; the library below never imports argparse."""

@@ -1,0 +1,339 @@
+"""The work of ``tools/eval_downstream.py``: models, tasks, cache, outputs (its command
+line: :mod:`megatron_jreg.commands.eval_downstream`).
+
+Every problem with the input surfaces as an :class:`InputError`: one line on stderr, exit
+status 2. Tasks (and their datasets) load before any model, so a typo or an uncached
+dataset fails before a checkpoint is exported. A checkpoint (``--load``, any TP/PP layout)
+is exported to a temporary Hugging Face directory by ``checkpoint.to_hf`` in a child
+process (megatron's process group and its CPU redirections stay out of the evaluating
+process), then evaluated like ``--hf-model``; only the tasks missing from the cache are.
+``--hf-model`` takes a directory, a hub id already in the local Hugging Face cache (its
+snapshot directory, read offline) or a ``.gguf`` file, which is dequantized into a
+temporary directory for lm-eval's ``hf`` backend (removed afterwards, also on error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import contextlib
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import tempfile
+import threading
+from typing import List, Optional
+
+from megatron_jreg import hf_models
+from megatron_jreg.atomic_write import (
+    check_output_dir,
+    check_output_path,
+    signals_as_interrupt,
+)
+from megatron_jreg.downstream import cache as cache_mod
+from megatron_jreg.downstream import harness
+from megatron_jreg.downstream.report import DownstreamReport, TaskScore
+from megatron_jreg.downstream.tasks import METRICS, pick_metric, resolve_tasks
+from megatron_jreg.errors import InputError
+
+PROG = "eval_downstream"
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                             "megatron_jreg", "eval_downstream")
+
+
+def _flag(default=None, **metadata):
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DownstreamConfig:
+    """The flags of ``eval_downstream``: what :func:`run` evaluates and writes."""
+
+    load: Optional[List[str]] = _flag(metavar="CKPT", exclusive="model", group="models",
+                                      help="--save directories of training runs (any TP/PP)")
+    hf_model: Optional[List[str]] = _flag(
+        metavar="MODEL", exclusive="model", group="models",
+        help="Hugging Face causal LMs: directories written by save_pretrained, hub ids already "
+        "in the local Hugging Face cache (read offline, never downloaded), or .gguf files "
+        "(dequantized into a temporary directory, removed afterwards)")
+    iteration: Optional[int] = _flag(metavar="N", group="models", default_help="the latest",
+                                     help="the iteration of each --load run")
+    tokenizer_model: Optional[str] = _flag(
+        metavar="PATH", group="models",
+        help="the tokenizer of the --load runs, if its file moved since training (a "
+        "GPT2BPETokenizer run: the directory holding vocab.json and merges.txt); another "
+        "tokenizer is used as asked, with one warning")
+    label: Optional[List[str]] = _flag(action="append", metavar="NAME", group="models",
+                                       help="a model's name in the outputs; once per model")
+    tasks: str = _flag("paper", group="tasks", help="'paper' (lambada_openai, boolq, arc_easy, "
+                       "hellaswag, piqa, race, social_iqa, sciq, swag) or a comma list of "
+                       "lm-eval task names")
+    include_path: Optional[List[str]] = _flag(action="append", metavar="DIR", group="tasks",
+                                              help="a folder of local task YAMLs (repeatable)")
+    metric: str = _flag("acc", choices=list(METRICS), group="tasks",
+                        help="acc_norm: taken where a task reports it, acc elsewhere")
+    limit: Optional[float] = _flag(group="tasks", metavar="N",
+                                   help="the first N examples per task (a value below 1: that "
+                                   "fraction)")
+    num_fewshot: int = _flag(0, group="tasks", help="few-shot examples per prompt")
+    batch_size: str = _flag("8", group="how to run the model",
+                            help="lm-eval's batch size: an integer >= 1, auto, or auto:N "
+                            "(the largest batch is searched for N times)")
+    device: str = _flag("cpu", group="how to run the model", help="torch device, e.g. cuda:0")
+    dtype: str = _flag("float32", choices=["float32", "bfloat16", "float16"],
+                       group="how to run the model", help="dtype the model runs in")
+    device_map: Optional[str] = _flag(
+        choices=list(hf_models.DEVICE_MAPS), group="how to run the model",
+        help="for a model larger than one GPU: accelerate spreads its layers over the visible "
+        "GPUs (auto: evenly, then the CPU when they are full; lm-eval's parallelize=True); "
+        "without a GPU all of it runs on the CPU. Replaces --device. Needs accelerate.")
+    json: Optional[str] = _flag(metavar="OUT.json", group="outputs",
+                                help="write one object per model (a list when there are several)")
+    csv: Optional[str] = _flag(metavar="OUT.csv", group="outputs",
+                               help="write model,source,iteration,task,metric,value,stderr rows")
+    cache_dir: str = _flag(DEFAULT_CACHE, group="outputs",
+                           help="results per (model, task, limit) are kept here")
+    no_cache: bool = _flag(False, group="outputs", help="neither read nor write the cache")
+
+
+@dataclasses.dataclass
+class ModelEntry:
+    label: str
+    kind: str  # "load" or "hf_model"
+    path: str  # as given: the report's source
+    iteration: Optional[int] = None
+    seed: Optional[int] = None
+    identity: dict = dataclasses.field(default_factory=dict)
+    local: Optional[str] = None  # --hf-model: the directory or .gguf file it resolved to
+
+
+def _entries(args) -> List[ModelEntry]:
+    from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+    from megatron_jreg.checkpoint.model_loader import checkpoint_iterations, read_run_configs
+
+    paths, kind = (args.load, "load") if args.load else (args.hf_model, "hf_model")
+    if not paths:
+        raise InputError("no model: give --load CKPT ... or --hf-model DIR ...")
+    if args.iteration is not None and kind != "load":
+        raise InputError("--iteration applies to --load CKPT only")
+    if args.tokenizer_model is not None:
+        if kind != "load":
+            raise InputError("--tokenizer-model applies to --load CKPT only (an --hf-model "
+                             "carries its tokenizer)")
+        if not os.path.exists(args.tokenizer_model):
+            raise InputError(f"--tokenizer-model {args.tokenizer_model}: no such file or "
+                             "directory; give the run's tokenizer model")
+    labels = args.label or []
+    if labels and len(labels) != len(paths):
+        raise InputError(f"{len(labels)} --label for {len(paths)} models; give one per model")
+    names = [hf_models.default_label(p) for p in paths]
+    if len(set(names)) < len(names):
+        names = [os.path.normpath(p) for p in paths]
+    entries = []
+    for path, name in zip(paths, labels or names):
+        if kind == "hf_model":
+            # a directory, a cached hub id's snapshot or a .gguf file; InputError otherwise
+            local = hf_models.resolve_hf_model(path)
+            identity = (cache_mod.gguf_identity(local) if hf_models.is_gguf(local)
+                        else cache_mod.hf_model_identity(local))
+            entries.append(ModelEntry(name, kind, path, identity=identity, local=local))
+            continue
+        (iteration,) = checkpoint_iterations(path, iteration=args.iteration)
+        it_dir = ckpt.iteration_dir(path, iteration)
+        configs = read_run_configs(it_dir)
+        seed = int(configs["training"].seed)
+        entries.append(ModelEntry(name, kind, path, iteration, seed, cache_mod.checkpoint_identity(
+            it_dir, path, iteration, configs["data"], tokenizer_model=args.tokenizer_model)))
+    return entries
+
+
+def _export_child(root: str, iteration: int, out: str, queue,
+                  tokenizer_model: Optional[str] = None) -> None:
+    try:
+        from megatron_jreg.checkpoint.to_hf import convert
+
+        queue.put(("ok", convert(root, out, iteration=iteration,
+                                 tokenizer_model=tokenizer_model)))
+    except InputError as err:
+        queue.put(("input", str(err)))
+    except BaseException as err:  # noqa: BLE001 - reported by the parent
+        queue.put(("error", f"{type(err).__name__}: {err}"))
+
+
+def export_checkpoint(root: str, iteration: int, out: str,
+                      tokenizer_model: Optional[str] = None) -> List[str]:
+    """``to_hf.convert`` in a spawned process; returns its warnings. An interrupt (Ctrl-C,
+    SIGTERM) ends the child before the caller removes the directory it writes in.
+    ``tokenizer_model`` replaces the run's tokenizer file (``--tokenizer-model``)."""
+    import queue as queue_mod
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_export_child, args=(root, iteration, out, queue, tokenizer_model))
+    proc.start()
+    status = value = None
+    try:
+        while status is None:
+            try:
+                status, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                if not proc.is_alive() and queue.empty():
+                    status, value = "error", f"the export process died (exit code {proc.exitcode})"
+    finally:
+        if status is None:  # interrupted: the child writes in the caller's temporary directory
+            proc.terminate()
+        proc.join()
+    if status == "input":
+        raise InputError(value)
+    if status != "ok":
+        raise RuntimeError(f"exporting {root} iteration {iteration} failed: {value}")
+    return value
+
+
+def _limit(value: Optional[float]):
+    if value is None:
+        return None
+    if not value > 0:
+        raise InputError(f"--limit {value:g}: must be > 0 (N examples, or a fraction below 1)")
+    return int(value) if value >= 1 and value == int(value) else value
+
+
+_AUTO_BATCH = re.compile(r"auto(:(?P<times>\d+))?")
+
+
+def _batch_size(value: str):
+    """lm-eval's batch size: an int >= 1, "auto" or "auto:N" (the largest batch that fits is
+    searched for N times over the run; N >= 1). lm-eval takes 0 or a negative size without a
+    word and scores nothing, or fails deep in a batch loop."""
+    text = value.strip().lower()
+    auto = _AUTO_BATCH.fullmatch(text)
+    if auto and (auto.group("times") is None or int(auto.group("times")) >= 1):
+        return text
+    try:
+        size = int(text)
+    except ValueError:
+        size = None
+    if size is None or size < 1:
+        raise InputError(f"--batch-size {value}: expected an integer >= 1, auto or auto:N "
+                         "(N >= 1)")
+    return size
+
+
+def evaluate_model(entry: ModelEntry, names, digests, manager, cache, args, limit) -> dict:
+    """{task: lm-eval result} for one model, from the cache where it can."""
+    settings = dict(limit=limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
+                    lm_eval=harness.lm_eval_version(),
+                    transformers=harness.package_version("transformers"))
+    keys = {t: cache.key(entry.identity, task=t, task_config=digests[t], **settings)
+            for t in names}
+    results = {t: cache.get(keys[t]) for t in names}
+    missing = [t for t in names if results[t] is None]
+    if not missing:
+        return results
+    # one writer per cache entry: held while the missing tasks are evaluated and put
+    with cache.writing({f"{entry.label}/{t}": keys[t] for t in missing}):
+        for t in missing:  # a run that held the locks just before may have put them
+            results[t] = cache.get(keys[t])
+        missing = [t for t in missing if results[t] is None]
+        if missing:
+            fresh = _evaluate(entry, missing, manager, args, limit)
+            for t in missing:
+                cache.put(keys[t], fresh[t])
+                results[t] = fresh[t]
+    return results
+
+
+def _evaluate(entry: ModelEntry, missing, manager, args, limit) -> dict:
+    run = dict(dtype=args.dtype, device=args.device, batch_size=_batch_size(args.batch_size),
+               limit=limit,
+               num_fewshot=args.num_fewshot, device_map=args.device_map)
+    print(f"{PROG}: {entry.label}: evaluating {', '.join(missing)}", file=sys.stderr)
+    if entry.kind == "hf_model" and not hf_models.is_gguf(entry.local) and not args.device_map:
+        fresh = harness.evaluate_hf(entry.local, missing, manager, **run)
+    else:
+        # a checkpoint's export, a GGUF file's dense weights and accelerate's offload folder
+        # live here, and go with it (also on an error or Ctrl-C)
+        with tempfile.TemporaryDirectory(prefix="eval_downstream.") as tmp:
+            if entry.kind == "load":
+                model_dir = os.path.join(tmp, "hf")
+                for warning in export_checkpoint(entry.path, entry.iteration, model_dir,
+                                                 args.tokenizer_model):
+                    print(f"{PROG}: warning: {entry.label}: {warning}", file=sys.stderr)
+            elif hf_models.is_gguf(entry.local):
+                print(f"{PROG}: {entry.label}: dequantizing {entry.local} into {tmp}",
+                      file=sys.stderr)
+                # in the dtype the model runs in: half the disk of fp32 for bf16
+                model_dir = hf_models.dequantize_gguf(entry.local, os.path.join(tmp, "hf"),
+                                                      dtype=hf_models.torch_dtype(args.dtype))
+            else:
+                model_dir = entry.local
+            if args.device_map:
+                run["offload_folder"] = os.path.join(tmp, "offload")
+            fresh = harness.evaluate_hf(model_dir, missing, manager, **run)
+    return fresh
+
+
+def run(args: DownstreamConfig) -> List[DownstreamReport]:
+    for flag, path in (("--json", args.json), ("--csv", args.csv)):
+        if path:
+            check_output_path(path, flag)
+    if not args.no_cache:
+        check_output_dir(os.path.expanduser(args.cache_dir), "--cache-dir", args.cache_dir)
+    if args.num_fewshot < 0:
+        raise InputError(f"--num-fewshot {args.num_fewshot}: must be >= 0")
+    limit = _limit(args.limit)
+    _batch_size(args.batch_size)  # before any model is loaded
+    hf_models.check_device_map(args.device_map, args.device)
+    if args.device_map is None:  # a GPU that is not here: refused, not lm-eval's traceback
+        from megatron_jreg.analysis.devices import resolve_device
+
+        resolve_device(args.device)
+    names = resolve_tasks(args.tasks)
+    entries = _entries(args)
+    manager, digests = harness.load_tasks(args.include_path, names)
+    cache = cache_mod.ResultCache(None if args.no_cache else args.cache_dir)
+    reports = []
+    for entry in entries:
+        results = evaluate_model(entry, names, digests, manager, cache, args, limit)
+        report = DownstreamReport(entry.label, entry.path, entry.iteration, entry.seed,
+                                  harness.lm_eval_version(), limit, args.num_fewshot, args.dtype)
+        for t in names:
+            metric, value, stderr = pick_metric(t, results[t]["metrics"], args.metric)
+            report.tasks[t] = TaskScore(metric, value, stderr, results[t].get("samples"),
+                                       results[t]["metrics"])
+        reports.append(report)
+    return reports
+
+
+_DEFAULT_IN_CHILD: set = set()  # signals a forked child takes with their default action
+
+
+def _reset_in_child():
+    for signum in _DEFAULT_IN_CHILD:
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except (ValueError, OSError):  # not the main thread of the child: left as it is
+            pass
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
+
+
+@contextlib.contextmanager
+def _signals_as_interrupt_here(signums=(signal.SIGTERM, signal.SIGHUP)):
+    """``signals_as_interrupt`` for this process only. lm-eval forks a ``multiprocessing``
+    pool to bootstrap its stderrs and ends it with ``terminate()`` (SIGTERM). A forked child
+    takes these signals' default action from the moment it exists: with the handler
+    inherited, a worker died with a ``KeyboardInterrupt: SIGTERM`` traceback, and a worker
+    blocked in C (on a lock held at the fork by another thread of this process) never ran
+    the Python handler at all, so ``terminate()`` waited for it forever."""
+    with signals_as_interrupt(signums):
+        if threading.current_thread() is not threading.main_thread():  # none was set
+            yield
+            return
+        _DEFAULT_IN_CHILD.update(signums)
+        try:
+            yield
+        finally:
+            _DEFAULT_IN_CHILD.difference_update(signums)
