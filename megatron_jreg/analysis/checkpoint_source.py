@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_jreg.analysis.batching import MeasureWorld, one_process
-from megatron_jreg.analysis.devices import resolve_device
+from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_jreg import hf_models
-from megatron_jreg.analysis.devices import resolve_device
+from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind

@@ -15,7 +15,11 @@ from typing import Callable, Dict
 import numpy as np
 import torch
 
-from megatron_jreg.platform.device import device_type
+from megatron_jreg.platform.device import (
+    cuda_generator_state,
+    device_type,
+    set_cuda_generator_state,
+)
 
 
 def rng_state() -> Dict:
@@ -25,8 +29,9 @@ def rng_state() -> Dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
              "device": device_type()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    cuda = cuda_generator_state()
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 
@@ -45,5 +50,5 @@ def set_rng_state(state: Dict, report: Callable[[str], None], source: str = "the
                f"this run is on {here} (its generators differ); they start from --seed")
         return
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state:
+        set_cuda_generator_state(state["cuda"])

@@ -286,7 +286,7 @@ def run(args: DownstreamConfig) -> List[DownstreamReport]:
     _batch_size(args.batch_size)  # before any model is loaded
     hf_models.check_device_map(args.device_map, args.device)
     if args.device_map is None:  # a GPU that is not here: refused, not lm-eval's traceback
-        from megatron_jreg.analysis.devices import resolve_device
+        from megatron_jreg.platform.device import resolve_device
 
         resolve_device(args.device)
     names = resolve_tasks(args.tasks)

@@ -1,5 +1,5 @@
 """The device mapping: which device a run's tensors live on and which backend its
-collectives use. Every other module asks here instead of testing the device itself, so a
+collectives use; a tool's ``--device``, the CUDA generator's state and the memory figure. Every other module asks here instead of testing the device itself, so a
 CPU run (CI) and a GPU run take the same code paths; docs/design.md lists the few places
 that still branch on the device and the CPU tests that run their GPU arms.
 """
@@ -7,8 +7,12 @@ that still branch on the device and the CPU tests that run their GPU arms.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
+import psutil
 import torch
+
+from megatron_jreg.errors import InputError
 
 
 def use_cpu() -> bool:
@@ -38,3 +42,35 @@ def collective_device() -> torch.device:
 
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def resolve_device(device: str) -> torch.device:
+    """A tool's ``--device`` as a torch.device, checked before any model loads; a bad name
+    or a missing GPU is an InputError."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"--device {device}: not a device name; use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available here; use --device cpu")
+    return dev
+
+
+def cuda_generator_state() -> Optional[torch.Tensor]:
+    """The CUDA generator's state where CUDA runs in this process; None on a CPU run."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state()
+    return None
+
+
+def set_cuda_generator_state(state: torch.Tensor) -> None:
+    """Restore :func:`cuda_generator_state`'s state where CUDA is present."""
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak GPU memory allocated on a GPU, the process's resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return psutil.Process().memory_info().rss / 2**30

@@ -22,11 +22,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-import psutil
 import torch
 
 from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.jreg import jump_rates
+from megatron_jreg.platform.device import peak_memory_gib as memory_gib  # noqa: F401 (the trainer reads it here)
 from megatron_jreg.strict_json import finite_or_null
 
 TRAIN, VALIDATION = "train", "validation"
@@ -255,10 +255,3 @@ def model_flops_per_token(model_cfg, vocab: int) -> float:
     kv = model_cfg.query_groups * model_cfg.head_dim
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * model_cfg.ffn_size
     return 6.0 * (layers * per_layer + h * vocab) + 12.0 * layers * h * s
-
-
-def memory_gib(device: torch.device) -> float:
-    """Peak GPU memory allocated, or the process's resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return psutil.Process().memory_info().rss / 2**30

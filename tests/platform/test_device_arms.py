@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_jreg.analysis.devices import resolve_device
+from megatron_jreg.platform.device import resolve_device
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_jreg.checkpoint import model_loader, rng_state
@@ -17,7 +17,7 @@ from megatron_jreg.distributed import setup
 from megatron_jreg.errors import InputError
 from megatron_jreg.platform import cpu as cpu_platform
 from megatron_jreg.platform import device
-from megatron_jreg.training.metrics import memory_gib
+from megatron_jreg.platform.device import peak_memory_gib as memory_gib
 
 # the module (the package's ``displacement`` is the layer-mean function of the same name)
 displacement = importlib.import_module("megatron_jreg.ops.displacement")
