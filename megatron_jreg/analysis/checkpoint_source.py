@@ -43,6 +43,7 @@ from megatron_jreg.checkpoint.model_loader import (
 from megatron_jreg.errors import InputError
 from megatron_jreg.model.config import ParallelConfig
 from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
+from megatron_jreg.model.builder import causal_attention_mask
 
 
 class CheckpointSource:
@@ -87,8 +88,6 @@ class CheckpointSource:
     @torch.no_grad()
     def accumulate(self, input_ids: torch.Tensor, mask: torch.Tensor, acc: JumpAccumulator) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from megatron_jreg.model.builder import causal_attention_mask
 
         batch, seq = input_ids.shape
         cfg = self.loaded.model_config

@@ -35,6 +35,13 @@ from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
 from megatron_jreg.checkpoint.hf_families import megatron_state_dict
 from megatron_jreg.errors import InputError
+from megatron_jreg.atomic_write import check_output_dir, output_lock, temp_dir_beside
+from megatron_jreg.checkpoint.model_loader import init_world, launched_world_size
+from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity
+from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
+from megatron_jreg.hf_models import brief, load_causal_lm, resolve_hf_model, torch_dtype
+from megatron_jreg.model.builder import build_model
+from megatron_jreg.model.config import ModelConfig, ParallelConfig
 
 DTYPES = ("float32", "bfloat16")  # of the saved weights; bfloat16 sets --bf16 in the run config
 # seq_length of the saved run config: the longest context, at most this (a trainer run
@@ -170,8 +177,6 @@ def check_split(model_cfg, tp: int, pp: int) -> None:
 
 
 def _check_save(save: str) -> None:
-    from megatron_jreg.atomic_write import check_output_dir
-
     if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
         raise InputError(f"--save {save}: already exists and is not an empty directory; "
                          "remove it or choose a new directory")
@@ -181,8 +186,6 @@ def _check_save(save: str) -> None:
 def staged_tokenizer_identity(tokenizer_dir: str, rows: int, hf_model: str) -> str:
     """The saved tokenizer as the trainer reads it: its ids must fit the embedding's
     ``rows``; returns its identity for the run config (what resume and the tools check)."""
-    from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity
-
     tokenizer = HuggingFaceTokenizer(tokenizer_dir)
     if tokenizer.vocab_size > rows:
         raise InputError(f"--hf-model {hf_model}: its tokenizer has {tokenizer.vocab_size} ids but "
@@ -216,9 +219,6 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
 
     The lock of ``save`` is held throughout: a second conversion to it is refused, and one
     that takes over a SIGKILLed run's lock removes that run's staging directory."""
-    from megatron_jreg.atomic_write import output_lock
-    from megatron_jreg.checkpoint.model_loader import launched_world_size
-
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
     if launched_world_size() > 1:
@@ -233,12 +233,6 @@ def _convert(hf_model: str, save: str, tp: int, pp: int, dtype: str,
              progress) -> Dict[str, object]:
     import time
 
-    from megatron_jreg.checkpoint.model_loader import init_world
-    from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
-    from megatron_jreg.hf_models import load_causal_lm, resolve_hf_model, torch_dtype
-    from megatron_jreg.model.builder import build_model
-    from megatron_jreg.model.config import ModelConfig, ParallelConfig
-
     t0 = time.time()
     _check_save(save)
     path = resolve_hf_model(hf_model)
@@ -248,8 +242,6 @@ def _convert(hf_model: str, save: str, tp: int, pp: int, dtype: str,
         try:
             config = transformers.AutoConfig.from_pretrained(path)
         except Exception as err:
-            from megatron_jreg.hf_models import brief
-
             raise InputError(f"--hf-model {hf_model}: cannot read config.json ({brief(err)})") from None
         values = model_values(config)
         check_split(ModelConfig(**values), tp, pp)
@@ -263,8 +255,6 @@ def _convert(hf_model: str, save: str, tp: int, pp: int, dtype: str,
                          "tokenizer only); save it with a fast tokenizer first")
     state = megatron_state_dict(hf.state_dict(), model_cfg)
     del hf
-
-    from megatron_jreg.atomic_write import temp_dir_beside
 
     final_root = os.path.abspath(save)
     tmp_root = temp_dir_beside(final_root)

@@ -25,6 +25,7 @@ from typing import Dict, Optional
 from megatron_jreg.atomic_write import output_locks, write_text_atomic
 from megatron_jreg.data.tokenizers.build import file_sha256
 from megatron_jreg.errors import InputError
+from megatron_jreg.checkpoint.manifest import MANIFEST
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 HASHED_BYTES = 256 << 20  # a larger non-weight file is keyed by size and mtime
@@ -87,8 +88,6 @@ def checkpoint_identity(iteration_dir: str, root: str, iteration: int, data=None
                         tokenizer_model: Optional[str] = None) -> Dict[str, object]:
     """``data``: the run config's data section, whose tokenizer files are keyed too (or the
     ``tokenizer_model`` given in their place)."""
-    from megatron_jreg.checkpoint.manifest import MANIFEST
-
     manifest = os.path.join(iteration_dir, MANIFEST)
     return {"checkpoint": os.path.realpath(root), "iteration": iteration,
             "manifest": file_sha256(manifest) if os.path.isfile(manifest) else None,

@@ -36,6 +36,10 @@ from megatron_jreg.downstream import harness
 from megatron_jreg.downstream.report import DownstreamReport, TaskScore
 from megatron_jreg.downstream.tasks import METRICS, pick_metric, resolve_tasks
 from megatron_jreg.errors import InputError
+from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+from megatron_jreg.checkpoint.model_loader import checkpoint_iterations, read_run_configs
+from megatron_jreg.checkpoint.to_hf import convert
+from megatron_jreg.platform.device import resolve_device
 
 PROG = "eval_downstream"
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
@@ -109,9 +113,6 @@ class ModelEntry:
 
 
 def _entries(args) -> List[ModelEntry]:
-    from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-    from megatron_jreg.checkpoint.model_loader import checkpoint_iterations, read_run_configs
-
     paths, kind = (args.load, "load") if args.load else (args.hf_model, "hf_model")
     if not paths:
         raise InputError("no model: give --load CKPT ... or --hf-model DIR ...")
@@ -151,8 +152,6 @@ def _entries(args) -> List[ModelEntry]:
 def _export_child(root: str, iteration: int, out: str, queue,
                   tokenizer_model: Optional[str] = None) -> None:
     try:
-        from megatron_jreg.checkpoint.to_hf import convert
-
         queue.put(("ok", convert(root, out, iteration=iteration,
                                  tokenizer_model=tokenizer_model)))
     except InputError as err:
@@ -286,8 +285,6 @@ def run(args: DownstreamConfig) -> List[DownstreamReport]:
     _batch_size(args.batch_size)  # before any model is loaded
     hf_models.check_device_map(args.device_map, args.device)
     if args.device_map is None:  # a GPU that is not here: refused, not lm-eval's traceback
-        from megatron_jreg.platform.device import resolve_device
-
         resolve_device(args.device)
     names = resolve_tasks(args.tasks)
     entries = _entries(args)

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional
 
 from megatron_jreg.downstream.cache import file_key
 from megatron_jreg.errors import InputError, missing_extra
+from megatron_jreg.downstream.tasks import task_metrics
+from megatron_jreg.platform.device import device_type
 
 OFFLINE_HINT = (
     "pre-populate the datasets cache on a machine with network access (HF_HOME=DIR "
@@ -182,8 +184,6 @@ def evaluate_hf(model_dir: str, names: List[str], manager, *, dtype: str, device
     from lm_eval import simple_evaluate
 
     if device_map is not None:  # lm-eval's inputs go where the first layers went
-        from megatron_jreg.platform.device import device_type
-
         device = device_type()
     # lm-eval prints progress lines ("bootstrapping for stddev") to stdout: the table owns it
     with contextlib.redirect_stdout(sys.stderr):
@@ -191,8 +191,6 @@ def evaluate_hf(model_dir: str, names: List[str], manager, *, dtype: str, device
             model="hf", model_args=model_args(model_dir, dtype, device_map, offload_folder),
             tasks=list(names), task_manager=manager, device=device, batch_size=batch_size,
             limit=limit, num_fewshot=num_fewshot, log_samples=False)
-    from megatron_jreg.downstream.tasks import task_metrics
-
     samples = out.get("n-samples", {})
     results = {}
     for name in names:

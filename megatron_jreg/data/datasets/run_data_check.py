@@ -21,6 +21,8 @@ from megatron_jreg.data.datasets.token_range import (
     store_max_token_id,
 )
 from megatron_jreg.errors import InputError
+from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.data.datasets.sft_samples import refuse_no_loss_tokens
 
 
 def default_cache_dir(prefixes: Sequence[str], cache_dir: Optional[str]) -> str:
@@ -51,9 +53,6 @@ def check_data_against_run(prefixes: Sequence[str], vocab_size: int,
                     f"tokenizer; train with the tokenizer the data was built with (--tokenizer-type, "
                     f"--tokenizer-model), or rebuild it with tools/preprocess_data.py and this one")
         if sft is not None and rank0:
-            from megatron_jreg.data.datasets.sft import SFTDataset
-            from megatron_jreg.data.datasets.sft_samples import refuse_no_loss_tokens
-
             refuse_no_loss_tokens([SFTDataset(p) for p in prefixes], *sft)
     except ValueError as err:
         problem = str(err)

@@ -19,6 +19,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from megatron_jreg.errors import InputError
+from megatron_jreg.data.datasets.sft import SFTDataset
 
 
 def split_ranges(num: int, split: str) -> List[range]:
@@ -130,8 +131,6 @@ def refuse_no_loss_tokens(datasets: Sequence, split: str, seq_length: int) -> No
 def build_sft_samples(prefixes: Sequence[str], split: str, seq_length: int, seed: int,
                       train_samples: int, valid_samples: int, pad_id: int):
     """(train, valid or None, padding waste of the train split) over ``prefixes``."""
-    from megatron_jreg.data.datasets.sft import SFTDataset
-
     datasets = [SFTDataset(p) for p in prefixes]
     total = sum(len(d) for d in datasets)
     train_range, valid_range, _ = split_ranges(total, split)

@@ -29,6 +29,7 @@ import numpy
 # Megatron-LM's types are built by tokenizers.megatron_lm, as Megatron-LM defines them.
 from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack  # noqa: F401 (the callers' import)
+from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer", *MEGATRON_LM_TOKENIZERS
@@ -263,8 +264,6 @@ def build_tokenizer(
             f"takes its size from its files, so drop --vocab-size"
         )
     if tokenizer_type in MEGATRON_LM_TOKENIZERS:
-        from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
-
         return build_megatron_tokenizer(tokenizer_type, tokenizer_model, vocab_size,
                                         vocab_file, merge_file)
     if tokenizer_model is None:
