@@ -113,7 +113,7 @@ def test_convert_to_hf_sigterm_removes_the_temporary_export(checkpoint, tmp_path
     work.mkdir()
     out = tmp_path / "hf"
     proc = killed_while_held(work, ["transformers:PreTrainedModel", "save_pretrained"],
-                             "megatron_jreg.checkpoint.hf_export",
+                             "megatron_jreg.commands.convert_to_hf",
                              ["--load", checkpoint, "--output", out])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 130, proc.stderr[-3000:]
@@ -215,7 +215,7 @@ def test_eval_downstream_sigterm_removes_the_temporary_export(checkpoint, tmp_pa
     work.mkdir()
     proc = killed_while_held(
         work, ["megatron_jreg.downstream.harness", "evaluate_hf"],
-        "megatron_jreg.downstream.eval_downstream_cli",
+        "megatron_jreg.commands.eval_downstream",
         ["--load", checkpoint, "--tasks", LAMBADA, "--include-path", tasks, "--no-cache",
          "--json", tmp_path / "r.json"], call_real=False, TMPDIR=str(tmp),
         HF_HOME=str(tmp_path / "hf_home"))
@@ -287,7 +287,7 @@ def test_convert_to_hf_after_a_sigkill_removes_the_dead_runs_export(checkpoint, 
     work, out = tmp_path / "work", tmp_path / "hf"
     work.mkdir()
     sigkilled_while_held(work, ["transformers:PreTrainedModel", "save_pretrained"],
-                         "megatron_jreg.checkpoint.hf_export",
+                         "megatron_jreg.commands.convert_to_hf",
                          ["--load", checkpoint, "--output", out])
     leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".hf.") and ".lock" not in n]
     proc = run_tool("convert_to_hf.py", ["--load", checkpoint, "--output", out])
@@ -307,7 +307,7 @@ def test_convert_from_hf_after_a_sigkill_removes_the_dead_runs_staging(tiny_hf_m
     work, save = tmp_path / "work", tmp_path / "ckpt"
     work.mkdir()
     sigkilled_while_held(work, ["megatron_jreg.checkpoint.dist_checkpoint", "save_checkpoint"],
-                         "megatron_jreg.checkpoint.hf_import",
+                         "megatron_jreg.commands.convert_from_hf",
                          ["--hf-model", tiny_hf_model, "--save", save])
     leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".ckpt.") and ".lock" not in n]
     proc = run_tool("convert_from_hf.py", ["--hf-model", tiny_hf_model, "--save", save])

@@ -1,9 +1,0 @@
-"""The ``convert_to_hf`` command under this module's name, for callers that run its ``main``.
-
-The command (flags, messages, exit statuses) is :mod:`megatron_jreg.commands.convert_to_hf`; the
-work is :mod:`megatron_jreg.checkpoint.to_hf`.
-"""
-
-from megatron_jreg.commands.convert_to_hf import main
-
-__all__ = ["main"]
