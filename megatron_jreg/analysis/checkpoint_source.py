@@ -31,7 +31,7 @@ from megatron_jreg.analysis.batching import MeasureWorld, one_process
 from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
-from megatron_jreg.analysis.sources import SourceEntry, SourceKind
+from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.checkpoint.model_loader import (
     LoadedModel,
     build_run_tokenizer,
@@ -213,11 +213,11 @@ def _run_name(root: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(root)))
 
 
-def parallel_layout(args) -> ParallelConfig:
+def parallel_layout(flags: CheckpointSourceFlags) -> ParallelConfig:
     """The ParallelConfig the flags ask for (TP1 PP1 for a plain one-process run)."""
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    pp = getattr(args, "pipeline_model_parallel_size", 1)
-    sp = bool(getattr(args, "sequence_parallel", False))
+    tp = flags.tensor_model_parallel_size
+    pp = flags.pipeline_model_parallel_size
+    sp = bool(flags.sequence_parallel)
     world = launched_world_size()
     try:
         parallel = ParallelConfig(
@@ -238,19 +238,27 @@ def parallel_layout(args) -> ParallelConfig:
     return parallel
 
 
-def _build(args) -> List[SourceEntry]:
-    roots = list(args.load)
-    parallel = parallel_layout(args)
-    trajectory = bool(getattr(args, "all_iterations", False) or getattr(args, "iterations", None))
+def checkpoint_entries(
+    flags: CheckpointSourceFlags,
+    *,
+    include_final_norm: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> List[SourceEntry]:
+    """One entry per iteration to measure of each run in ``flags.load`` (none when it is
+    empty), at the layout the flags ask for, run on ``device`` in ``dtype``. The layout,
+    the device and the iterations are checked now, before any checkpoint loads."""
+    roots = list(flags.load or [])
+    if not roots:
+        return []
+    parallel = parallel_layout(flags)
+    trajectory = bool(flags.all_iterations or flags.iterations)
     if trajectory and len(roots) > 1:
         raise InputError(
             f"--all-iterations/--iterations follow one run, but --load got {len(roots)} "
             "directories; measure one run per trajectory"
         )
-    include_final_norm = bool(getattr(args, "include_final_norm", False))
-    device = getattr(args, "device", "cpu")
-    dtype = getattr(args, "dtype", "float32")
-    tokenizer_model = getattr(args, "tokenizer_model", None)
+    tokenizer_model = flags.tokenizer_model
     if tokenizer_model is not None and not os.path.exists(tokenizer_model):
         raise InputError(f"--tokenizer-model {tokenizer_model}: no such file or directory")
     resolve_device(device)  # a bad --device fails before any checkpoint is read
@@ -258,9 +266,9 @@ def _build(args) -> List[SourceEntry]:
     for root in roots:
         iterations = checkpoint_iterations(
             root,
-            iteration=getattr(args, "iteration", None),
-            iterations=getattr(args, "iterations", None),
-            all_iterations=bool(getattr(args, "all_iterations", False)),
+            iteration=flags.iteration,
+            iterations=flags.iterations,
+            all_iterations=bool(flags.all_iterations),
         )
         for it in iterations:
             label = f"{_run_name(root)}@{it}"
@@ -278,12 +286,3 @@ def _build(args) -> List[SourceEntry]:
                 )
             )
     return entries
-
-
-CHECKPOINT_SOURCE_KIND = SourceKind(
-    name="checkpoint",
-    flag="--load",
-    flags=CheckpointSourceFlags,
-    selected=lambda args: bool(getattr(args, "load", None)),
-    build=_build,
-)

@@ -25,7 +25,7 @@ from megatron_jreg import hf_models
 from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
-from megatron_jreg.analysis.sources import SourceEntry, SourceKind
+from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.errors import InputError
 
 # (decoder layers, final norm) attribute paths, tried in order.
@@ -156,14 +156,20 @@ class HFSourceFlags:
         "bfloat16 (psi is still computed in fp32). Needs accelerate."})
 
 
-def _build(args) -> List[SourceEntry]:
-    include_final_norm = bool(getattr(args, "include_final_norm", False))
-    device = getattr(args, "device", "cpu")
-    dtype = getattr(args, "dtype", "float32")
-    device_map = getattr(args, "device_map", None)
+def hf_entries(
+    flags: HFSourceFlags,
+    *,
+    include_final_norm: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> List[SourceEntry]:
+    """One entry per model of ``flags.hf_model`` (none when it is empty), run on ``device``
+    (or spread by ``flags.device_map``) in ``dtype``. Every reference is resolved now, so a
+    missing model fails before any model loads."""
+    device_map = flags.device_map
     hf_models.check_device_map(device_map, device)
     entries = []
-    for reference in args.hf_model:
+    for reference in flags.hf_model or []:
         local = hf_models.resolve_hf_model(reference)  # fails fast, before any model loads
         hub_id = os.path.abspath(local) != os.path.abspath(reference)
 
@@ -180,12 +186,3 @@ def _build(args) -> List[SourceEntry]:
             )
         )
     return entries
-
-
-HF_SOURCE_KIND = SourceKind(
-    name="hf",
-    flag="--hf-model",
-    flags=HFSourceFlags,
-    selected=lambda args: bool(getattr(args, "hf_model", None)),
-    build=_build,
-)

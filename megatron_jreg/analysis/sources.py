@@ -1,20 +1,16 @@
-"""Where hidden states come from: the source interface and the source kinds' shape.
+"""Where hidden states come from: the source interface and one model to evaluate.
 
 A *source* is one loaded model that can tokenize text and push the per-layer pairs
-(h_{l-1}, h_l) of a padded batch into a :class:`JumpAccumulator`. A *source kind* is a
-family of sources with its own command-line flags (``--hf-model`` for Hugging Face
-directories, ``--load`` for our trainer's checkpoints); ``tools/eval_jump.py`` knows only
-the registry of kinds (:mod:`source_kinds`). This module imports no kind.
+(h_{l-1}, h_l) of a padded batch into a :class:`JumpAccumulator`. Two functions list the
+models of a run, each as :class:`SourceEntry` values: :func:`hf_source.hf_entries` for
+Hugging Face models (``--hf-model``) and :func:`checkpoint_source.checkpoint_entries` for
+our trainer's checkpoints (``--load``); the command ``eval_jump`` adds both flag groups
+and calls the one the flags ask for. This module imports neither.
 
-Adding a kind:
-
-1. Write a class satisfying :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource``
-   and ``checkpoint_source.CheckpointSource``).
-2. Write a :class:`SourceKind` with the dataclass of its flags (``flags``; the command
-   ``eval_jump`` adds them) and a ``build`` that checks the parsed values and returns one
-   :class:`SourceEntry` per model to evaluate (one per iteration for a trajectory; set
-   ``iteration`` so eval_jump prints the trajectory table and plot).
-3. Append it to :func:`source_kinds.builtin_source_kinds`.
+A source satisfies :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource`` and
+``checkpoint_source.CheckpointSource``); an entry per model to evaluate opens it (one per
+iteration for a trajectory, with ``iteration`` set so eval_jump prints the trajectory
+table and plot).
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import torch
 
 from megatron_jreg.analysis.batching import MeasureWorld, one_process
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
-from megatron_jreg.errors import InputError
 
 
 @runtime_checkable
@@ -72,47 +67,5 @@ class SourceEntry:
     extra: Dict[str, Any] = field(default_factory=dict)
     """Further keys for the report (e.g. the iteration of one of several runs' checkpoints)."""
     world: Callable[[], MeasureWorld] = one_process
-    """Where the opened source runs (asked after ``open``): one process unless the kind
+    """Where the opened source runs (asked after ``open``): one process unless the source
     spreads the model over a torchrun world."""
-
-
-@dataclass(kw_only=True)
-class SourceKind:
-    """A family of sources and its command-line flags.
-
-    A kind's settings reach it as the parsed values: one attribute per flag (its field
-    name), whatever kind they belong to."""
-
-    name: str
-    """Short name, used in error messages."""
-    flag: str
-    """The flag that selects this kind (e.g. ``--hf-model``)."""
-    selected: Callable[[Any], bool]
-    """True when the parsed values ask for this kind."""
-    build: Callable[[Any], List[SourceEntry]]
-    """Validates the values (raising InputError) and lists the models to evaluate."""
-    flags: Optional[type] = None
-    """The dataclass whose fields are the kind's flags (the command makes them)."""
-    add_arguments: Optional[Callable[[Any], None]] = None
-    """Adds the kind's flags to an argument group itself, for a kind without ``flags``."""
-
-
-def build_sources(args: Any, kinds: List[SourceKind]) -> List[SourceEntry]:
-    """The models the parsed values ask for: none, or those of exactly one kind."""
-    chosen = [kind for kind in kinds if kind.selected(args)]
-    if len(chosen) > 1:
-        flags = " and ".join(kind.flag for kind in chosen)
-        raise InputError(f"{flags} were both given; measure one kind of model per run")
-    if not chosen:
-        return []
-    entries = chosen[0].build(args)
-    labels = getattr(args, "label", None) or []
-    if labels:
-        if len(labels) != len(entries):
-            raise InputError(
-                f"--label was given {len(labels)} times for {len(entries)} models; "
-                "give one --label per model, in order"
-            )
-        for entry, label in zip(entries, labels):
-            entry.label = label
-    return entries

@@ -5,8 +5,9 @@
     torchrun --nproc_per_node 4 tools/eval_jump.py --load CKPT --tensor-model-parallel-size 2 \\
         --text-file eval.txt --json out.json        # TP2 x DP2
 
-Model kinds plug in through ``megatron_jreg.analysis.source_kinds``; the report format is
-in docs/evaluation.md.
+The models come from :func:`megatron_jreg.analysis.hf_source.hf_entries` (``--hf-model``)
+or :func:`megatron_jreg.analysis.checkpoint_source.checkpoint_entries` (``--load``), one
+kind per run; the report format is in docs/evaluation.md.
 
 Every problem with the user's input surfaces as an :class:`InputError`, printed on one
 line of stderr with exit status 2; tables go to stdout, the progress bar to stderr.
@@ -31,16 +32,13 @@ from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg import strict_json
 from megatron_jreg.atomic_write import check_output_path, output_locks, write_text_atomic
-from megatron_jreg.analysis.checkpoint_source import layout_flags_given
+from megatron_jreg.analysis import checkpoint_source, hf_source
+from megatron_jreg.analysis.checkpoint_source import CheckpointSourceFlags, layout_flags_given
 from megatron_jreg.analysis.compare import compare_reports, format_summary_table, load_report
 from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
 from megatron_jreg.analysis.measure import measure_jump
-from megatron_jreg.analysis.source_kinds import builtin_source_kinds
-from megatron_jreg.analysis.sources import (
-    SourceEntry,
-    SourceKind,
-    build_sources,
-)
+from megatron_jreg.analysis.hf_source import HFSourceFlags
+from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.analysis.text_inputs import read_documents, token_sequences
 from megatron_jreg.analysis.trajectory import (
     format_trajectory_table,
@@ -118,7 +116,7 @@ FLAG_GROUPS = {"how to run the model": ModelRunFlags, "evaluation text (one of)"
                "reports and outputs": OutputFlags}
 
 
-def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = tool_parser(
         {},
         prog=PROG,
@@ -127,14 +125,44 @@ def build_parser(kinds: Sequence[SourceKind]) -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     group = parser.add_argument_group("model to measure (one kind)")
-    for kind in kinds:
-        if kind.flags is not None:
-            add_fields(group, kind.flags)
-        if kind.add_arguments is not None:
-            kind.add_arguments(group)
+    add_fields(group, HFSourceFlags)
+    add_fields(group, CheckpointSourceFlags)
     for title, cls in FLAG_GROUPS.items():
         add_fields(parser.add_argument_group(title), cls)
     return parser
+
+
+def _flags_of(args: argparse.Namespace, cls: type):
+    """The dataclass ``cls`` holding its fields' parsed values."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def model_entries(args: argparse.Namespace) -> List[SourceEntry]:
+    """The models the parsed values ask for: none, or those of exactly one kind, named by
+    ``--label`` when it is given."""
+    given = [flag for flag, value in (("--hf-model", args.hf_model), ("--load", args.load))
+             if value]
+    if len(given) > 1:
+        raise InputError(f"{' and '.join(given)} were both given; measure one kind of model per run")
+    run = {"include_final_norm": args.include_final_norm, "device": args.device,
+           "dtype": args.dtype}
+    if args.hf_model:
+        entries = hf_source.hf_entries(_flags_of(args, HFSourceFlags), **run)
+    elif args.load:
+        entries = checkpoint_source.checkpoint_entries(_flags_of(args, CheckpointSourceFlags),
+                                                       **run)
+    else:
+        return []
+    labels = args.label or []
+    if labels:
+        if len(labels) != len(entries):
+            raise InputError(
+                f"--label was given {len(labels)} times for {len(entries)} models; "
+                "give one --label per model, in order"
+            )
+        for entry, label in zip(entries, labels):
+            entry.label = label
+    return entries
 
 
 def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[str]:
@@ -259,12 +287,12 @@ def nonfinite_message(measured: Sequence[Tuple[SourceEntry, JumpReport]]) -> str
     )
 
 
-def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
+def run(args: argparse.Namespace) -> int:
     if getattr(args, "device_map", None) and not getattr(args, "hf_model", None):
         raise InputError(f"--device-map {args.device_map} applies to --hf-model only; a --load "
                          "checkpoint too large for one device runs under torchrun with "
                          "--tensor-model-parallel-size/--pipeline-model-parallel-size")
-    entries = build_sources(args, list(kinds))
+    entries = model_entries(args)
     output = _is_output_rank()
 
     def show(text: str) -> None:
@@ -323,15 +351,14 @@ def run(args: argparse.Namespace, kinds: Sequence[SourceKind]) -> int:
     return status
 
 
-def main(argv: Optional[Sequence[str]] = None, kinds: Optional[Sequence[SourceKind]] = None) -> int:
-    kinds = list(kinds) if kinds is not None else builtin_source_kinds()
-    args = build_parser(kinds).parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     # one writer per report: held from before the first model loads until the files are in
     outputs = [("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)]
 
     def measure() -> int:
         with output_locks(outputs if _is_output_rank() else []):
-            return run(args, kinds)
+            return run(args)
 
     # every rank meets the same input error; say it once
     return run_command(measure, prefix=f"{PROG}: error", say=_is_output_rank())

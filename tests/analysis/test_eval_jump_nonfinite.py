@@ -15,7 +15,8 @@ import shutil
 import pytest
 import torch
 
-from megatron_jreg.analysis import JumpReport, compare_reports, load_report
+from megatron_jreg.analysis.compare import compare_reports, load_report
+from megatron_jreg.analysis.jump_accumulator import JumpReport
 from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.analysis.trajectory import format_trajectory_table, trajectory_to_csv
 

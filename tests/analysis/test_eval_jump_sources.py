@@ -1,22 +1,19 @@
-"""The source-kind registry, exercised by a toy checkpoint kind (a template for --load)."""
+"""eval_jump's choice of models, exercised by a toy checkpoint source standing in for --load."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import List
 
 import pytest
 import torch
 
-from megatron_jreg.analysis import (
-    InputError,
-    JumpAccumulator,
-    SourceEntry,
-    SourceKind,
-    builtin_source_kinds,
-)
-from megatron_jreg.commands.eval_jump import main
+from megatron_jreg.analysis import checkpoint_source
+from megatron_jreg.analysis.checkpoint_source import CheckpointSourceFlags
+from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
+from megatron_jreg.analysis.sources import SourceEntry
+from megatron_jreg.commands.eval_jump import build_parser, main
+from megatron_jreg.errors import InputError
 
 
 class ToySource:
@@ -44,32 +41,27 @@ class ToySource:
             h = h_next
 
 
-def toy_kind() -> SourceKind:
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--load", default=None)
-        group.add_argument("--all-iterations", action="store_true")
+def toy_entries(flags: CheckpointSourceFlags, **run) -> List[SourceEntry]:
+    """A toy run in place of checkpoint_source.checkpoint_entries: --load toy-run."""
+    load = " ".join(flags.load)
+    if load != "toy-run":
+        raise InputError(f"--load {load}: no checkpoint there")
+    iterations = [100, 200, 300] if flags.all_iterations else [300]
+    return [
+        SourceEntry(
+            label=f"toy@{it}",
+            iteration=it,
+            describe=load,
+            open=lambda it=it: ToySource(f"toy@{it}", scale=it / 100),
+        )
+        for it in iterations
+    ]
 
-    def build(args: argparse.Namespace) -> List[SourceEntry]:
-        if args.load != "toy-run":
-            raise InputError(f"--load {args.load}: no checkpoint there")
-        iterations = [100, 200, 300] if args.all_iterations else [300]
-        return [
-            SourceEntry(
-                label=f"toy@{it}",
-                iteration=it,
-                describe=args.load,
-                open=lambda it=it: ToySource(f"toy@{it}", scale=it / 100),
-            )
-            for it in iterations
-        ]
 
-    return SourceKind(
-        name="toy",
-        flag="--load",
-        add_arguments=add_arguments,
-        selected=lambda args: bool(args.load),
-        build=build,
-    )
+@pytest.fixture
+def toy_load(monkeypatch):
+    """--load measures the toy run; --hf-model stays the real one."""
+    monkeypatch.setattr(checkpoint_source, "checkpoint_entries", toy_entries)
 
 
 @pytest.fixture
@@ -79,17 +71,14 @@ def text(tmp_path):
     return path
 
 
-def test_builtin_kinds():
-    assert [k.flag for k in builtin_source_kinds()] == ["--hf-model", "--load"]
+def test_both_kinds_of_model():
+    group = next(g for g in build_parser()._action_groups
+                 if g.title == "model to measure (one kind)")
+    flags = [a.option_strings[0] for a in group._group_actions]
+    assert [f for f in flags if f in ("--hf-model", "--load")] == ["--hf-model", "--load"]
 
 
-def kinds_with_toy():
-    """The HF kind beside the toy one (which takes the real checkpoint kind's --load)."""
-    return [k for k in builtin_source_kinds() if k.flag != "--load"] + [toy_kind()]
-
-
-def test_trajectory_through_the_cli(tmp_path, text, capsys):
-    kinds = kinds_with_toy()
+def test_trajectory_through_the_cli(tmp_path, text, capsys, toy_load):
     out, csv_path = tmp_path / "traj.json", tmp_path / "traj.csv"
     argv = [
         "--load",
@@ -105,7 +94,7 @@ def test_trajectory_through_the_cli(tmp_path, text, capsys):
         str(csv_path),
         "--no-progress",
     ]
-    assert main(argv, kinds=kinds) == 0
+    assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "iteration" in stdout and "zeta_L-2" in stdout
     reports = json.loads(out.read_text())
@@ -115,26 +104,23 @@ def test_trajectory_through_the_cli(tmp_path, text, capsys):
     assert csv_path.read_text().splitlines()[0] == "iteration,model,layer,displacement,jump_rate"
     pytest.importorskip("matplotlib")
     png = tmp_path / "traj.png"
-    assert main(argv[:-1] + ["--plot", str(png)], kinds=kinds) == 0
+    assert main(argv[:-1] + ["--plot", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_one_kind_per_run_and_kind_errors(tmp_path, text, capsys):
-    kinds = kinds_with_toy()
-    assert main(["--load", "elsewhere", "--text-file", str(text)], kinds=kinds) == 2
+def test_one_kind_per_run_and_kind_errors(tmp_path, text, capsys, toy_load):
+    assert main(["--load", "elsewhere", "--text-file", str(text)]) == 2
     assert "--load elsewhere: no checkpoint there" in capsys.readouterr().err
     assert (
         main(
             ["--load", "toy-run", "--hf-model", str(tmp_path), "--text-file", str(text)],
-            kinds=kinds,
         )
         == 2
     )
     assert "measure one kind of model per run" in capsys.readouterr().err
 
 
-def test_batching_is_invisible_in_megatron_layout(tmp_path, text):
-    kinds = kinds_with_toy()
+def test_batching_is_invisible_in_megatron_layout(tmp_path, text, toy_load):
     results = []
     for batch_size in ("1", "3"):
         out = tmp_path / f"b{batch_size}.json"
@@ -151,7 +137,6 @@ def test_batching_is_invisible_in_megatron_layout(tmp_path, text):
                     str(out),
                     "--no-progress",
                 ],
-                kinds=kinds,
             )
             == 0
         )

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_jreg.analysis import InputError, JumpAccumulator, pad_batch
+from megatron_jreg.analysis.batching import pad_batch
+from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
+from megatron_jreg.errors import InputError
 from megatron_jreg.analysis.hf_source import HFCausalLMSource, find_decoder_layers
 
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_jreg.analysis import JumpAccumulator, JumpReport, reports_to_csv
+from megatron_jreg.analysis.jump_accumulator import JumpAccumulator, JumpReport, reports_to_csv
 from megatron_jreg.analysis.measure import pad_batch
 
 

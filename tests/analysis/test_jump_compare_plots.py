@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from megatron_jreg.analysis import InputError, JumpReport, compare_reports, load_report
+from megatron_jreg.analysis.compare import compare_reports, load_report
+from megatron_jreg.analysis.jump_accumulator import JumpReport
+from megatron_jreg.errors import InputError
 from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.analysis.trajectory import (
     format_trajectory_table,
