@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 
-class InputError(ValueError):
+class UserError(ValueError):
+    """A problem with what the user gave us; a command prints it on one line and exits 2."""
+
+
+class ConfigError(UserError):
+    """A setting, or a combination of settings, that cannot make a run."""
+
+
+class InputError(UserError):
     """A problem with what the user gave us (a path, a flag, a file's contents).
 
     The message names the bad value and the fix; ``tools/*.py`` print it on one line and

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_jreg import strict_json  # noqa: E402
 from megatron_jreg.atomic_write import check_output_path, write_text_atomic  # noqa: E402
-from megatron_jreg.cli import ArgumentParser, tool_parser  # noqa: E402
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser  # noqa: E402
 from megatron_jreg.errors import InputError  # noqa: E402
 from megatron_jreg.stats.downstream_scores import read_report_scores  # noqa: E402
 from megatron_jreg.stats.seed_stats import (  # noqa: E402

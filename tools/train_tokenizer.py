@@ -9,7 +9,7 @@ import sys
 # Run from a checkout, use that checkout's package (as Megatron-LM's tools do).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_jreg.cli import tool_values  # noqa: E402
+from megatron_jreg.commands.flags import tool_values  # noqa: E402
 from megatron_jreg.data.tokenizer_training import TrainTokenizerConfig, train_tokenizer  # noqa: E402
 
 

@@ -41,7 +41,7 @@ from megatron_jreg.checkpoint.model_loader import (
     launched_world_size,
     load_model,
 )
-from megatron_jreg.cli import add_fields
+from megatron_jreg.commands.flags import add_fields
 from megatron_jreg.errors import InputError
 from megatron_jreg.model.config import ParallelConfig
 from megatron_jreg.ops.token_mask import local_token_mask

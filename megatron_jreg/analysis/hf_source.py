@@ -27,7 +27,7 @@ from megatron_jreg.analysis.devices import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry, SourceKind
-from megatron_jreg.cli import add_fields
+from megatron_jreg.commands.flags import add_fields
 from megatron_jreg.errors import InputError
 
 # (decoder layers, final norm) attribute paths, tried in order.

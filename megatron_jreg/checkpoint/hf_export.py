@@ -77,7 +77,7 @@ from megatron_jreg.checkpoint.hf_families import (  # noqa: F401 (also this modu
     megatron_to_hf_state_dict,
     split_qkv,
 )
-from megatron_jreg.cli import tool_parser
+from megatron_jreg.commands.flags import tool_parser
 from megatron_jreg.errors import InputError, missing_extra
 from megatron_jreg.hf_models import DTYPE_NAMES, torch_dtype
 

@@ -335,7 +335,7 @@ class ImportConfig:
 
 
 def build_parser():
-    from megatron_jreg.cli import tool_parser
+    from megatron_jreg.commands.flags import tool_parser
 
     return tool_parser(
         {None: ImportConfig}, prog=PROG,

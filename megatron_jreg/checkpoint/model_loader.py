@@ -90,7 +90,7 @@ def checkpoint_iterations(
 
 def read_run_configs(path: str) -> Dict[str, object]:
     """The config sections (model, parallel, data, ...) saved with one iteration directory."""
-    from megatron_jreg.cli import from_yaml_text
+    from megatron_jreg.config.yaml_settings import from_yaml_text
     from megatron_jreg.training.config import SECTIONS
 
     text = ckpt.read_run_config(path)

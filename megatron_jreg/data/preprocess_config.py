@@ -6,7 +6,7 @@ import argparse
 import errno
 from dataclasses import dataclass, field
 
-from megatron_jreg.cli import tool_parser, tool_values
+from megatron_jreg.commands.flags import tool_parser, tool_values
 from megatron_jreg.data.chat_template import resolve_chat_template
 from megatron_jreg.data.document_encoder import EncoderSpec
 from megatron_jreg.data.sft import metadata_path, sft_prefixes
@@ -193,7 +193,7 @@ DESCRIPTION = ("Tokenise raw text into megatron-core .bin/.idx datasets; with --
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of ``PreprocessConfig``'s fields (``megatron_jreg.cli.tool_parser``)."""
+    """The flags of ``PreprocessConfig``'s fields (``megatron_jreg.commands.flags.tool_parser``)."""
     return tool_parser({None: PreprocessConfig}, description=DESCRIPTION)
 
 

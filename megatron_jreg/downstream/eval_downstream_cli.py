@@ -33,7 +33,7 @@ from megatron_jreg.atomic_write import (
     stop_reason,
     write_text_atomic,
 )
-from megatron_jreg.cli import tool_parser
+from megatron_jreg.commands.flags import tool_parser
 from megatron_jreg.downstream import cache as cache_mod
 from megatron_jreg.downstream import harness
 from megatron_jreg.downstream.report import DownstreamReport, TaskScore, format_table, to_csv

@@ -17,6 +17,7 @@ import dataclasses
 import os
 from typing import Dict, List
 
+from megatron_jreg.config.schema import flag_of
 from megatron_jreg.model.config import ModelConfig
 
 # the ModelConfig fields a checkpoint's weights do not pin
@@ -27,6 +28,7 @@ RUN_FIELDS = ("model_preset", "seq_length", "padded_vocab", "hidden_dropout",
               "make_vocab_size_divisible_by")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                             if f.name not in RUN_FIELDS)
+_FIELDS = ModelConfig.__dataclass_fields__
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 
@@ -48,14 +50,10 @@ def _resolved(cfg: ModelConfig, name: str):
 def architecture_differences(saved: ModelConfig, mine: ModelConfig) -> List[str]:
     """``--flag SAVED (this run: MINE)`` for each architecture field that differs (the
     vocabulary is the tokenizer's, compared with it)."""
-    return [f"{_flag(name)} {_resolved(saved, name)} (this run: {_resolved(mine, name)})"
+    return [f"{flag_of(_FIELDS[name])} {_resolved(saved, name)} (this run: {_resolved(mine, name)})"
             for name in ARCHITECTURE_FIELDS
             if (name not in _RESOLVED or _RESOLVED[name])
             and _resolved(saved, name) != _resolved(mine, name)]
-
-
-def _flag(name: str) -> str:
-    return ModelConfig.__dataclass_fields__[name].metadata.get("flag", "--" + name.replace("_", "-"))
 
 
 def _holds_checkpoint(root) -> bool:
@@ -111,8 +109,8 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
 
     for name in ARCHITECTURE_FIELDS:
         if name in given and resolved(name, given[name]) != resolved(name, getattr(model, name)):
-            raise ValueError(f"{_flag(name)} {given[name]} differs from the checkpoint's "
-                             f"{resolved(name, getattr(model, name))} {where}; drop {_flag(name)}")
+            raise ValueError(f"{flag_of(_FIELDS[name])} {given[name]} differs from the checkpoint's "
+                             f"{resolved(name, getattr(model, name))} {where}; drop {flag_of(_FIELDS[name])}")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                 if f.default is not dataclasses.MISSING}
     merged = {**{k: defaults[k] for k in RUN_FIELDS if k in defaults},

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megatron_jreg import config_values
+from megatron_jreg.config import values as config_values
+from megatron_jreg.config.schema import option
 from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.data.tokenizers import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
-from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig, _flag
+from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.training.megatron_lm import MegatronLMConfig
 
 # data.tokenizers' types and Megatron-LM's others (the trainer builds both kinds)
@@ -19,44 +20,44 @@ TOKENIZER_TYPES = tuple(dict.fromkeys(BASE_TOKENIZER_TYPES + MEGATRON_LM_TOKENIZ
 class OptimConfig:
     """AdamW through megatron-core's get_megatron_optimizer, and the LR/WD schedule."""
 
-    lr: float = field(default=3e-4, metadata=_flag("--lr", "peak learning rate", gt=0))
-    min_lr: float = field(default=0.0, metadata=_flag("--min-lr", "final learning rate", min=0))
-    lr_warmup_iters: int = field(default=0, metadata=_flag(
+    lr: float = field(default=3e-4, metadata=option("--lr", "peak learning rate", gt=0))
+    min_lr: float = field(default=0.0, metadata=option("--min-lr", "final learning rate", min=0))
+    lr_warmup_iters: int = field(default=0, metadata=option(
         "--lr-warmup-iters", "linear warmup steps", min=0))
-    lr_warmup_samples: int = field(default=0, metadata=_flag(
+    lr_warmup_samples: int = field(default=0, metadata=option(
         "--lr-warmup-samples", "linear warmup, in samples", min=0))
-    lr_warmup_fraction: Optional[float] = field(default=None, metadata=_flag(
+    lr_warmup_fraction: Optional[float] = field(default=None, metadata=option(
         "--lr-warmup-fraction", "linear warmup as a fraction of the decay length", min=0, max=1))
-    lr_warmup_init: float = field(default=0.0, metadata=_flag(
+    lr_warmup_init: float = field(default=0.0, metadata=option(
         "--lr-warmup-init", "learning rate at the start of the warmup", min=0))
-    lr_decay_iters: Optional[int] = field(default=None, metadata=_flag(
+    lr_decay_iters: Optional[int] = field(default=None, metadata=option(
         "--lr-decay-iters", "steps of decay; default --train-iters", min=1))
-    lr_decay_samples: Optional[int] = field(default=None, metadata=_flag(
+    lr_decay_samples: Optional[int] = field(default=None, metadata=option(
         "--lr-decay-samples", "samples of decay; default --train-samples", min=1))
-    lr_decay_style: str = field(default="cosine", metadata=_flag(
+    lr_decay_style: str = field(default="cosine", metadata=option(
         "--lr-decay-style", "cosine, linear, constant or WSD"))
-    lr_wsd_decay_iters: Optional[int] = field(default=None, metadata=_flag(
+    lr_wsd_decay_iters: Optional[int] = field(default=None, metadata=option(
         "--lr-wsd-decay-iters", "WSD: steps of the final decay; default 10% of decay", min=1))
-    lr_wsd_decay_samples: Optional[int] = field(default=None, metadata=_flag(
+    lr_wsd_decay_samples: Optional[int] = field(default=None, metadata=option(
         "--lr-wsd-decay-samples", "WSD: samples of the final decay", min=1))
-    lr_wsd_decay_style: str = field(default="linear", metadata=_flag(
+    lr_wsd_decay_style: str = field(default="linear", metadata=option(
         "--lr-wsd-decay-style", "WSD: exponential, linear, cosine or minus_sqrt"))
-    weight_decay: float = field(default=0.1, metadata=_flag("--weight-decay", "AdamW weight decay", min=0))
-    adam_beta1: float = field(default=0.9, metadata=_flag("--adam-beta1", "Adam beta1", min=0, lt=1))
-    adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2", "Adam beta2", min=0, lt=1))
-    adam_eps: float = field(default=1e-8, metadata=_flag("--adam-eps", "Adam epsilon", gt=0))
-    clip_grad: float = field(default=1.0, metadata=_flag(
+    weight_decay: float = field(default=0.1, metadata=option("--weight-decay", "AdamW weight decay", min=0))
+    adam_beta1: float = field(default=0.9, metadata=option("--adam-beta1", "Adam beta1", min=0, lt=1))
+    adam_beta2: float = field(default=0.95, metadata=option("--adam-beta2", "Adam beta2", min=0, lt=1))
+    adam_eps: float = field(default=1e-8, metadata=option("--adam-eps", "Adam epsilon", gt=0))
+    clip_grad: float = field(default=1.0, metadata=option(
         "--clip-grad", "global grad-norm clip (0 = off)", min=0))
-    use_distributed_optimizer: bool = field(default=False, metadata=_flag(
+    use_distributed_optimizer: bool = field(default=False, metadata=option(
         "--use-distributed-optimizer", "shard optimizer state over data-parallel ranks"))
-    initial_loss_scale: float = field(default=2.0**32, metadata=_flag(
+    initial_loss_scale: float = field(default=2.0**32, metadata=option(
         "--initial-loss-scale", "fp16: initial dynamic loss scale; default 2^32, as in "
         "Megatron-LM (the first steps overflow and are skipped while the scale halves)", gt=0))
-    override_opt_param_scheduler: bool = field(default=False, metadata=_flag(
+    override_opt_param_scheduler: bool = field(default=False, metadata=option(
         "--override-opt-param-scheduler",
         "on --load, use the schedule flags (--lr, --min-lr, warmup, decay) over the checkpoint's",
         aliases=["--override-opt_param-scheduler"]))
-    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=_flag(
+    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=option(
         "--use-checkpoint-opt-param-scheduler",
         "on --load, keep the checkpoint's schedule whatever the flags say (neither flag: a "
         "difference is an error)", aliases=["--use-checkpoint-opt_param-scheduler"]))
@@ -127,40 +128,40 @@ class OptimConfig:
 class TrainingConfig:
     """Batches, steps, evaluation and run control."""
 
-    micro_batch_size: int = field(default=4, metadata=_flag(
+    micro_batch_size: int = field(default=4, metadata=option(
         "--micro-batch-size", "sequences per micro-batch", min=1))
-    global_batch_size: int = field(default=16, metadata=_flag(
+    global_batch_size: int = field(default=16, metadata=option(
         "--global-batch-size", "sequences per step over all data-parallel ranks", min=1))
-    train_iters: Optional[int] = field(default=None, metadata=_flag(
+    train_iters: Optional[int] = field(default=None, metadata=option(
         "--train-iters", "optimizer steps; default 100, or --train-samples / --global-batch-size",
         min=1))
-    train_samples: Optional[int] = field(default=None, metadata=_flag(
+    train_samples: Optional[int] = field(default=None, metadata=option(
         "--train-samples", "samples to train on: --train-samples / --global-batch-size steps "
         "(a partial last batch is dropped, as in Megatron-LM)", min=1))
-    rampup_batch_size: Optional[list] = field(default=None, metadata=_flag(
+    rampup_batch_size: Optional[list] = field(default=None, metadata=option(
         "--rampup-batch-size", "batch-size ramp-up: not supported yet", nargs=3))
-    eval_interval: int = field(default=50, metadata=_flag(
+    eval_interval: int = field(default=50, metadata=option(
         "--eval-interval", "steps between validation runs (0 = never)", min=0))
-    eval_iters: int = field(default=4, metadata=_flag(
+    eval_iters: int = field(default=4, metadata=option(
         "--eval-iters", "validation batches per run (0 = no validation, as --eval-interval 0)",
         min=0))
-    seed: int = field(default=1234, metadata=_flag(
+    seed: int = field(default=1234, metadata=option(
         "--seed", "seed of init, data order and dropout", min=0, max=2**32 - 1))
-    exit_signal_handler: bool = field(default=True, metadata=_flag(
+    exit_signal_handler: bool = field(default=True, metadata=option(
         "--exit-signal-handler", "on SIGTERM/SIGINT (and --exit-signal) save a checkpoint and "
         "exit cleanly"))
-    exit_signal: str = field(default="SIGTERM", metadata=_flag(
+    exit_signal: str = field(default="SIGTERM", metadata=option(
         "--exit-signal", "one more signal that saves and exits (e.g. SIGUSR1 from Slurm's "
         "--signal)", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")))
-    exit_duration_in_mins: Optional[float] = field(default=None, metadata=_flag(
+    exit_duration_in_mins: Optional[float] = field(default=None, metadata=option(
         "--exit-duration-in-mins", "save and exit once the run has lasted this long", min=0))
-    exit_on_nan: bool = field(default=True, metadata=_flag(
+    exit_on_nan: bool = field(default=True, metadata=option(
         "--exit-on-nan", "stop with exit code 3, before any save, at a step whose loss, JREG "
         "penalty or gradient norm is NaN/inf (--no-exit-on-nan skips such steps: no update)"))
-    exit_interval: Optional[int] = field(default=None, metadata=_flag(
+    exit_interval: Optional[int] = field(default=None, metadata=option(
         "--exit-interval", "save and exit after this many steps (for tests and preemption drills)",
         min=1))
-    calculate_per_token_loss: bool = field(default=False, metadata=_flag(
+    calculate_per_token_loss: bool = field(default=False, metadata=option(
         "--calculate-per-token-loss", "average the LM loss over the loss-masked tokens of the "
         "whole global batch (default: the mean of each micro-batch's token mean); on with --sft"))
 
@@ -191,33 +192,33 @@ class TrainingConfig:
 class DataConfig:
     """Indexed datasets from tools/preprocess_data.py and their tokenizer."""
 
-    data_path: Optional[List[str]] = field(default=None, metadata=_flag(
+    data_path: Optional[List[str]] = field(default=None, metadata=option(
         "--data-path", "dataset prefixes, optionally weighted: 0.7 a_text_document 0.3 b_text_document",
         nargs="+"))
-    split: str = field(default="969,30,1", metadata=_flag("--split", "train,valid,test weights"))
-    data_cache_path: Optional[str] = field(default=None, metadata=_flag(
+    split: str = field(default="969,30,1", metadata=option("--split", "train,valid,test weights"))
+    data_cache_path: Optional[str] = field(default=None, metadata=option(
         "--data-cache-path", "where sample indices are cached; default beside the data"))
-    tokenizer_type: str = field(default="ByteTokenizer", metadata=_flag(
+    tokenizer_type: str = field(default="ByteTokenizer", metadata=option(
         "--tokenizer-type", ", ".join(TOKENIZER_TYPES)))
-    tokenizer_model: Optional[str] = field(default=None, metadata=_flag(
+    tokenizer_model: Optional[str] = field(default=None, metadata=option(
         "--tokenizer-model", "tokenizer file or directory"))
-    vocab_file: Optional[str] = field(default=None, metadata=_flag(
+    vocab_file: Optional[str] = field(default=None, metadata=option(
         "--vocab-file", "GPT2BPETokenizer: vocab.json"))
-    merge_file: Optional[str] = field(default=None, metadata=_flag(
+    merge_file: Optional[str] = field(default=None, metadata=option(
         "--merge-file", "GPT2BPETokenizer: merges.txt"))
-    dataloader_type: str = field(default="single", metadata=_flag(
+    dataloader_type: str = field(default="single", metadata=option(
         "--dataloader-type", "single (in order) or cyclic (Megatron-LM's shuffled order, reshuffled "
         "each epoch)"))
-    eod_mask_loss: bool = field(default=False, metadata=_flag(
+    eod_mask_loss: bool = field(default=False, metadata=option(
         "--eod-mask-loss", "no loss where the input token is the end of a document (the "
         "prediction of the next document's first token); the end-of-document target still "
         "counts", const=True))
-    reset_position_ids: bool = field(default=False, metadata=_flag(
+    reset_position_ids: bool = field(default=False, metadata=option(
         "--reset-position-ids", "restart position ids after each end of document", const=True))
-    reset_attention_mask: bool = field(default=False, metadata=_flag(
+    reset_attention_mask: bool = field(default=False, metadata=option(
         "--reset-attention-mask", "attention blocked across documents: not supported yet",
         const=True))
-    sft: bool = field(default=False, metadata=_flag(
+    sft: bool = field(default=False, metadata=option(
         "--sft", "supervised fine-tuning on chat data from preprocess_data.py --sft: one "
         "conversation per sample, padded, loss on assistant tokens only"))
     imported_from: Optional[str] = field(default=None, metadata={
@@ -256,35 +257,35 @@ class DataConfig:
 class CheckpointConfig:
     """dist-checkpointing (torch_dist) in Megatron's directory layout."""
 
-    save: Optional[str] = field(default=None, metadata=_flag("--save", "checkpoint directory to write"))
-    load: Optional[str] = field(default=None, metadata=_flag(
+    save: Optional[str] = field(default=None, metadata=option("--save", "checkpoint directory to write"))
+    load: Optional[str] = field(default=None, metadata=option(
         "--load", "checkpoint directory to resume from (the latest complete iteration)"))
-    save_interval: Optional[int] = field(default=None, metadata=_flag(
+    save_interval: Optional[int] = field(default=None, metadata=option(
         "--save-interval", "steps between checkpoints (the last step is always saved)", min=1))
-    ckpt_step: Optional[int] = field(default=None, metadata=_flag(
+    ckpt_step: Optional[int] = field(default=None, metadata=option(
         "--ckpt-step", "load this iteration instead of the latest", min=0))
-    no_load_optim: bool = field(default=False, metadata=_flag(
+    no_load_optim: bool = field(default=False, metadata=option(
         "--no-load-optim", "load weights only (fresh optimizer and schedule)"))
-    finetune: bool = field(default=False, metadata=_flag(
+    finetune: bool = field(default=False, metadata=option(
         "--finetune", "load weights only and start at iteration 0 with a fresh optimizer, "
         "schedule and random state (from --pretrained-checkpoint when given, else --load)"))
-    pretrained_checkpoint: Optional[str] = field(default=None, metadata=_flag(
+    pretrained_checkpoint: Optional[str] = field(default=None, metadata=option(
         "--pretrained-checkpoint", "weights to start from when --load is unset or holds no "
         "checkpoint yet (implies --finetune for them; any TP/PP layout)"))
-    use_checkpoint_args: bool = field(default=False, metadata=_flag(
+    use_checkpoint_args: bool = field(default=False, metadata=option(
         "--use-checkpoint-args", "take the architecture (and the tokenizer, when no tokenizer "
         "flag is given) from the checkpoint of --load, else --pretrained-checkpoint; an "
         "architecture flag that differs from it is refused", const=True))
-    ckpt_format: str = field(default="torch_dist", metadata=_flag("--ckpt-format", "torch_dist"))
-    no_load_rng: bool = field(default=False, metadata=_flag(
+    ckpt_format: str = field(default="torch_dist", metadata=option("--ckpt-format", "torch_dist"))
+    no_load_rng: bool = field(default=False, metadata=option(
         "--no-load-rng", "on --load, do not restore the saved random state"))
-    no_verify_checkpoint: bool = field(default=False, metadata=_flag(
+    no_verify_checkpoint: bool = field(default=False, metadata=option(
         "--no-verify-checkpoint", "on --load, skip the per-file checksum check"))
-    allow_tokenizer_change: bool = field(default=False, metadata=_flag(
+    allow_tokenizer_change: bool = field(default=False, metadata=option(
         "--allow-tokenizer-change", "continue from a checkpoint (--load, --pretrained-checkpoint) "
         "with a tokenizer other than the one it was trained with (its vocabulary must fit the "
         "saved embedding)"))
-    overwrite_checkpoints: bool = field(default=False, metadata=_flag(
+    overwrite_checkpoints: bool = field(default=False, metadata=option(
         "--overwrite-checkpoints", "let a run without --load write into a --save that holds "
         "checkpoints (it replaces the iterations it reaches)"))
 
@@ -296,16 +297,16 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    log_interval: int = field(default=10, metadata=_flag(
+    log_interval: int = field(default=10, metadata=option(
         "--log-interval", "steps between log lines", min=1))
-    tensorboard_dir: Optional[str] = field(default=None, metadata=_flag(
+    tensorboard_dir: Optional[str] = field(default=None, metadata=option(
         "--tensorboard-dir", "write TensorBoard scalars here"))
-    metrics_file: Optional[str] = field(default=None, metadata=_flag(
+    metrics_file: Optional[str] = field(default=None, metadata=option(
         "--metrics-file", "append one JSON object per logged step"))
-    wandb_project: Optional[str] = field(default=None, metadata=_flag(
+    wandb_project: Optional[str] = field(default=None, metadata=option(
         "--wandb-project", "also log to Weights & Biases (needs wandb installed)"))
-    wandb_exp_name: Optional[str] = field(default=None, metadata=_flag("--wandb-exp-name", "W&B run name"))
-    wandb_save_dir: Optional[str] = field(default=None, metadata=_flag(
+    wandb_exp_name: Optional[str] = field(default=None, metadata=option("--wandb-exp-name", "W&B run name"))
+    wandb_save_dir: Optional[str] = field(default=None, metadata=option(
         "--wandb-save-dir", "where W&B writes its local files; default --save's wandb/ directory "
         "(as in Megatron-LM), without --save wandb's own (./wandb)"))
 

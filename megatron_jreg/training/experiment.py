@@ -13,7 +13,7 @@ import math
 import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from megatron_jreg import cli
+from megatron_jreg.config import yaml_settings
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
 from megatron_jreg.data.batches import data_prefixes
 from megatron_jreg.data.gpt_datasets import GPTDataConfig, check_indexed_dataset
@@ -59,6 +59,7 @@ class ExperimentConfig:
     def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "ExperimentConfig":
         """Flags (and ``--config FILE.yaml``); a bad flag exits 2 with a one-line message."""
         given: Dict[str, dict] = {}
+        from megatron_jreg.commands import flags as cli  # the command line's reader, above us
         from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
 
         experiment = cls.from_sections(cli.parse(SECTIONS, argv, description=DESCRIPTION,
@@ -70,13 +71,13 @@ class ExperimentConfig:
     @classmethod
     def from_yaml(cls, text: str) -> "ExperimentConfig":
         """The config a run saved (``run_config.yaml``)."""
-        return cls.from_sections(cli.from_yaml_text(text, SECTIONS))
+        return cls.from_sections(yaml_settings.from_yaml_text(text, SECTIONS))
 
     def sections(self) -> Dict[str, object]:
         return {name: getattr(self, name) for name in SECTIONS}
 
     def to_yaml(self) -> str:
-        return cli.to_yaml(self.sections())
+        return yaml_settings.to_yaml(self.sections())
 
     def to_dict(self) -> Dict[str, dict]:
         return {name: dataclasses.asdict(section) for name, section in self.sections().items()}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional
 
-from megatron_jreg import config_values
+from megatron_jreg.config import values as config_values
 
 ACCEPTED, NOTED, REFUSED = "accepted", "accepted with a printed line", "refused"
 
