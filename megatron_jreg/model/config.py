@@ -14,6 +14,7 @@ from typing import Optional
 
 from megatron_jreg.config import values as config_values
 from megatron_jreg.config.schema import option, read_flags
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.jreg import WEIGHTINGS
 from megatron_jreg.model.families import check_experts, family_of
 from megatron_jreg.model.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
@@ -42,7 +43,7 @@ def resolve_transformer_impl(impl: str) -> tuple:
         return "local", ("Transformer Engine is not installed; "
                          "pip install transformer-engine[pytorch] to use it")
     if impl == "transformer_engine" and not transformer_engine_available():
-        raise ValueError("--transformer-impl transformer_engine needs Transformer Engine installed; "
+        raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine installed; "
                          "install it or use --transformer-impl local (or auto)")
     return impl, "requested with --transformer-impl"
 
@@ -154,26 +155,26 @@ class ModelConfig:
         config_values.check_fields(self)  # the metadata's bounds, however the config is built
         if self.model_preset is not None:
             if self.model_preset not in PRESETS:
-                raise ValueError(f"--model-preset {self.model_preset!r}: choose one of {sorted(PRESETS)}")
+                raise ConfigError(f"--model-preset {self.model_preset!r}: choose one of {sorted(PRESETS)}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; pick heads that divide the hidden size")
         groups = self.query_groups
         if self.num_attention_heads % groups:
-            raise ValueError(
+            raise ConfigError(
                 f"--num-query-groups {groups} must divide --num-attention-heads "
                 f"{self.num_attention_heads}")
         if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are exclusive; pass one")
+            raise ConfigError("--bf16 and --fp16 are exclusive; pass one")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
-            raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of "
+            raise ConfigError(f"--transformer-impl {self.transformer_impl!r}: choose one of "
                              f"{', '.join(TRANSFORMER_IMPLS)}")
         if self.num_experts is not None:
             check_experts(self)
         self._check_architecture()
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
-            raise ValueError(
+            raise ConfigError(
                 f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
                 f"{self.seq_length}")
 
@@ -181,23 +182,23 @@ class ModelConfig:
         """Refuse, in one line naming the flags, every part of a model JREG cannot build
         yet: the trainer never builds another model than the flags describe."""
         if self.position_embedding_type not in ("rope", "learned_absolute"):
-            raise ValueError(
+            raise ConfigError(
                 f"--position-embedding-type {self.position_embedding_type}: not supported yet; "
                 "pass rope or learned_absolute")
         if self.rotary_percent != 1.0:
-            raise ValueError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
+            raise ConfigError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
                              "rotates the whole head); pass --rotary-percent 1.0")
         if self.kv_channels not in (None, self.head_dim):
-            raise ValueError(f"--kv-channels {self.kv_channels}: not supported yet; the head dim "
+            raise ConfigError(f"--kv-channels {self.kv_channels}: not supported yet; the head dim "
                              f"is --hidden-size / --num-attention-heads = {self.head_dim}")
         if self.attention_backend == "local" and self.transformer_impl == "transformer_engine":
-            raise ValueError("--attention-backend local needs --transformer-impl local "
+            raise ConfigError("--attention-backend local needs --transformer-impl local "
                              "(as in Megatron-LM)")
 
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "ModelConfig":
         if preset not in PRESETS:
-            raise ValueError(f"--model-preset {preset!r}: choose one of {sorted(PRESETS)}")
+            raise ConfigError(f"--model-preset {preset!r}: choose one of {sorted(PRESETS)}")
         return cls(model_preset=preset, **{**PRESETS[preset], **overrides})
 
     @classmethod
@@ -258,12 +259,12 @@ class ModelConfig:
         if self.padded_vocab is not None:
             return self.padded_vocab
         if self.vocab_size is None:
-            raise ValueError("vocab size unknown: set --vocab-size or give a tokenizer")
+            raise ConfigError("vocab size unknown: set --vocab-size or give a tokenizer")
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the model is split over ranks, and activation recomputation."""
 
@@ -280,7 +281,7 @@ class ParallelConfig:
         aliases=["--virtual-pipeline-model-parallel-size"], min=1))
     sequence_parallel: bool = field(default=False, metadata=option(
         "--sequence-parallel", "split norms/dropout activations over TP ranks along the "
-        "sequence (turned off at TP 1, as in Megatron-LM)"))
+        "sequence (turned off at TP 1, as in Megatron-LM)"))  # config.resolve turns it off
     overlap_grad_reduce: bool = field(default=False, metadata=option(
         "--overlap-grad-reduce", "overlap the data-parallel gradient reduction with backward",
         const=True))
@@ -312,53 +313,52 @@ class ParallelConfig:
     def __post_init__(self):
         config_values.check_fields(self)
         if self.context_parallel_size != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"--context-parallel-size {self.context_parallel_size}: not supported with JREG "
                 "yet: each layer's displacement is a mean over the whole sequence, which context "
                 "parallelism splits over ranks; use --sequence-parallel with TP, or more data "
                 "parallelism")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            self.sequence_parallel = False  # Megatron-LM's rule; the trainer says so in a line
         if self.recompute_activations:
-            self.recompute_granularity = "selective"  # Megatron-LM's meaning of the flag
+            # Megatron-LM's meaning of the flag (the section is frozen once built)
+            object.__setattr__(self, "recompute_granularity", "selective")
         if self.recompute_granularity not in (None, "full", "selective"):
-            raise ValueError(
+            raise ConfigError(
                 f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
         if self.recompute_granularity == "full":
-            self.recompute_method = self.recompute_method or "uniform"
-            self.recompute_num_layers = self.recompute_num_layers or 1
+            object.__setattr__(self, "recompute_method", self.recompute_method or "uniform")
+            object.__setattr__(self, "recompute_num_layers", self.recompute_num_layers or 1)
 
     def virtual_stages(self, num_layers: int) -> Optional[int]:
         """Model chunks per pipeline rank, or None without interleaving; validates the split."""
         pp = self.pipeline_model_parallel_size
         if num_layers % pp:
-            raise ValueError(
+            raise ConfigError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
         per_vp, stages = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_model_parallel_size
         if per_vp is not None and stages is not None:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage and "
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
                              "--num-virtual-stages-per-pipeline-rank: pass one (as in Megatron-LM)")
         if stages is not None:
             if stages < 1 or (num_layers // pp) % stages:
-                raise ValueError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide the "
+                raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide the "
                                  f"{num_layers // pp} layers of each pipeline stage")
             if stages > 1 and pp < 2:
-                raise ValueError("--num-virtual-stages-per-pipeline-rank needs pipeline "
+                raise ConfigError("--num-virtual-stages-per-pipeline-rank needs pipeline "
                                  "parallelism (PP > 1)")
             return stages if stages > 1 else None
         if per_vp is None:
             return None
         if pp < 2:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage needs pipeline parallelism (PP > 1)")
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs pipeline parallelism (PP > 1)")
         if (num_layers // pp) % per_vp:
-            raise ValueError(
+            raise ConfigError(
                 f"--num-layers-per-virtual-pipeline-stage {per_vp} must divide the "
                 f"{num_layers // pp} layers of each pipeline stage")
         chunks = num_layers // pp // per_vp
         return chunks if chunks > 1 else None
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class JregConfig:
     """The regularizer L = L_CE + lambda * sum_l w_l(alpha) Psi_l."""
 
@@ -375,9 +375,9 @@ class JregConfig:
     def __post_init__(self):
         config_values.check_fields(self)
         if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
+            raise ConfigError(f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
         if self.impl not in ("auto", "fused", "torch"):
-            raise ValueError(f"--jreg-impl {self.impl!r}: choose auto, fused or torch")
+            raise ConfigError(f"--jreg-impl {self.impl!r}: choose auto, fused or torch")
 
 
 def _preset_values(preset: str) -> dict:

@@ -18,6 +18,7 @@ import os
 from typing import Dict, List
 
 from megatron_jreg.config.schema import flag_of
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.model.config import ModelConfig
 
 # the ModelConfig fields a checkpoint's weights do not pin
@@ -82,15 +83,15 @@ def checkpoint_configs(checkpoint: Dict[str, object]):
     elif pretrained:
         flag, root, step = "--pretrained-checkpoint", pretrained, None
     else:
-        raise ValueError("--use-checkpoint-args reads the architecture from a checkpoint: pass "
+        raise ConfigError("--use-checkpoint-args reads the architecture from a checkpoint: pass "
                          "--load (holding one) or --pretrained-checkpoint")
     if not os.path.isdir(root):
-        raise ValueError(missing_directory(flag, root))
+        raise ConfigError(missing_directory(flag, root))
     try:
         iteration = ckpt.resolve_iteration(root, step, root_flag=flag)
         return flag, root, read_run_configs(ckpt.iteration_dir(root, iteration))
     except (ckpt.CheckpointError, ValueError) as err:
-        raise ValueError(f"--use-checkpoint-args: {err}") from None
+        raise ConfigError(f"--use-checkpoint-args: {err}") from None
 
 
 def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
@@ -101,7 +102,7 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
     model, given = saved["model"], values["model"]
     where = f"(--use-checkpoint-args takes the architecture from {flag} {root})"
     if given.get("model_preset"):
-        raise ValueError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
+        raise ConfigError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
                          f"{where}; drop it")
 
     def resolved(name: str, value):  # --kv-channels unset means hidden / heads
@@ -109,7 +110,7 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
 
     for name in ARCHITECTURE_FIELDS:
         if name in given and resolved(name, given[name]) != resolved(name, getattr(model, name)):
-            raise ValueError(f"{flag_of(_FIELDS[name])} {given[name]} differs from the checkpoint's "
+            raise ConfigError(f"{flag_of(_FIELDS[name])} {given[name]} differs from the checkpoint's "
                              f"{resolved(name, getattr(model, name))} {where}; drop {flag_of(_FIELDS[name])}")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                 if f.default is not dataclasses.MISSING}
@@ -119,7 +120,7 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
     merged.update({k: v for k, v in given.items() if k in RUN_FIELDS})
     if merged["max_position_embeddings"] is not None and \
             merged["seq_length"] > merged["max_position_embeddings"]:
-        raise ValueError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's "
+        raise ConfigError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's "
                          f"--max-position-embeddings {merged['max_position_embeddings']} {where}")
     values["model"] = merged
     data = values["data"]

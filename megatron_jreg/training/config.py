@@ -6,11 +6,20 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron_jreg.config import values as config_values
+from megatron_jreg.config.resolve import kept_schedule
 from megatron_jreg.config.schema import option
 from megatron_jreg.data.megatron_tokenizers import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.data.tokenizers import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.training.megatron_lm import MegatronLMConfig
+
+def _normalize(config, **values) -> None:
+    """Set fields of a frozen section while it is built (its own ``__post_init__``): the
+    canonical form of what was given, such as the steps ``--train-samples`` stands for."""
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
+
 
 # data.tokenizers' types and Megatron-LM's others (the trainer builds both kinds)
 TOKENIZER_TYPES = tuple(dict.fromkeys(BASE_TOKENIZER_TYPES + MEGATRON_LM_TOKENIZERS))
@@ -65,26 +74,26 @@ class OptimConfig:
     def __post_init__(self):
         config_values.check_fields(self)  # the metadata's bounds, however the config is built
         if self.lr_decay_style not in ("cosine", "linear", "constant", "WSD", "inverse-square-root"):
-            raise ValueError(
+            raise ConfigError(
                 f"--lr-decay-style {self.lr_decay_style!r}: choose cosine, linear, constant or WSD")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
+            raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
         if min(self.lr_warmup_iters, self.lr_warmup_samples, self.lr_warmup_fraction or 0) < 0:
-            raise ValueError("--lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction "
+            raise ConfigError("--lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction "
                              "must be >= 0")
         warmups = [name for name, value in (("--lr-warmup-iters", self.lr_warmup_iters),
                                             ("--lr-warmup-samples", self.lr_warmup_samples),
                                             ("--lr-warmup-fraction", self.lr_warmup_fraction))
                    if value]
         if len(warmups) > 1:  # Megatron-LM takes one of them
-            raise ValueError(f"{' and '.join(warmups)}: pass one warmup length")
+            raise ConfigError(f"{' and '.join(warmups)}: pass one warmup length")
         for unit in ("decay", "wsd_decay"):
             if (getattr(self, f"lr_{unit}_iters") is not None
                     and getattr(self, f"lr_{unit}_samples") is not None):
                 flag = unit.replace("_", "-")
-                raise ValueError(f"--lr-{flag}-iters and --lr-{flag}-samples: pass one")
+                raise ConfigError(f"--lr-{flag}-iters and --lr-{flag}-samples: pass one")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
+            raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
                              "contradict each other; pass one")
 
     def schedule_samples(self, train_samples: int, global_batch: int) -> dict:
@@ -101,21 +110,15 @@ class OptimConfig:
         return {"warmup": warmup, "decay": decay, "wsd": wsd}
 
     def keep_schedule(self, scheduler, global_batch: int) -> None:
-        """Record the schedule a resumed run keeps (--use-checkpoint-opt-param-scheduler),
-        so the saved run config says what runs: in steps when whole, else in samples."""
-        def split(samples) -> tuple:  # (steps, None) or (None, samples)
-            whole = float(samples) % global_batch == 0
-            return (int(samples) // global_batch, None) if whole else (None, int(samples))
-
-        self.lr, self.min_lr = scheduler.max_lr, scheduler.min_lr
-        self.lr_decay_style, self.weight_decay = scheduler.lr_decay_style, scheduler.start_wd
-        iters, samples = split(scheduler.lr_warmup_steps)
-        self.lr_warmup_iters, self.lr_warmup_samples = iters or 0, samples or 0
-        self.lr_warmup_fraction = None
-        self.lr_decay_iters, self.lr_decay_samples = split(scheduler.lr_decay_steps)
-        if scheduler.wsd_decay_steps:
-            self.lr_wsd_decay_iters, self.lr_wsd_decay_samples = split(scheduler.wsd_decay_steps)
-            self.lr_wsd_decay_style = scheduler.lr_wsd_decay_style
+        """Take, in place, the schedule of a scheduler a resumed run keeps
+        (``config.resolve.kept_schedule`` of its values). The trainer resolves the kept
+        schedule from the checkpoint before any work instead (``config.resolve``)."""
+        names = ("max_lr", "min_lr", "lr_decay_style", "start_wd", "lr_warmup_steps",
+                 "lr_decay_steps", "wsd_decay_steps", "lr_wsd_decay_style")
+        values = kept_schedule({name: getattr(scheduler, name, None) for name in names},
+                               global_batch)
+        for name, value in values.items():
+            setattr(self, name, value)
 
     def scheduler_mode(self) -> str:
         """How a resumed schedule is reconciled with the flags (checkpoint.dist_checkpoint.load_scheduler)."""
@@ -124,7 +127,7 @@ class OptimConfig:
         return "checkpoint" if self.use_checkpoint_opt_param_scheduler else "strict"
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
     """Batches, steps, evaluation and run control."""
 
@@ -168,27 +171,27 @@ class TrainingConfig:
     def __post_init__(self):
         config_values.check_fields(self)
         if self.rampup_batch_size:
-            raise ValueError("--rampup-batch-size: not supported yet (the global batch is "
+            raise ConfigError("--rampup-batch-size: not supported yet (the global batch is "
                              "constant); drop it")
         if self.train_samples is not None:
             steps = self.train_samples // max(self.global_batch_size, 1)
             if self.train_iters is not None and self.train_iters != steps:
-                raise ValueError("--train-iters and --train-samples: pass one (as in Megatron-LM)")
-            self.train_iters = steps
+                raise ConfigError("--train-iters and --train-samples: pass one (as in Megatron-LM)")
+            _normalize(self, train_iters=steps)
         elif self.train_iters is None:
-            self.train_iters = 100
+            _normalize(self, train_iters=100)
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1"
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1"
                                  + (" (--train-samples gives no full batch)"
                                     if name == "train_iters" and self.train_samples else ""))
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"--global-batch-size {self.global_batch_size} is not divisible by "
                 f"--micro-batch-size {self.micro_batch_size}")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class DataConfig:
     """Indexed datasets from tools/preprocess_data.py and their tokenizer."""
 
@@ -230,16 +233,16 @@ class DataConfig:
 
     def __post_init__(self):
         if self.tokenizer_type not in TOKENIZER_TYPES:
-            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of "
+            raise ConfigError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of "
                              f"{', '.join(TOKENIZER_TYPES)}")
         if self.dataloader_type not in ("single", "cyclic"):
-            raise ValueError(f"--dataloader-type {self.dataloader_type!r}: single or cyclic "
+            raise ConfigError(f"--dataloader-type {self.dataloader_type!r}: single or cyclic "
                              "(external is not supported)")
         if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
-            raise ValueError("--vocab-file and --merge-file are GPT2BPETokenizer's files; pass "
+            raise ConfigError("--vocab-file and --merge-file are GPT2BPETokenizer's files; pass "
                              "--tokenizer-type GPT2BPETokenizer (or drop them)")
         if self.reset_attention_mask:
-            raise ValueError("--reset-attention-mask: not supported yet (attention is causal "
+            raise ConfigError("--reset-attention-mask: not supported yet (attention is causal "
                              "over the whole sample); drop it")
 
     @classmethod
@@ -248,12 +251,12 @@ class DataConfig:
         of an imported model, read with the class itself, has none)."""
         data = cls(**values)
         if not data.data_path:
-            raise ValueError("--data-path is missing; pass the prefix tools/preprocess_data.py wrote "
+            raise ConfigError("--data-path is missing; pass the prefix tools/preprocess_data.py wrote "
                              "(e.g. data/demo_text_document)")
         return data
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     """dist-checkpointing (torch_dist) in Megatron's directory layout."""
 
@@ -292,10 +295,10 @@ class CheckpointConfig:
     def __post_init__(self):
         config_values.check_fields(self)
         if self.ckpt_format != "torch_dist":
-            raise ValueError(f"--ckpt-format {self.ckpt_format!r}: only torch_dist is supported")
+            raise ConfigError(f"--ckpt-format {self.ckpt_format!r}: only torch_dist is supported")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
     log_interval: int = field(default=10, metadata=option(
         "--log-interval", "steps between log lines", min=1))

@@ -23,6 +23,7 @@ import dataclasses
 from typing import Dict, List, NamedTuple, Optional
 
 from megatron_jreg.config import values as config_values
+from megatron_jreg.errors import ConfigError
 
 ACCEPTED, NOTED, REFUSED = "accepted", "accepted with a printed line", "refused"
 
@@ -196,11 +197,11 @@ def _refuse(self) -> None:
         if row.status == REFUSED and _given(row, getattr(self, _name(row.flag))):
             value = getattr(self, _name(row.flag))
             shown = row.flag if row.kind is bool else f"{row.flag} {value}"
-            raise ValueError(f"{shown}: not supported: {row.why}")
+            raise ConfigError(f"{shown}: not supported: {row.why}")
 
 
 MegatronLMConfig = dataclasses.make_dataclass(
-    "MegatronLMConfig", [_field(row) for row in TABLE], kw_only=True,
+    "MegatronLMConfig", [_field(row) for row in TABLE], kw_only=True, frozen=True,
     namespace={"__post_init__": _refuse, "__doc__": "Megatron-LM flags: see TABLE."})
 MegatronLMConfig.__module__ = __name__
 
