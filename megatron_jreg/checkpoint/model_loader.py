@@ -105,7 +105,8 @@ def read_run_configs(path: str) -> Dict[str, object]:
         ) from None
     carried = carried_tokenizer(path)
     if carried and configs["data"].tokenizer_type == "HuggingFaceTokenizer":
-        configs["data"].tokenizer_model = carried  # the files the run used, wherever it moved
+        # the files the run used, wherever it moved
+        configs["data"] = dataclasses.replace(configs["data"], tokenizer_model=carried)
     return configs
 
 

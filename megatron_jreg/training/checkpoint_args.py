@@ -95,7 +95,7 @@ def checkpoint_configs(checkpoint: Dict[str, object]):
 
 
 def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
-    """cli.parse's ``resolve`` hook: rewrite the model (and tokenizer) settings."""
+    """``commands.flags.parse``'s ``resolve`` hook: rewrite the model (and tokenizer) settings."""
     if not values["checkpoint"].get("use_checkpoint_args"):
         return
     flag, root, saved = checkpoint_configs(values["checkpoint"])

@@ -3,6 +3,8 @@
 Each section (``megatron_jreg.training.config.SECTIONS``) validates its own fields where it
 is defined. :meth:`ExperimentConfig.validate` runs, in one place and before any work, every
 check that needs more than one section or the environment (world size, files on disk).
+An experiment holds the settings as given; ``config.resolve`` makes the run they stand
+for (the trainer's ``setup``), and that run is what trains and what a checkpoint records.
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ class ExperimentConfig:
     def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "ExperimentConfig":
         """Flags (and ``--config FILE.yaml``); a bad flag exits 2 with a one-line message."""
         given: Dict[str, dict] = {}
-        from megatron_jreg.commands import flags as cli  # the command line's reader, above us
+        from megatron_jreg.commands import flags  # the command line's reader, above this module
         from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
 
-        sections = cli.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS,
-                             given=given, resolve=apply_checkpoint_args)
+        sections = flags.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS,
+                              given=given, resolve=apply_checkpoint_args)
         return cls.from_sections(sections, given)
 
     @classmethod

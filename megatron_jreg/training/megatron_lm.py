@@ -37,7 +37,7 @@ class Row(NamedTuple):
     choices: Optional[tuple] = None
     allowed: tuple = ()  # values that are accepted silently although the row is NOTED/REFUSED
     nargs: Optional[object] = None
-    bounds: Optional[dict] = None  # config_values' range metadata (min, gt, max, lt) of a value
+    bounds: Optional[dict] = None  # config.values' range metadata (min, gt, max, lt) of a value
 
 
 TABLE = [
@@ -209,7 +209,7 @@ MegatronLMConfig.__module__ = __name__
 def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: str) -> List[str]:
     """The lines the trainer prints for this run's Megatron-LM flags.
 
-    given: the settings as given per section (``cli.parse``'s ``given``); impl: the resolved
+    given: the settings as given per section (``commands.flags.parse``'s ``given``); impl: the resolved
     transformer implementation; backend: the run's process-group backend ("nccl" or "gloo",
     ``platform.device.backend``).
     """
