@@ -77,8 +77,8 @@ class ModelConfig:
         "the TP size (Megatron-LM multiplies by TP; here the model does not depend on the "
         "layout), so TP must divide it", min=1))
     padded_vocab: Optional[int] = field(default=None, metadata={
-        "cli": False, "min": 1, "help": "embedding rows as built: set by the trainer (from a loaded "
-        "checkpoint's embedding when resuming) and saved in run_config.yaml"})
+        "cli": False, "min": 1, "help": "embedding rows as built: resolved before any work "
+        "(config.resolve; a loaded checkpoint's own when resuming) and saved in run_config.yaml"})
     rotary_base: int = field(default=10000, metadata=option("--rotary-base", "RoPE base", gt=0))
     norm_epsilon: float = field(default=1e-5, metadata=option("--norm-epsilon", "RMSNorm epsilon", gt=0))
     init_method_std: float = field(default=0.02, metadata=option(

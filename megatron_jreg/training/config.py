@@ -191,7 +191,7 @@ class TrainingConfig:
                 f"--micro-batch-size {self.micro_batch_size}")
 
 
-@dataclass(kw_only=True, frozen=True)
+@dataclass(kw_only=True)
 class DataConfig:
     """Indexed datasets from tools/preprocess_data.py and their tokenizer."""
 

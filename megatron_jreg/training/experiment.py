@@ -16,7 +16,6 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from megatron_jreg.config import yaml_settings
-from megatron_jreg.config.resolve import NULL_TOKENIZER
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
 from megatron_jreg.data.batches import data_prefixes
 from megatron_jreg.data.gpt_datasets import GPTDataConfig, check_indexed_dataset
@@ -157,8 +156,7 @@ class ExperimentConfig:
                 raise ConfigError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "
                                  "tools/preprocess_data.py")
             check_indexed_dataset(prefix)  # .bin size as the .idx describes it, not empty
-        vocab = self.model.vocab_size  # the NullTokenizer's vocabulary is always its own
-        vocab = None if self.data.tokenizer_type == NULL_TOKENIZER else vocab
+        vocab = self.model.vocab_size
         if tokenizer_vocab_size is not None and vocab is not None and vocab < tokenizer_vocab_size:
             raise ConfigError(
                 f"--vocab-size {vocab} is smaller than the tokenizer's "

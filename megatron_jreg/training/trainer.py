@@ -22,7 +22,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.atomic_write import check_output_dir, check_output_path
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
-from megatron_jreg.config.resolve import RunFacts, resolve
+from megatron_jreg.config.resolve import NULL_TOKENIZER, RunFacts, model_vocab, resolve
 from megatron_jreg.data.batches import rank_microbatches
 from megatron_jreg.data.gpt_datasets import build_gpt_datasets
 from megatron_jreg.data.run_data_check import check_data_against_run
@@ -130,13 +130,18 @@ class Trainer:
                                   extra=(getattr(signal, self.train_cfg.exit_signal),))
 
     def _build_tokenizer(self):
-        """The run's tokenizer (the NullTokenizer's vocabulary is one more than
-        --vocab-size: ``config.resolve.model_vocab``)."""
+        """The run's tokenizer, from the settings as given (before the run is resolved)."""
         data, model = self.cfg.data, self.cfg.model
         if data.tokenizer_type not in MEGATRON_LM_TOKENIZERS:
             return build_tokenizer(data.tokenizer_type, data.tokenizer_model)
-        return build_megatron_tokenizer(data.tokenizer_type, data.tokenizer_model,
-                                        model.vocab_size, data.vocab_file, data.merge_file)
+        tokenizer = build_megatron_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                                             model.vocab_size, data.vocab_file, data.merge_file)
+        if data.tokenizer_type == NULL_TOKENIZER:
+            # --vocab-size counts the ids before the end-of-document id (Megatron-LM's
+            # rule); the settings say so before they are checked and resolved
+            model.vocab_size = model_vocab(model.vocab_size, data.tokenizer_type,
+                                           tokenizer.vocab_size)
+        return tokenizer
 
     def _check_outputs(self) -> None:
         """Before any work: rank 0 makes the missing output directories, then every rank

@@ -42,8 +42,7 @@ def test_derived_values():
 
 def test_sections_are_frozen():
     run = resolve(parsed(), FACTS)
-    for section in ("parallel", "jreg", "training", "data", "checkpoint", "logging",
-                    "megatron_lm"):
+    for section in ("parallel", "jreg", "training", "checkpoint", "logging", "megatron_lm"):
         name = dataclasses.fields(getattr(run, section))[0].name
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(getattr(run, section), name, None)
