@@ -1,19 +1,8 @@
-"""`python -m megatron_jreg.train` (or under torchrun): pretrain with or without JREG."""
+"""`python -m megatron_jreg.train` (or under torchrun): ``megatron_jreg.commands.train``."""
 
 import sys
 
-from megatron_jreg.training.experiment import ExperimentConfig
-
-
-def main(argv=None) -> int:
-    """Parse, set up, train; the exit code (see ``training.trainer.run``)."""
-    # the flags first: --help and a bad flag answer before megatron-core is imported
-    # (about 3 s of imports per process)
-    experiment = ExperimentConfig.from_argv(argv)
-    from megatron_jreg.training.trainer import run
-
-    return run(experiment)
-
+from megatron_jreg.commands.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

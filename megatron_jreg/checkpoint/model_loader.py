@@ -90,7 +90,7 @@ def checkpoint_iterations(
 
 def read_run_configs(path: str) -> Dict[str, object]:
     """The config sections (model, parallel, data, ...) saved with one iteration directory."""
-    from megatron_jreg.cli import from_yaml_text
+    from megatron_jreg.config.yaml_settings import from_yaml_text
     from megatron_jreg.training.config import SECTIONS
 
     text = ckpt.read_run_config(path)
@@ -105,7 +105,8 @@ def read_run_configs(path: str) -> Dict[str, object]:
         ) from None
     carried = carried_tokenizer(path)
     if carried and configs["data"].tokenizer_type == "HuggingFaceTokenizer":
-        configs["data"].tokenizer_model = carried  # the files the run used, wherever it moved
+        # the files the run used, wherever it moved
+        configs["data"] = dataclasses.replace(configs["data"], tokenizer_model=carried)
     return configs
 
 

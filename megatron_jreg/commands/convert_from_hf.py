@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
 from megatron_jreg.checkpoint.from_hf import DTYPES, convert
-from megatron_jreg.cli import ArgumentParser, tool_parser
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
 
 PROG = "convert_from_hf"

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
 from megatron_jreg.checkpoint.to_hf import convert
-from megatron_jreg.cli import ArgumentParser, tool_parser
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
 from megatron_jreg.hf_models import DTYPE_NAMES
 

@@ -45,8 +45,8 @@ from megatron_jreg.analysis.trajectory import (
     sort_trajectory,
     trajectory_to_csv,
 )
-from megatron_jreg.cli import add_fields, tool_parser
 from megatron_jreg.commands.exit_codes import NONFINITE, OK, run_command
+from megatron_jreg.commands.flags import add_fields, tool_parser
 from megatron_jreg.errors import InputError
 
 PROG = "eval_jump"

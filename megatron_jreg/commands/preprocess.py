@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from megatron_jreg.cli import ArgumentParser, tool_parser, tool_values
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, TERMINATED, run_command
 from megatron_jreg.data.preprocess.pipeline import _raise_terminated, run_preprocess
 from megatron_jreg.data.preprocess.config import PreprocessConfig, Terminated
@@ -25,7 +25,7 @@ DESCRIPTION = ("Tokenise raw text into megatron-core .bin/.idx datasets; with --
 
 
 def build_parser() -> ArgumentParser:
-    """The flags of ``PreprocessConfig``'s fields (``megatron_jreg.cli.tool_parser``)."""
+    """The flags of ``PreprocessConfig``'s fields (``megatron_jreg.commands.flags.tool_parser``)."""
     return tool_parser({None: PreprocessConfig}, description=DESCRIPTION)
 
 

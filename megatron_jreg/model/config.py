@@ -12,7 +12,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_jreg import cli, config_values
+from megatron_jreg.config import values as config_values
+from megatron_jreg.config.schema import option, read_flags
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.jreg import WEIGHTINGS
 from megatron_jreg.model.families import check_experts, family_of
 from megatron_jreg.model.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
@@ -41,13 +43,9 @@ def resolve_transformer_impl(impl: str) -> tuple:
         return "local", ("Transformer Engine is not installed; "
                          "pip install transformer-engine[pytorch] to use it")
     if impl == "transformer_engine" and not transformer_engine_available():
-        raise ValueError("--transformer-impl transformer_engine needs Transformer Engine installed; "
+        raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine installed; "
                          "install it or use --transformer-impl local (or auto)")
     return impl, "requested with --transformer-impl"
-
-
-def _flag(name: str, help_text: str, **extra) -> dict:
-    return {"flag": name, "help": help_text, **extra}
 
 
 @dataclass(kw_only=True)
@@ -57,99 +55,99 @@ class ModelConfig:
     GeLU, learned positions, biases, tied embeddings), Qwen3 (query/key norms) and
     Mixtral (mixture of experts) forms are the same flags set otherwise."""
 
-    model_preset: Optional[str] = field(default=None, metadata=_flag(
+    model_preset: Optional[str] = field(default=None, metadata=option(
         "--model-preset", "tiny, 170m, 1b, 3b (Llama), gpt2-tiny, qwen3-tiny or mixtral-tiny: a "
         "bundle of the architecture flags (docs/megatron_lm_flags.md lists them); explicit "
         "flags override it"))
-    num_layers: int = field(default=4, metadata=_flag("--num-layers", "Transformer layers L", min=1))
-    hidden_size: int = field(default=64, metadata=_flag("--hidden-size", "hidden size", min=1))
-    num_attention_heads: int = field(default=4, metadata=_flag(
+    num_layers: int = field(default=4, metadata=option("--num-layers", "Transformer layers L", min=1))
+    hidden_size: int = field(default=64, metadata=option("--hidden-size", "hidden size", min=1))
+    num_attention_heads: int = field(default=4, metadata=option(
         "--num-attention-heads", "attention heads", min=1))
-    num_query_groups: Optional[int] = field(default=None, metadata=_flag(
+    num_query_groups: Optional[int] = field(default=None, metadata=option(
         "--num-query-groups", "key/value groups (grouped-query attention); default = heads", min=1))
-    ffn_hidden_size: Optional[int] = field(default=None, metadata=_flag(
+    ffn_hidden_size: Optional[int] = field(default=None, metadata=option(
         "--ffn-hidden-size", "SwiGLU inner size; default 8/3 hidden rounded up to 256", min=1))
-    seq_length: int = field(default=128, metadata=_flag("--seq-length", "training sequence length", min=2))
-    max_position_embeddings: Optional[int] = field(default=None, metadata=_flag(
+    seq_length: int = field(default=128, metadata=option("--seq-length", "training sequence length", min=2))
+    max_position_embeddings: Optional[int] = field(default=None, metadata=option(
         "--max-position-embeddings", "longest sequence the model serves; default seq length", min=1))
-    vocab_size: Optional[int] = field(default=None, metadata=_flag(
+    vocab_size: Optional[int] = field(default=None, metadata=option(
         "--vocab-size", "vocabulary size; default the tokenizer's", min=1))
-    make_vocab_size_divisible_by: int = field(default=128, metadata=_flag(
+    make_vocab_size_divisible_by: int = field(default=128, metadata=option(
         "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this, whatever "
         "the TP size (Megatron-LM multiplies by TP; here the model does not depend on the "
         "layout), so TP must divide it", min=1))
     padded_vocab: Optional[int] = field(default=None, metadata={
-        "cli": False, "min": 1, "help": "embedding rows as built: set by the trainer (from a loaded "
-        "checkpoint's embedding when resuming) and saved in run_config.yaml"})
-    rotary_base: int = field(default=10000, metadata=_flag("--rotary-base", "RoPE base", gt=0))
-    norm_epsilon: float = field(default=1e-5, metadata=_flag("--norm-epsilon", "RMSNorm epsilon", gt=0))
-    init_method_std: float = field(default=0.02, metadata=_flag(
+        "cli": False, "min": 1, "help": "embedding rows as built: resolved before any work "
+        "(config.resolve; a loaded checkpoint's own when resuming) and saved in run_config.yaml"})
+    rotary_base: int = field(default=10000, metadata=option("--rotary-base", "RoPE base", gt=0))
+    norm_epsilon: float = field(default=1e-5, metadata=option("--norm-epsilon", "RMSNorm epsilon", gt=0))
+    init_method_std: float = field(default=0.02, metadata=option(
         "--init-method-std", "std of the normal weight init", gt=0))
-    hidden_dropout: float = field(default=0.0, metadata=_flag("--hidden-dropout", "dropout", min=0, lt=1))
-    attention_dropout: float = field(default=0.0, metadata=_flag(
+    hidden_dropout: float = field(default=0.0, metadata=option("--hidden-dropout", "dropout", min=0, lt=1))
+    attention_dropout: float = field(default=0.0, metadata=option(
         "--attention-dropout", "attention dropout", min=0, lt=1))
-    swiglu: bool = field(default=True, metadata=_flag(
+    swiglu: bool = field(default=True, metadata=option(
         "--swiglu", "SwiGLU MLP (Megatron-LM's default without it: a GeLU MLP, 4x hidden)",
         const=True))
-    normalization: str = field(default="RMSNorm", metadata=_flag(
+    normalization: str = field(default="RMSNorm", metadata=option(
         "--normalization", "RMSNorm or LayerNorm (Megatron-LM's default)",
         choices=("LayerNorm", "RMSNorm")))
-    position_embedding_type: str = field(default="rope", metadata=_flag(
+    position_embedding_type: str = field(default="rope", metadata=option(
         "--position-embedding-type", "rope or learned_absolute (Megatron-LM's default); the "
         "others are not supported yet", choices=("learned_absolute", "rope", "mrope", "relative",
                                                  "none"),
         switches={"--use-rotary-position-embeddings": "rope"}))
-    untie_embeddings_and_output_weights: bool = field(default=True, metadata=_flag(
+    untie_embeddings_and_output_weights: bool = field(default=True, metadata=option(
         "--untie-embeddings-and-output-weights", "a separate output layer (Megatron-LM's "
         "default without it: the output layer is the embedding, tied)", const=True))
-    add_bias_linear: bool = field(default=False, metadata=_flag(
+    add_bias_linear: bool = field(default=False, metadata=option(
         "--disable-bias-linear", "no biases in the linear layers (Megatron-LM's default "
         "without it: biases)", const=False))
-    add_qkv_bias: bool = field(default=False, metadata=_flag(
+    add_qkv_bias: bool = field(default=False, metadata=option(
         "--add-qkv-bias", "a bias in the query/key/value projection only (Qwen2 style)",
         const=True))
-    qk_layernorm: bool = field(default=False, metadata=_flag(
+    qk_layernorm: bool = field(default=False, metadata=option(
         "--qk-layernorm", "normalise queries and keys per head (Qwen3 style), with "
         "--normalization's norm", const=True))
-    group_query_attention: bool = field(default=True, metadata=_flag(
+    group_query_attention: bool = field(default=True, metadata=option(
         "--group-query-attention", "use --num-query-groups (as in Megatron-LM, without this "
         "flag the attention has one group per head)", const=True))
-    kv_channels: Optional[int] = field(default=None, metadata=_flag(
+    kv_channels: Optional[int] = field(default=None, metadata=option(
         "--kv-channels", "head dim; only hidden size / heads (the default) is supported", min=1))
-    rotary_percent: float = field(default=1.0, metadata=_flag(
+    rotary_percent: float = field(default=1.0, metadata=option(
         "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported", gt=0, max=1))
-    attention_backend: str = field(default="auto", metadata=_flag(
+    attention_backend: str = field(default="auto", metadata=option(
         "--attention-backend", "auto (Transformer Engine's choice with TE; without it SDPA on "
         "every device), sdpa (PyTorch's "
         "scaled_dot_product_attention), local or unfused (megatron-core's own), flash or "
         "fused (TE's kernels; SDPA without TE)", choices=ATTENTION_BACKENDS))
-    attention_softmax_in_fp32: bool = field(default=True, metadata=_flag(
+    attention_softmax_in_fp32: bool = field(default=True, metadata=option(
         "--attention-softmax-in-fp32", "attention softmax in fp32 under bf16/fp16 (Megatron-LM's "
         "default without it: in the training dtype)", const=True))
-    bf16: bool = field(default=False, metadata=_flag("--bf16", "bf16 params and activations"))
-    fp16: bool = field(default=False, metadata=_flag("--fp16", "fp16 with dynamic loss scaling"))
-    transformer_impl: str = field(default="auto", metadata=_flag(
+    bf16: bool = field(default=False, metadata=option("--bf16", "bf16 params and activations"))
+    fp16: bool = field(default=False, metadata=option("--fp16", "fp16 with dynamic loss scaling"))
+    transformer_impl: str = field(default="auto", metadata=option(
         "--transformer-impl", "auto (Transformer Engine when it imports, else local), "
         "transformer_engine or local (torch)"))
-    num_experts: Optional[int] = field(default=None, metadata=_flag(
+    num_experts: Optional[int] = field(default=None, metadata=option(
         "--num-experts", "mixture-of-experts MLP with this many experts in every layer "
         "(megatron-core's MoE layer; JREG measures the whole layer around it)", min=1))
-    moe_router_topk: int = field(default=2, metadata=_flag(
+    moe_router_topk: int = field(default=2, metadata=option(
         "--moe-router-topk", "experts per token", min=1))
-    moe_aux_loss_coeff: float = field(default=0.0, metadata=_flag(
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=option(
         "--moe-aux-loss-coeff", "load-balancing loss coefficient", min=0))
-    moe_router_load_balancing_type: str = field(default="aux_loss", metadata=_flag(
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata=option(
         "--moe-router-load-balancing-type", "aux_loss, seq_aux_loss, sinkhorn (takes no "
         "--moe-aux-loss-coeff) or none", choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none")))
-    moe_router_pre_softmax: bool = field(default=False, metadata=_flag(
+    moe_router_pre_softmax: bool = field(default=False, metadata=option(
         "--moe-router-pre-softmax", "softmax over all experts before the top-k choice (default: "
         "over the chosen k after it); needed at --moe-router-topk 1", const=True))
-    moe_ffn_hidden_size: Optional[int] = field(default=None, metadata=_flag(
+    moe_ffn_hidden_size: Optional[int] = field(default=None, metadata=option(
         "--moe-ffn-hidden-size", "each expert's MLP inner size; default --ffn-hidden-size", min=1))
-    moe_token_dispatcher_type: str = field(default="allgather", metadata=_flag(
+    moe_token_dispatcher_type: str = field(default="allgather", metadata=option(
         "--moe-token-dispatcher-type", "allgather or alltoall (same math)",
         choices=("allgather", "alltoall")))
-    moe_grouped_gemm: bool = field(default=False, metadata=_flag(
+    moe_grouped_gemm: bool = field(default=False, metadata=option(
         "--moe-grouped-gemm", "the experts as one grouped GEMM (Transformer Engine); the local "
         "implementation runs them one by one, the same math", const=True))
 
@@ -157,26 +155,26 @@ class ModelConfig:
         config_values.check_fields(self)  # the metadata's bounds, however the config is built
         if self.model_preset is not None:
             if self.model_preset not in PRESETS:
-                raise ValueError(f"--model-preset {self.model_preset!r}: choose one of {sorted(PRESETS)}")
+                raise ConfigError(f"--model-preset {self.model_preset!r}: choose one of {sorted(PRESETS)}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; pick heads that divide the hidden size")
         groups = self.query_groups
         if self.num_attention_heads % groups:
-            raise ValueError(
+            raise ConfigError(
                 f"--num-query-groups {groups} must divide --num-attention-heads "
                 f"{self.num_attention_heads}")
         if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are exclusive; pass one")
+            raise ConfigError("--bf16 and --fp16 are exclusive; pass one")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
-            raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of "
+            raise ConfigError(f"--transformer-impl {self.transformer_impl!r}: choose one of "
                              f"{', '.join(TRANSFORMER_IMPLS)}")
         if self.num_experts is not None:
             check_experts(self)
         self._check_architecture()
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
-            raise ValueError(
+            raise ConfigError(
                 f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
                 f"{self.seq_length}")
 
@@ -184,23 +182,23 @@ class ModelConfig:
         """Refuse, in one line naming the flags, every part of a model JREG cannot build
         yet: the trainer never builds another model than the flags describe."""
         if self.position_embedding_type not in ("rope", "learned_absolute"):
-            raise ValueError(
+            raise ConfigError(
                 f"--position-embedding-type {self.position_embedding_type}: not supported yet; "
                 "pass rope or learned_absolute")
         if self.rotary_percent != 1.0:
-            raise ValueError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
+            raise ConfigError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
                              "rotates the whole head); pass --rotary-percent 1.0")
         if self.kv_channels not in (None, self.head_dim):
-            raise ValueError(f"--kv-channels {self.kv_channels}: not supported yet; the head dim "
+            raise ConfigError(f"--kv-channels {self.kv_channels}: not supported yet; the head dim "
                              f"is --hidden-size / --num-attention-heads = {self.head_dim}")
         if self.attention_backend == "local" and self.transformer_impl == "transformer_engine":
-            raise ValueError("--attention-backend local needs --transformer-impl local "
+            raise ConfigError("--attention-backend local needs --transformer-impl local "
                              "(as in Megatron-LM)")
 
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "ModelConfig":
         if preset not in PRESETS:
-            raise ValueError(f"--model-preset {preset!r}: choose one of {sorted(PRESETS)}")
+            raise ConfigError(f"--model-preset {preset!r}: choose one of {sorted(PRESETS)}")
         return cls(model_preset=preset, **{**PRESETS[preset], **overrides})
 
     @classmethod
@@ -261,134 +259,133 @@ class ModelConfig:
         if self.padded_vocab is not None:
             return self.padded_vocab
         if self.vocab_size is None:
-            raise ValueError("vocab size unknown: set --vocab-size or give a tokenizer")
+            raise ConfigError("vocab size unknown: set --vocab-size or give a tokenizer")
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the model is split over ranks, and activation recomputation."""
 
-    tensor_model_parallel_size: int = field(default=1, metadata=_flag(
+    tensor_model_parallel_size: int = field(default=1, metadata=option(
         "--tensor-model-parallel-size", "tensor-parallel ranks", min=1))
-    pipeline_model_parallel_size: int = field(default=1, metadata=_flag(
+    pipeline_model_parallel_size: int = field(default=1, metadata=option(
         "--pipeline-model-parallel-size", "pipeline stages", min=1))
-    num_layers_per_virtual_pipeline_stage: Optional[int] = field(default=None, metadata=_flag(
+    num_layers_per_virtual_pipeline_stage: Optional[int] = field(default=None, metadata=option(
         "--num-layers-per-virtual-pipeline-stage", "layers per model chunk (interleaved pipeline)",
         min=1))
-    virtual_pipeline_model_parallel_size: Optional[int] = field(default=None, metadata=_flag(
+    virtual_pipeline_model_parallel_size: Optional[int] = field(default=None, metadata=option(
         "--num-virtual-stages-per-pipeline-rank", "model chunks per pipeline rank (interleaved "
         "pipeline); the other way to set --num-layers-per-virtual-pipeline-stage",
         aliases=["--virtual-pipeline-model-parallel-size"], min=1))
-    sequence_parallel: bool = field(default=False, metadata=_flag(
+    sequence_parallel: bool = field(default=False, metadata=option(
         "--sequence-parallel", "split norms/dropout activations over TP ranks along the "
-        "sequence (turned off at TP 1, as in Megatron-LM)"))
-    overlap_grad_reduce: bool = field(default=False, metadata=_flag(
+        "sequence (turned off at TP 1, as in Megatron-LM)"))  # config.resolve turns it off
+    overlap_grad_reduce: bool = field(default=False, metadata=option(
         "--overlap-grad-reduce", "overlap the data-parallel gradient reduction with backward",
         const=True))
-    overlap_param_gather: bool = field(default=False, metadata=_flag(
+    overlap_param_gather: bool = field(default=False, metadata=option(
         "--overlap-param-gather", "overlap the distributed optimizer's parameter all-gather with "
         "the next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)",
         const=True))
-    distributed_timeout_minutes: int = field(default=30, metadata=_flag(
+    distributed_timeout_minutes: int = field(default=30, metadata=option(
         "--distributed-timeout-minutes", "timeout of the process groups (Megatron-LM's default: 10)",
         min=1))
-    context_parallel_size: int = field(default=1, metadata=_flag(
+    context_parallel_size: int = field(default=1, metadata=option(
         "--context-parallel-size", "context-parallel ranks: not supported with JREG yet", min=1))
-    expert_model_parallel_size: int = field(default=1, metadata=_flag(
+    expert_model_parallel_size: int = field(default=1, metadata=option(
         "--expert-model-parallel-size", "expert-parallel ranks (--num-experts models): the "
         "experts are split over this many data-parallel ranks", min=1))
-    recompute_granularity: Optional[str] = field(default=None, metadata=_flag(
+    recompute_granularity: Optional[str] = field(default=None, metadata=option(
         "--recompute-granularity", "full or selective activation recomputation"))
-    recompute_method: Optional[str] = field(default=None, metadata=_flag(
+    recompute_method: Optional[str] = field(default=None, metadata=option(
         "--recompute-method", "uniform or block (full recompute); default uniform"))
-    recompute_num_layers: Optional[int] = field(default=None, metadata=_flag(
+    recompute_num_layers: Optional[int] = field(default=None, metadata=option(
         "--recompute-num-layers", "layers per recompute unit (full recompute); default 1", min=1))
-    recompute_modules: Optional[list] = field(default=None, metadata=_flag(
+    recompute_modules: Optional[list] = field(default=None, metadata=option(
         "--recompute-modules", "selective recompute modules, e.g. core_attn mlp layernorm",
         nargs="+"))
-    recompute_activations: bool = field(default=False, metadata=_flag(
+    recompute_activations: bool = field(default=False, metadata=option(
         "--recompute-activations", "= --recompute-granularity selective (as in Megatron-LM)",
         const=True))
 
     def __post_init__(self):
         config_values.check_fields(self)
         if self.context_parallel_size != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"--context-parallel-size {self.context_parallel_size}: not supported with JREG "
                 "yet: each layer's displacement is a mean over the whole sequence, which context "
                 "parallelism splits over ranks; use --sequence-parallel with TP, or more data "
                 "parallelism")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            self.sequence_parallel = False  # Megatron-LM's rule; the trainer says so in a line
         if self.recompute_activations:
-            self.recompute_granularity = "selective"  # Megatron-LM's meaning of the flag
+            # Megatron-LM's meaning of the flag (the section is frozen once built)
+            object.__setattr__(self, "recompute_granularity", "selective")
         if self.recompute_granularity not in (None, "full", "selective"):
-            raise ValueError(
+            raise ConfigError(
                 f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
         if self.recompute_granularity == "full":
-            self.recompute_method = self.recompute_method or "uniform"
-            self.recompute_num_layers = self.recompute_num_layers or 1
+            object.__setattr__(self, "recompute_method", self.recompute_method or "uniform")
+            object.__setattr__(self, "recompute_num_layers", self.recompute_num_layers or 1)
 
     def virtual_stages(self, num_layers: int) -> Optional[int]:
         """Model chunks per pipeline rank, or None without interleaving; validates the split."""
         pp = self.pipeline_model_parallel_size
         if num_layers % pp:
-            raise ValueError(
+            raise ConfigError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
         per_vp, stages = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_model_parallel_size
         if per_vp is not None and stages is not None:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage and "
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
                              "--num-virtual-stages-per-pipeline-rank: pass one (as in Megatron-LM)")
         if stages is not None:
             if stages < 1 or (num_layers // pp) % stages:
-                raise ValueError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide the "
+                raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide the "
                                  f"{num_layers // pp} layers of each pipeline stage")
             if stages > 1 and pp < 2:
-                raise ValueError("--num-virtual-stages-per-pipeline-rank needs pipeline "
+                raise ConfigError("--num-virtual-stages-per-pipeline-rank needs pipeline "
                                  "parallelism (PP > 1)")
             return stages if stages > 1 else None
         if per_vp is None:
             return None
         if pp < 2:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage needs pipeline parallelism (PP > 1)")
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs pipeline parallelism (PP > 1)")
         if (num_layers // pp) % per_vp:
-            raise ValueError(
+            raise ConfigError(
                 f"--num-layers-per-virtual-pipeline-stage {per_vp} must divide the "
                 f"{num_layers // pp} layers of each pipeline stage")
         chunks = num_layers // pp // per_vp
         return chunks if chunks > 1 else None
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class JregConfig:
     """The regularizer L = L_CE + lambda * sum_l w_l(alpha) Psi_l."""
 
-    lam: float = field(default=0.0, metadata=_flag(
+    lam: float = field(default=0.0, metadata=option(
         "--jreg-lambda", "JREG strength lambda; 0 measures the displacement without a penalty",
         min=0))
-    alpha: float = field(default=1.0, metadata=_flag(
+    alpha: float = field(default=1.0, metadata=option(
         "--jreg-alpha", "depth weighting alpha of w_l(alpha)"))
-    weighting: str = field(default="softmax", metadata=_flag(
+    weighting: str = field(default="softmax", metadata=option(
         "--jreg-weighting", "softmax (default), power or final"))
-    impl: str = field(default="auto", metadata=_flag(
+    impl: str = field(default="auto", metadata=option(
         "--jreg-impl", "displacement kernel: auto, fused or torch"))
 
     def __post_init__(self):
         config_values.check_fields(self)
         if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
+            raise ConfigError(f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
         if self.impl not in ("auto", "fused", "torch"):
-            raise ValueError(f"--jreg-impl {self.impl!r}: choose auto, fused or torch")
+            raise ConfigError(f"--jreg-impl {self.impl!r}: choose auto, fused or torch")
 
 
 def _preset_values(preset: str) -> dict:
-    """A preset's bundle read by the model flags' own parser: the preset is those flags."""
-    parsed = vars(cli.build_parser({"model": ModelConfig}).parse_args(preset_flags(preset)))
+    """A preset's bundle read as the model flags it stands for (``schema.read_flags``, the
+    command line's reading of them, without a parser)."""
+    given = read_flags(ModelConfig, preset_flags(preset))
     # read as Megatron-LM reads a command line with these size flags: what the bundle
     # leaves out takes Megatron-LM's defaults (the GPT-2 bundle relies on them)
-    given = {dest.split(".", 1)[1]: value for dest, value in parsed.items()}
     return {**MEGATRON_LM_MODEL_DEFAULTS, **given}
 
 

@@ -4,6 +4,7 @@ model config uses it."""
 
 from __future__ import annotations
 
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.model.presets import preset_flags
 
 
@@ -28,21 +29,21 @@ def family_of(model) -> str:
 def check_experts(model) -> None:
     """The mixture-of-experts flags of a model with --num-experts; ValueError naming the flag."""
     if model.num_experts < 1:
-        raise ValueError(f"--num-experts must be >= 1, got {model.num_experts}")
+        raise ConfigError(f"--num-experts must be >= 1, got {model.num_experts}")
     if not 1 <= model.moe_router_topk <= model.num_experts:
-        raise ValueError(f"--moe-router-topk {model.moe_router_topk} must be between 1 and "
+        raise ConfigError(f"--moe-router-topk {model.moe_router_topk} must be between 1 and "
                          f"--num-experts {model.num_experts}")
     if model.moe_aux_loss_coeff < 0:
-        raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {model.moe_aux_loss_coeff}")
+        raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {model.moe_aux_loss_coeff}")
     sinkhorn = model.moe_router_load_balancing_type == "sinkhorn"
     # megatron-core's rules (TransformerConfig.__post_init__, TopKRouter.sinkhorn_load_balancing)
     if model.moe_router_topk == 1 and not model.moe_router_pre_softmax and not sinkhorn:
-        raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over "
+        raise ConfigError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over "
                          "the one chosen expert has no gradient, as in Megatron-LM); add it")
     if sinkhorn and model.moe_aux_loss_coeff > 0:
         preset = model.model_preset
         source = (f" (--model-preset {preset} sets it)" if preset
                   and "--moe-aux-loss-coeff" in preset_flags(preset) else "")
-        raise ValueError(f"--moe-router-load-balancing-type sinkhorn takes no load-balancing "
+        raise ConfigError(f"--moe-router-load-balancing-type sinkhorn takes no load-balancing "
                          f"loss, but --moe-aux-loss-coeff is {model.moe_aux_loss_coeff}{source}; "
                          "pass --moe-aux-loss-coeff 0")

@@ -17,6 +17,8 @@ import dataclasses
 import os
 from typing import Dict, List
 
+from megatron_jreg.config.schema import flag_of
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.model.config import ModelConfig
 
 # the ModelConfig fields a checkpoint's weights do not pin
@@ -27,6 +29,7 @@ RUN_FIELDS = ("model_preset", "seq_length", "padded_vocab", "hidden_dropout",
               "make_vocab_size_divisible_by")
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                             if f.name not in RUN_FIELDS)
+_FIELDS = ModelConfig.__dataclass_fields__
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 
@@ -48,14 +51,10 @@ def _resolved(cfg: ModelConfig, name: str):
 def architecture_differences(saved: ModelConfig, mine: ModelConfig) -> List[str]:
     """``--flag SAVED (this run: MINE)`` for each architecture field that differs (the
     vocabulary is the tokenizer's, compared with it)."""
-    return [f"{_flag(name)} {_resolved(saved, name)} (this run: {_resolved(mine, name)})"
+    return [f"{flag_of(_FIELDS[name])} {_resolved(saved, name)} (this run: {_resolved(mine, name)})"
             for name in ARCHITECTURE_FIELDS
             if (name not in _RESOLVED or _RESOLVED[name])
             and _resolved(saved, name) != _resolved(mine, name)]
-
-
-def _flag(name: str) -> str:
-    return ModelConfig.__dataclass_fields__[name].metadata.get("flag", "--" + name.replace("_", "-"))
 
 
 def _holds_checkpoint(root) -> bool:
@@ -84,26 +83,26 @@ def checkpoint_configs(checkpoint: Dict[str, object]):
     elif pretrained:
         flag, root, step = "--pretrained-checkpoint", pretrained, None
     else:
-        raise ValueError("--use-checkpoint-args reads the architecture from a checkpoint: pass "
+        raise ConfigError("--use-checkpoint-args reads the architecture from a checkpoint: pass "
                          "--load (holding one) or --pretrained-checkpoint")
     if not os.path.isdir(root):
-        raise ValueError(missing_directory(flag, root))
+        raise ConfigError(missing_directory(flag, root))
     try:
         iteration = ckpt.resolve_iteration(root, step, root_flag=flag)
         return flag, root, read_run_configs(ckpt.iteration_dir(root, iteration))
     except (ckpt.CheckpointError, ValueError) as err:
-        raise ValueError(f"--use-checkpoint-args: {err}") from None
+        raise ConfigError(f"--use-checkpoint-args: {err}") from None
 
 
 def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
-    """cli.parse's ``resolve`` hook: rewrite the model (and tokenizer) settings."""
+    """``commands.flags.parse``'s ``resolve`` hook: rewrite the model (and tokenizer) settings."""
     if not values["checkpoint"].get("use_checkpoint_args"):
         return
     flag, root, saved = checkpoint_configs(values["checkpoint"])
     model, given = saved["model"], values["model"]
     where = f"(--use-checkpoint-args takes the architecture from {flag} {root})"
     if given.get("model_preset"):
-        raise ValueError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
+        raise ConfigError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
                          f"{where}; drop it")
 
     def resolved(name: str, value):  # --kv-channels unset means hidden / heads
@@ -111,8 +110,8 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
 
     for name in ARCHITECTURE_FIELDS:
         if name in given and resolved(name, given[name]) != resolved(name, getattr(model, name)):
-            raise ValueError(f"{_flag(name)} {given[name]} differs from the checkpoint's "
-                             f"{resolved(name, getattr(model, name))} {where}; drop {_flag(name)}")
+            raise ConfigError(f"{flag_of(_FIELDS[name])} {given[name]} differs from the checkpoint's "
+                             f"{resolved(name, getattr(model, name))} {where}; drop {flag_of(_FIELDS[name])}")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                 if f.default is not dataclasses.MISSING}
     merged = {**{k: defaults[k] for k in RUN_FIELDS if k in defaults},
@@ -121,7 +120,7 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
     merged.update({k: v for k, v in given.items() if k in RUN_FIELDS})
     if merged["max_position_embeddings"] is not None and \
             merged["seq_length"] > merged["max_position_embeddings"]:
-        raise ValueError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's "
+        raise ConfigError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's "
                          f"--max-position-embeddings {merged['max_position_embeddings']} {where}")
     values["model"] = merged
     data = values["data"]

@@ -21,11 +21,24 @@ from megatron_jreg.checkpoint.dist_checkpoint import (
 )
 from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.distributed.setup import print_rank_0
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.training.experiment import ExperimentConfig
 
 
 def _holds_checkpoint(root: str) -> bool:
     return os.path.exists(os.path.join(root, TRACKER)) or bool(complete_iterations(root))
+
+
+def _saved_schedule(path: str) -> Optional[dict]:
+    """The schedule state saved in iteration directory ``path`` (its common, unsharded
+    part; no tensor is read), or None when there is none or it cannot be read (loading
+    the checkpoint names the damage)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(path).get("scheduler")
+    except Exception:  # a damaged directory: load_checkpoint reports it by name
+        return None
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -74,7 +87,7 @@ class Checkpointer:
                               else f"--save {self.cfg.save}: cannot write there ({err.strerror})")
         dist.broadcast_object_list(outcome, src=0)
         if outcome[0]:
-            raise ValueError(outcome[0])
+            raise ConfigError(outcome[0])
         if outcome[1]:
             print_rank_0(outcome[1])
         self.run_id = outcome[2]
@@ -105,31 +118,31 @@ class Checkpointer:
             return c.pretrained_checkpoint, None, True, "--pretrained-checkpoint"
         return None
 
-    def resolve_padded_vocab(self) -> None:
-        """Embedding rows: a resumed checkpoint's own (so a checkpoint padded otherwise, e.g.
-        by an earlier version that multiplied by TP, still loads), else the vocabulary
-        padded to --make-vocab-size-divisible-by. Recorded in the saved run config."""
-        m = self.experiment.model
-        m.padded_vocab = None
-        rows = m.padded_vocab_size()
+    def facts(self) -> dict:
+        """What the checkpoint setup loads holds, for ``config.resolve.RunFacts``: its
+        embedding rows (the run keeps them) and, when the run keeps the checkpoint's
+        schedule (--use-checkpoint-opt-param-scheduler), that schedule."""
         source = self.source()
-        if source:
-            root, step, _, flag = source
-            path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
-            saved = saved_embedding_rows(path)
-            tp = self.experiment.parallel.tensor_model_parallel_size
-            if saved < m.vocab_size:
-                raise ValueError(f"{flag} {root}: the saved embedding has {saved} rows, "
-                                 f"fewer than the tokenizer's {m.vocab_size}; wrong tokenizer or checkpoint")
-            if saved % tp:
-                raise ValueError(f"{flag} {root}: the saved embedding has {saved} rows, "
-                                 f"not divisible by --tensor-model-parallel-size {tp}; pick a TP that "
-                                 "divides it")
-            if saved != rows:
-                print_rank_0(f"vocabulary: keeping the checkpoint's {saved} embedding rows "
-                             f"(--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} gives {rows})")
-            rows = saved
-        m.padded_vocab = rows
+        if not source:
+            return {}
+        root, step, weights_only, flag = source
+        path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
+        schedule = None
+        if (self.experiment.optim.scheduler_mode() == "checkpoint"
+                and not (self.cfg.no_load_optim or weights_only)):
+            schedule = _saved_schedule(path)
+        return {"checkpoint": f"{flag} {root}", "saved_embedding_rows": saved_embedding_rows(path),
+                "saved_schedule": schedule}
+
+    def report_padded_vocab(self) -> None:
+        """Say so when the run keeps a checkpoint's embedding rows that differ from the
+        vocabulary padded to --make-vocab-size-divisible-by."""
+        m = self.experiment.model
+        multiple = m.make_vocab_size_divisible_by
+        rows = -(-m.vocab_size // multiple) * multiple
+        if self.source() and m.padded_vocab != rows:
+            print_rank_0(f"vocabulary: keeping the checkpoint's {m.padded_vocab} embedding rows "
+                         f"(--make-vocab-size-divisible-by {multiple} gives {rows})")
 
     def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, int, Optional[int]]]:
         """Restore :meth:`source` into the model (and optimizer and schedule unless
@@ -149,8 +162,6 @@ class Checkpointer:
         resumed = None
         if load_optim:
             resumed = iteration, int(state.get("consumed_samples", 0)), state.get("consumed_tokens")
-            if mode == "checkpoint":  # the saved run config records the schedule that runs
-                o.keep_schedule(scheduler, g)
         if weights_only:
             print_rank_0(f"fine-tuning from {flag} {root} iteration {iteration}: weights only; "
                          "iteration 0 with a fresh optimizer, schedule and random state")
@@ -170,7 +181,7 @@ class Checkpointer:
         from megatron_jreg.training.checkpoint_args import architecture_differences
 
         data, mine = self.experiment.data, self.experiment.model
-        data.tokenizer_identity = tokenizer_identity(tokenizer)
+        identity = tokenizer_identity(tokenizer)
         source = self.source()
         if not source:
             return
@@ -186,7 +197,7 @@ class Checkpointer:
         if differ:
             fix = ("pass the pretraining run's model flags (or its --model-preset)" if weights_only
                    else "pass the model flags the checkpoint was trained with (or --use-checkpoint-args)")
-            raise ValueError(f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; {fix}")
+            raise ConfigError(f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; {fix}")
         theirs, ours = saved["data"], data
         pinned = theirs.tokenizer_identity or _identity_of(saved)  # None: cannot be known
         if pinned is None:
@@ -194,19 +205,19 @@ class Checkpointer:
                          f"tokenizer {theirs.tokenizer_model} cannot be read: this run's is not "
                          "checked against it")
             return
-        if pinned == ours.tokenizer_identity:
+        if pinned == identity:
             return
         was = describe_tokenizer(theirs.tokenizer_type, saved["model"].vocab_size, pinned)
-        now = describe_tokenizer(ours.tokenizer_type, tokenizer.vocab_size, ours.tokenizer_identity)
+        now = describe_tokenizer(ours.tokenizer_type, tokenizer.vocab_size, identity)
         if self.cfg.allow_tokenizer_change:
             print_rank_0(f"tokenizer: {now} instead of the checkpoint's {was} (--allow-tokenizer-change)")
             return
         place = ours.tokenizer_model
         if place and theirs.tokenizer_model and _same_file(place, theirs.tokenizer_model):
-            raise ValueError(f"{flag} {root}: the tokenizer {place} changed since the checkpoint was "
+            raise ConfigError(f"{flag} {root}: the tokenizer {place} changed since the checkpoint was "
                              f"trained (then {was}, now {now}); restore the file the run trained "
                              "with, or pass --allow-tokenizer-change to go on with this one")
-        raise ValueError(
+        raise ConfigError(
             f"{flag} {root}: the checkpoint was trained with tokenizer {was}, this run has {now}; "
             "pass the checkpoint's tokenizer flags (--use-checkpoint-args takes them from it), "
             "or --allow-tokenizer-change to go on with this one")

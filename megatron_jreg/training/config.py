@@ -5,11 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megatron_jreg import config_values
+from megatron_jreg.config import values as config_values
+from megatron_jreg.config.resolve import kept_schedule
+from megatron_jreg.config.schema import option
 from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.data.tokenizers.build import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
-from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig, _flag
+from megatron_jreg.errors import ConfigError
+from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.training.megatron_lm import MegatronLMConfig
+
+def _normalize(config, **values) -> None:
+    """Set fields of a frozen section while it is built (its own ``__post_init__``): the
+    canonical form of what was given, such as the steps ``--train-samples`` stands for."""
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
+
 
 # data.tokenizers' types and Megatron-LM's others (the trainer builds both kinds)
 TOKENIZER_TYPES = tuple(dict.fromkeys(BASE_TOKENIZER_TYPES + MEGATRON_LM_TOKENIZERS))
@@ -19,44 +29,44 @@ TOKENIZER_TYPES = tuple(dict.fromkeys(BASE_TOKENIZER_TYPES + MEGATRON_LM_TOKENIZ
 class OptimConfig:
     """AdamW through megatron-core's get_megatron_optimizer, and the LR/WD schedule."""
 
-    lr: float = field(default=3e-4, metadata=_flag("--lr", "peak learning rate", gt=0))
-    min_lr: float = field(default=0.0, metadata=_flag("--min-lr", "final learning rate", min=0))
-    lr_warmup_iters: int = field(default=0, metadata=_flag(
+    lr: float = field(default=3e-4, metadata=option("--lr", "peak learning rate", gt=0))
+    min_lr: float = field(default=0.0, metadata=option("--min-lr", "final learning rate", min=0))
+    lr_warmup_iters: int = field(default=0, metadata=option(
         "--lr-warmup-iters", "linear warmup steps", min=0))
-    lr_warmup_samples: int = field(default=0, metadata=_flag(
+    lr_warmup_samples: int = field(default=0, metadata=option(
         "--lr-warmup-samples", "linear warmup, in samples", min=0))
-    lr_warmup_fraction: Optional[float] = field(default=None, metadata=_flag(
+    lr_warmup_fraction: Optional[float] = field(default=None, metadata=option(
         "--lr-warmup-fraction", "linear warmup as a fraction of the decay length", min=0, max=1))
-    lr_warmup_init: float = field(default=0.0, metadata=_flag(
+    lr_warmup_init: float = field(default=0.0, metadata=option(
         "--lr-warmup-init", "learning rate at the start of the warmup", min=0))
-    lr_decay_iters: Optional[int] = field(default=None, metadata=_flag(
+    lr_decay_iters: Optional[int] = field(default=None, metadata=option(
         "--lr-decay-iters", "steps of decay; default --train-iters", min=1))
-    lr_decay_samples: Optional[int] = field(default=None, metadata=_flag(
+    lr_decay_samples: Optional[int] = field(default=None, metadata=option(
         "--lr-decay-samples", "samples of decay; default --train-samples", min=1))
-    lr_decay_style: str = field(default="cosine", metadata=_flag(
+    lr_decay_style: str = field(default="cosine", metadata=option(
         "--lr-decay-style", "cosine, linear, constant or WSD"))
-    lr_wsd_decay_iters: Optional[int] = field(default=None, metadata=_flag(
+    lr_wsd_decay_iters: Optional[int] = field(default=None, metadata=option(
         "--lr-wsd-decay-iters", "WSD: steps of the final decay; default 10% of decay", min=1))
-    lr_wsd_decay_samples: Optional[int] = field(default=None, metadata=_flag(
+    lr_wsd_decay_samples: Optional[int] = field(default=None, metadata=option(
         "--lr-wsd-decay-samples", "WSD: samples of the final decay", min=1))
-    lr_wsd_decay_style: str = field(default="linear", metadata=_flag(
+    lr_wsd_decay_style: str = field(default="linear", metadata=option(
         "--lr-wsd-decay-style", "WSD: exponential, linear, cosine or minus_sqrt"))
-    weight_decay: float = field(default=0.1, metadata=_flag("--weight-decay", "AdamW weight decay", min=0))
-    adam_beta1: float = field(default=0.9, metadata=_flag("--adam-beta1", "Adam beta1", min=0, lt=1))
-    adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2", "Adam beta2", min=0, lt=1))
-    adam_eps: float = field(default=1e-8, metadata=_flag("--adam-eps", "Adam epsilon", gt=0))
-    clip_grad: float = field(default=1.0, metadata=_flag(
+    weight_decay: float = field(default=0.1, metadata=option("--weight-decay", "AdamW weight decay", min=0))
+    adam_beta1: float = field(default=0.9, metadata=option("--adam-beta1", "Adam beta1", min=0, lt=1))
+    adam_beta2: float = field(default=0.95, metadata=option("--adam-beta2", "Adam beta2", min=0, lt=1))
+    adam_eps: float = field(default=1e-8, metadata=option("--adam-eps", "Adam epsilon", gt=0))
+    clip_grad: float = field(default=1.0, metadata=option(
         "--clip-grad", "global grad-norm clip (0 = off)", min=0))
-    use_distributed_optimizer: bool = field(default=False, metadata=_flag(
+    use_distributed_optimizer: bool = field(default=False, metadata=option(
         "--use-distributed-optimizer", "shard optimizer state over data-parallel ranks"))
-    initial_loss_scale: float = field(default=2.0**32, metadata=_flag(
+    initial_loss_scale: float = field(default=2.0**32, metadata=option(
         "--initial-loss-scale", "fp16: initial dynamic loss scale; default 2^32, as in "
         "Megatron-LM (the first steps overflow and are skipped while the scale halves)", gt=0))
-    override_opt_param_scheduler: bool = field(default=False, metadata=_flag(
+    override_opt_param_scheduler: bool = field(default=False, metadata=option(
         "--override-opt-param-scheduler",
         "on --load, use the schedule flags (--lr, --min-lr, warmup, decay) over the checkpoint's",
         aliases=["--override-opt_param-scheduler"]))
-    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=_flag(
+    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=option(
         "--use-checkpoint-opt-param-scheduler",
         "on --load, keep the checkpoint's schedule whatever the flags say (neither flag: a "
         "difference is an error)", aliases=["--use-checkpoint-opt_param-scheduler"]))
@@ -64,26 +74,26 @@ class OptimConfig:
     def __post_init__(self):
         config_values.check_fields(self)  # the metadata's bounds, however the config is built
         if self.lr_decay_style not in ("cosine", "linear", "constant", "WSD", "inverse-square-root"):
-            raise ValueError(
+            raise ConfigError(
                 f"--lr-decay-style {self.lr_decay_style!r}: choose cosine, linear, constant or WSD")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
+            raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
         if min(self.lr_warmup_iters, self.lr_warmup_samples, self.lr_warmup_fraction or 0) < 0:
-            raise ValueError("--lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction "
+            raise ConfigError("--lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction "
                              "must be >= 0")
         warmups = [name for name, value in (("--lr-warmup-iters", self.lr_warmup_iters),
                                             ("--lr-warmup-samples", self.lr_warmup_samples),
                                             ("--lr-warmup-fraction", self.lr_warmup_fraction))
                    if value]
         if len(warmups) > 1:  # Megatron-LM takes one of them
-            raise ValueError(f"{' and '.join(warmups)}: pass one warmup length")
+            raise ConfigError(f"{' and '.join(warmups)}: pass one warmup length")
         for unit in ("decay", "wsd_decay"):
             if (getattr(self, f"lr_{unit}_iters") is not None
                     and getattr(self, f"lr_{unit}_samples") is not None):
                 flag = unit.replace("_", "-")
-                raise ValueError(f"--lr-{flag}-iters and --lr-{flag}-samples: pass one")
+                raise ConfigError(f"--lr-{flag}-iters and --lr-{flag}-samples: pass one")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
+            raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
                              "contradict each other; pass one")
 
     def schedule_samples(self, train_samples: int, global_batch: int) -> dict:
@@ -100,21 +110,15 @@ class OptimConfig:
         return {"warmup": warmup, "decay": decay, "wsd": wsd}
 
     def keep_schedule(self, scheduler, global_batch: int) -> None:
-        """Record the schedule a resumed run keeps (--use-checkpoint-opt-param-scheduler),
-        so the saved run config says what runs: in steps when whole, else in samples."""
-        def split(samples) -> tuple:  # (steps, None) or (None, samples)
-            whole = float(samples) % global_batch == 0
-            return (int(samples) // global_batch, None) if whole else (None, int(samples))
-
-        self.lr, self.min_lr = scheduler.max_lr, scheduler.min_lr
-        self.lr_decay_style, self.weight_decay = scheduler.lr_decay_style, scheduler.start_wd
-        iters, samples = split(scheduler.lr_warmup_steps)
-        self.lr_warmup_iters, self.lr_warmup_samples = iters or 0, samples or 0
-        self.lr_warmup_fraction = None
-        self.lr_decay_iters, self.lr_decay_samples = split(scheduler.lr_decay_steps)
-        if scheduler.wsd_decay_steps:
-            self.lr_wsd_decay_iters, self.lr_wsd_decay_samples = split(scheduler.wsd_decay_steps)
-            self.lr_wsd_decay_style = scheduler.lr_wsd_decay_style
+        """Take, in place, the schedule of a scheduler a resumed run keeps
+        (``config.resolve.kept_schedule`` of its values). The trainer resolves the kept
+        schedule from the checkpoint before any work instead (``config.resolve``)."""
+        names = ("max_lr", "min_lr", "lr_decay_style", "start_wd", "lr_warmup_steps",
+                 "lr_decay_steps", "wsd_decay_steps", "lr_wsd_decay_style")
+        values = kept_schedule({name: getattr(scheduler, name, None) for name in names},
+                               global_batch)
+        for name, value in values.items():
+            setattr(self, name, value)
 
     def scheduler_mode(self) -> str:
         """How a resumed schedule is reconciled with the flags (checkpoint.dist_checkpoint.load_scheduler)."""
@@ -123,66 +127,66 @@ class OptimConfig:
         return "checkpoint" if self.use_checkpoint_opt_param_scheduler else "strict"
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
     """Batches, steps, evaluation and run control."""
 
-    micro_batch_size: int = field(default=4, metadata=_flag(
+    micro_batch_size: int = field(default=4, metadata=option(
         "--micro-batch-size", "sequences per micro-batch", min=1))
-    global_batch_size: int = field(default=16, metadata=_flag(
+    global_batch_size: int = field(default=16, metadata=option(
         "--global-batch-size", "sequences per step over all data-parallel ranks", min=1))
-    train_iters: Optional[int] = field(default=None, metadata=_flag(
+    train_iters: Optional[int] = field(default=None, metadata=option(
         "--train-iters", "optimizer steps; default 100, or --train-samples / --global-batch-size",
         min=1))
-    train_samples: Optional[int] = field(default=None, metadata=_flag(
+    train_samples: Optional[int] = field(default=None, metadata=option(
         "--train-samples", "samples to train on: --train-samples / --global-batch-size steps "
         "(a partial last batch is dropped, as in Megatron-LM)", min=1))
-    rampup_batch_size: Optional[list] = field(default=None, metadata=_flag(
+    rampup_batch_size: Optional[list] = field(default=None, metadata=option(
         "--rampup-batch-size", "batch-size ramp-up: not supported yet", nargs=3))
-    eval_interval: int = field(default=50, metadata=_flag(
+    eval_interval: int = field(default=50, metadata=option(
         "--eval-interval", "steps between validation runs (0 = never)", min=0))
-    eval_iters: int = field(default=4, metadata=_flag(
+    eval_iters: int = field(default=4, metadata=option(
         "--eval-iters", "validation batches per run (0 = no validation, as --eval-interval 0)",
         min=0))
-    seed: int = field(default=1234, metadata=_flag(
+    seed: int = field(default=1234, metadata=option(
         "--seed", "seed of init, data order and dropout", min=0, max=2**32 - 1))
-    exit_signal_handler: bool = field(default=True, metadata=_flag(
+    exit_signal_handler: bool = field(default=True, metadata=option(
         "--exit-signal-handler", "on SIGTERM/SIGINT (and --exit-signal) save a checkpoint and "
         "exit cleanly"))
-    exit_signal: str = field(default="SIGTERM", metadata=_flag(
+    exit_signal: str = field(default="SIGTERM", metadata=option(
         "--exit-signal", "one more signal that saves and exits (e.g. SIGUSR1 from Slurm's "
         "--signal)", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")))
-    exit_duration_in_mins: Optional[float] = field(default=None, metadata=_flag(
+    exit_duration_in_mins: Optional[float] = field(default=None, metadata=option(
         "--exit-duration-in-mins", "save and exit once the run has lasted this long", min=0))
-    exit_on_nan: bool = field(default=True, metadata=_flag(
+    exit_on_nan: bool = field(default=True, metadata=option(
         "--exit-on-nan", "stop with exit code 3, before any save, at a step whose loss, JREG "
         "penalty or gradient norm is NaN/inf (--no-exit-on-nan skips such steps: no update)"))
-    exit_interval: Optional[int] = field(default=None, metadata=_flag(
+    exit_interval: Optional[int] = field(default=None, metadata=option(
         "--exit-interval", "save and exit after this many steps (for tests and preemption drills)",
         min=1))
-    calculate_per_token_loss: bool = field(default=False, metadata=_flag(
+    calculate_per_token_loss: bool = field(default=False, metadata=option(
         "--calculate-per-token-loss", "average the LM loss over the loss-masked tokens of the "
         "whole global batch (default: the mean of each micro-batch's token mean); on with --sft"))
 
     def __post_init__(self):
         config_values.check_fields(self)
         if self.rampup_batch_size:
-            raise ValueError("--rampup-batch-size: not supported yet (the global batch is "
+            raise ConfigError("--rampup-batch-size: not supported yet (the global batch is "
                              "constant); drop it")
         if self.train_samples is not None:
             steps = self.train_samples // max(self.global_batch_size, 1)
             if self.train_iters is not None and self.train_iters != steps:
-                raise ValueError("--train-iters and --train-samples: pass one (as in Megatron-LM)")
-            self.train_iters = steps
+                raise ConfigError("--train-iters and --train-samples: pass one (as in Megatron-LM)")
+            _normalize(self, train_iters=steps)
         elif self.train_iters is None:
-            self.train_iters = 100
+            _normalize(self, train_iters=100)
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1"
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1"
                                  + (" (--train-samples gives no full batch)"
                                     if name == "train_iters" and self.train_samples else ""))
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"--global-batch-size {self.global_batch_size} is not divisible by "
                 f"--micro-batch-size {self.micro_batch_size}")
 
@@ -191,33 +195,33 @@ class TrainingConfig:
 class DataConfig:
     """Indexed datasets from tools/preprocess_data.py and their tokenizer."""
 
-    data_path: Optional[List[str]] = field(default=None, metadata=_flag(
+    data_path: Optional[List[str]] = field(default=None, metadata=option(
         "--data-path", "dataset prefixes, optionally weighted: 0.7 a_text_document 0.3 b_text_document",
         nargs="+"))
-    split: str = field(default="969,30,1", metadata=_flag("--split", "train,valid,test weights"))
-    data_cache_path: Optional[str] = field(default=None, metadata=_flag(
+    split: str = field(default="969,30,1", metadata=option("--split", "train,valid,test weights"))
+    data_cache_path: Optional[str] = field(default=None, metadata=option(
         "--data-cache-path", "where sample indices are cached; default beside the data"))
-    tokenizer_type: str = field(default="ByteTokenizer", metadata=_flag(
+    tokenizer_type: str = field(default="ByteTokenizer", metadata=option(
         "--tokenizer-type", ", ".join(TOKENIZER_TYPES)))
-    tokenizer_model: Optional[str] = field(default=None, metadata=_flag(
+    tokenizer_model: Optional[str] = field(default=None, metadata=option(
         "--tokenizer-model", "tokenizer file or directory"))
-    vocab_file: Optional[str] = field(default=None, metadata=_flag(
+    vocab_file: Optional[str] = field(default=None, metadata=option(
         "--vocab-file", "GPT2BPETokenizer: vocab.json"))
-    merge_file: Optional[str] = field(default=None, metadata=_flag(
+    merge_file: Optional[str] = field(default=None, metadata=option(
         "--merge-file", "GPT2BPETokenizer: merges.txt"))
-    dataloader_type: str = field(default="single", metadata=_flag(
+    dataloader_type: str = field(default="single", metadata=option(
         "--dataloader-type", "single (in order) or cyclic (Megatron-LM's shuffled order, reshuffled "
         "each epoch)"))
-    eod_mask_loss: bool = field(default=False, metadata=_flag(
+    eod_mask_loss: bool = field(default=False, metadata=option(
         "--eod-mask-loss", "no loss where the input token is the end of a document (the "
         "prediction of the next document's first token); the end-of-document target still "
         "counts", const=True))
-    reset_position_ids: bool = field(default=False, metadata=_flag(
+    reset_position_ids: bool = field(default=False, metadata=option(
         "--reset-position-ids", "restart position ids after each end of document", const=True))
-    reset_attention_mask: bool = field(default=False, metadata=_flag(
+    reset_attention_mask: bool = field(default=False, metadata=option(
         "--reset-attention-mask", "attention blocked across documents: not supported yet",
         const=True))
-    sft: bool = field(default=False, metadata=_flag(
+    sft: bool = field(default=False, metadata=option(
         "--sft", "supervised fine-tuning on chat data from preprocess_data.py --sft: one "
         "conversation per sample, padded, loss on assistant tokens only"))
     imported_from: Optional[str] = field(default=None, metadata={
@@ -229,16 +233,16 @@ class DataConfig:
 
     def __post_init__(self):
         if self.tokenizer_type not in TOKENIZER_TYPES:
-            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of "
+            raise ConfigError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of "
                              f"{', '.join(TOKENIZER_TYPES)}")
         if self.dataloader_type not in ("single", "cyclic"):
-            raise ValueError(f"--dataloader-type {self.dataloader_type!r}: single or cyclic "
+            raise ConfigError(f"--dataloader-type {self.dataloader_type!r}: single or cyclic "
                              "(external is not supported)")
         if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
-            raise ValueError("--vocab-file and --merge-file are GPT2BPETokenizer's files; pass "
+            raise ConfigError("--vocab-file and --merge-file are GPT2BPETokenizer's files; pass "
                              "--tokenizer-type GPT2BPETokenizer (or drop them)")
         if self.reset_attention_mask:
-            raise ValueError("--reset-attention-mask: not supported yet (attention is causal "
+            raise ConfigError("--reset-attention-mask: not supported yet (attention is causal "
                              "over the whole sample); drop it")
 
     @classmethod
@@ -247,65 +251,65 @@ class DataConfig:
         of an imported model, read with the class itself, has none)."""
         data = cls(**values)
         if not data.data_path:
-            raise ValueError("--data-path is missing; pass the prefix tools/preprocess_data.py wrote "
+            raise ConfigError("--data-path is missing; pass the prefix tools/preprocess_data.py wrote "
                              "(e.g. data/demo_text_document)")
         return data
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     """dist-checkpointing (torch_dist) in Megatron's directory layout."""
 
-    save: Optional[str] = field(default=None, metadata=_flag("--save", "checkpoint directory to write"))
-    load: Optional[str] = field(default=None, metadata=_flag(
+    save: Optional[str] = field(default=None, metadata=option("--save", "checkpoint directory to write"))
+    load: Optional[str] = field(default=None, metadata=option(
         "--load", "checkpoint directory to resume from (the latest complete iteration)"))
-    save_interval: Optional[int] = field(default=None, metadata=_flag(
+    save_interval: Optional[int] = field(default=None, metadata=option(
         "--save-interval", "steps between checkpoints (the last step is always saved)", min=1))
-    ckpt_step: Optional[int] = field(default=None, metadata=_flag(
+    ckpt_step: Optional[int] = field(default=None, metadata=option(
         "--ckpt-step", "load this iteration instead of the latest", min=0))
-    no_load_optim: bool = field(default=False, metadata=_flag(
+    no_load_optim: bool = field(default=False, metadata=option(
         "--no-load-optim", "load weights only (fresh optimizer and schedule)"))
-    finetune: bool = field(default=False, metadata=_flag(
+    finetune: bool = field(default=False, metadata=option(
         "--finetune", "load weights only and start at iteration 0 with a fresh optimizer, "
         "schedule and random state (from --pretrained-checkpoint when given, else --load)"))
-    pretrained_checkpoint: Optional[str] = field(default=None, metadata=_flag(
+    pretrained_checkpoint: Optional[str] = field(default=None, metadata=option(
         "--pretrained-checkpoint", "weights to start from when --load is unset or holds no "
         "checkpoint yet (implies --finetune for them; any TP/PP layout)"))
-    use_checkpoint_args: bool = field(default=False, metadata=_flag(
+    use_checkpoint_args: bool = field(default=False, metadata=option(
         "--use-checkpoint-args", "take the architecture (and the tokenizer, when no tokenizer "
         "flag is given) from the checkpoint of --load, else --pretrained-checkpoint; an "
         "architecture flag that differs from it is refused", const=True))
-    ckpt_format: str = field(default="torch_dist", metadata=_flag("--ckpt-format", "torch_dist"))
-    no_load_rng: bool = field(default=False, metadata=_flag(
+    ckpt_format: str = field(default="torch_dist", metadata=option("--ckpt-format", "torch_dist"))
+    no_load_rng: bool = field(default=False, metadata=option(
         "--no-load-rng", "on --load, do not restore the saved random state"))
-    no_verify_checkpoint: bool = field(default=False, metadata=_flag(
+    no_verify_checkpoint: bool = field(default=False, metadata=option(
         "--no-verify-checkpoint", "on --load, skip the per-file checksum check"))
-    allow_tokenizer_change: bool = field(default=False, metadata=_flag(
+    allow_tokenizer_change: bool = field(default=False, metadata=option(
         "--allow-tokenizer-change", "continue from a checkpoint (--load, --pretrained-checkpoint) "
         "with a tokenizer other than the one it was trained with (its vocabulary must fit the "
         "saved embedding)"))
-    overwrite_checkpoints: bool = field(default=False, metadata=_flag(
+    overwrite_checkpoints: bool = field(default=False, metadata=option(
         "--overwrite-checkpoints", "let a run without --load write into a --save that holds "
         "checkpoints (it replaces the iterations it reaches)"))
 
     def __post_init__(self):
         config_values.check_fields(self)
         if self.ckpt_format != "torch_dist":
-            raise ValueError(f"--ckpt-format {self.ckpt_format!r}: only torch_dist is supported")
+            raise ConfigError(f"--ckpt-format {self.ckpt_format!r}: only torch_dist is supported")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
-    log_interval: int = field(default=10, metadata=_flag(
+    log_interval: int = field(default=10, metadata=option(
         "--log-interval", "steps between log lines", min=1))
-    tensorboard_dir: Optional[str] = field(default=None, metadata=_flag(
+    tensorboard_dir: Optional[str] = field(default=None, metadata=option(
         "--tensorboard-dir", "write TensorBoard scalars here"))
-    metrics_file: Optional[str] = field(default=None, metadata=_flag(
+    metrics_file: Optional[str] = field(default=None, metadata=option(
         "--metrics-file", "append one JSON object per logged step"))
-    wandb_project: Optional[str] = field(default=None, metadata=_flag(
+    wandb_project: Optional[str] = field(default=None, metadata=option(
         "--wandb-project", "also log to Weights & Biases (needs wandb installed)"))
-    wandb_exp_name: Optional[str] = field(default=None, metadata=_flag("--wandb-exp-name", "W&B run name"))
-    wandb_save_dir: Optional[str] = field(default=None, metadata=_flag(
+    wandb_exp_name: Optional[str] = field(default=None, metadata=option("--wandb-exp-name", "W&B run name"))
+    wandb_save_dir: Optional[str] = field(default=None, metadata=option(
         "--wandb-save-dir", "where W&B writes its local files; default --save's wandb/ directory "
         "(as in Megatron-LM), without --save wandb's own (./wandb)"))
 

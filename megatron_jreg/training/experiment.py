@@ -3,6 +3,8 @@
 Each section (``megatron_jreg.training.config.SECTIONS``) validates its own fields where it
 is defined. :meth:`ExperimentConfig.validate` runs, in one place and before any work, every
 check that needs more than one section or the environment (world size, files on disk).
+An experiment holds the settings as given; ``config.resolve`` makes the run they stand
+for (the trainer's ``setup``), and that run is what trains and what a checkpoint records.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import math
 import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from megatron_jreg import cli
+from megatron_jreg.config import yaml_settings
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.training.config import (
     BUILDERS,
@@ -33,7 +36,7 @@ from megatron_jreg.training.megatron_lm import MegatronLMConfig
 DESCRIPTION = "Pretrain a Llama model with JREG on megatron-core"
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class ExperimentConfig:
     """One training run: the sections of ``SECTIONS``, by the same names."""
 
@@ -52,31 +55,31 @@ class ExperimentConfig:
 
     # ---- construction and YAML ----------------------------------------------------------
     @classmethod
-    def from_sections(cls, sections: Mapping[str, object]) -> "ExperimentConfig":
-        return cls(**{name: sections[name] for name in SECTIONS})
+    def from_sections(cls, sections: Mapping[str, object],
+                      given: Optional[Dict[str, dict]] = None) -> "ExperimentConfig":
+        return cls(**{name: sections[name] for name in SECTIONS}, given=given or {})
 
     @classmethod
     def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "ExperimentConfig":
         """Flags (and ``--config FILE.yaml``); a bad flag exits 2 with a one-line message."""
         given: Dict[str, dict] = {}
+        from megatron_jreg.commands import flags  # the command line's reader, above this module
         from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
 
-        experiment = cls.from_sections(cli.parse(SECTIONS, argv, description=DESCRIPTION,
-                                                 build=BUILDERS, given=given,
-                                                 resolve=apply_checkpoint_args))
-        experiment.given = given
-        return experiment
+        sections = flags.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS,
+                              given=given, resolve=apply_checkpoint_args)
+        return cls.from_sections(sections, given)
 
     @classmethod
     def from_yaml(cls, text: str) -> "ExperimentConfig":
         """The config a run saved (``run_config.yaml``)."""
-        return cls.from_sections(cli.from_yaml_text(text, SECTIONS))
+        return cls.from_sections(yaml_settings.from_yaml_text(text, SECTIONS))
 
     def sections(self) -> Dict[str, object]:
         return {name: getattr(self, name) for name in SECTIONS}
 
     def to_yaml(self) -> str:
-        return cli.to_yaml(self.sections())
+        return yaml_settings.to_yaml(self.sections())
 
     def to_dict(self) -> Dict[str, dict]:
         return {name: dataclasses.asdict(section) for name, section in self.sections().items()}
@@ -139,10 +142,10 @@ class ExperimentConfig:
         self._check_schedule()
         if (self.checkpoint.load and not self.checkpoint.pretrained_checkpoint
                 and not os.path.isdir(self.checkpoint.load)):
-            raise ValueError(missing_directory("--load", self.checkpoint.load))
+            raise ConfigError(missing_directory("--load", self.checkpoint.load))
         self._check_save_directory()
         if self.logging.wandb_project and importlib.util.find_spec("wandb") is None:
-            raise ValueError("--wandb-project needs wandb installed: pip install wandb "
+            raise ConfigError("--wandb-project needs wandb installed: pip install wandb "
                              "(or drop --wandb-project)")
         self._check_finetune()
         self.gpt_data_config()
@@ -150,12 +153,12 @@ class ExperimentConfig:
             self._check_sft_data()
         for prefix in self.data_prefixes():
             if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
-                raise ValueError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "
+                raise ConfigError(f"--data-path {prefix!r}: no {prefix}.bin/.idx; build it with "
                                  "tools/preprocess_data.py")
             check_indexed_dataset(prefix)  # .bin size as the .idx describes it, not empty
         vocab = self.model.vocab_size
         if tokenizer_vocab_size is not None and vocab is not None and vocab < tokenizer_vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"--vocab-size {vocab} is smaller than the tokenizer's "
                 f"{tokenizer_vocab_size}; drop --vocab-size to use the tokenizer's")
 
@@ -169,21 +172,21 @@ class ExperimentConfig:
                       else f"--lr-warmup-iters {o.lr_warmup_iters}")
             decay = (lengths["decay"] // g if o.lr_decay_samples is None and not t.train_samples
                      else f"{lengths['decay']} samples")
-            raise ValueError(f"{warmup} must be below the decay length {decay} (--lr-decay-iters "
+            raise ConfigError(f"{warmup} must be below the decay length {decay} (--lr-decay-iters "
                              "or --lr-decay-samples, default the training length)")
         if o.lr_warmup_init > o.lr:
-            raise ValueError(f"--lr-warmup-init {o.lr_warmup_init} must not exceed --lr {o.lr}")
+            raise ConfigError(f"--lr-warmup-init {o.lr_warmup_init} must not exceed --lr {o.lr}")
         p = self.parallel
         if p.overlap_param_gather and not (o.use_distributed_optimizer and p.overlap_grad_reduce):
-            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and "
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
                              "--overlap-grad-reduce (as in Megatron-LM)")
 
     def _check_finetune(self) -> None:
         c = self.checkpoint
         if c.pretrained_checkpoint and not os.path.isdir(c.pretrained_checkpoint):
-            raise ValueError(missing_directory("--pretrained-checkpoint", c.pretrained_checkpoint))
+            raise ConfigError(missing_directory("--pretrained-checkpoint", c.pretrained_checkpoint))
         if c.finetune and not (c.load or c.pretrained_checkpoint):
-            raise ValueError("--finetune loads weights from --pretrained-checkpoint or --load; "
+            raise ConfigError("--finetune loads weights from --pretrained-checkpoint or --load; "
                              "pass one of them")
 
     def _check_sft_data(self) -> None:
@@ -192,13 +195,13 @@ class ExperimentConfig:
 
         items = list(self.data.data_path)
         if data_prefixes(items) != items:
-            raise ValueError("--sft takes dataset prefixes without weights (the conversations of "
+            raise ConfigError("--sft takes dataset prefixes without weights (the conversations of "
                              "all of them are used); drop the weights from --data-path")
         for prefix in items:
             dataset = SFTDataset(prefix)  # an InputError names the file and the fix
             built_with = dataset.metadata.get("tokenizer_type")
             if built_with and built_with != self.data.tokenizer_type:
-                raise ValueError(
+                raise ConfigError(
                     f"--data-path {prefix}: built with --tokenizer-type {built_with}, but this run "
                     f"uses {self.data.tokenizer_type}; pass the same tokenizer")
 
@@ -209,27 +212,27 @@ class ExperimentConfig:
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         multiple = model.make_vocab_size_divisible_by
         if multiple % tp and not self.checkpoint.load:
-            raise ValueError(
+            raise ConfigError(
                 f"--tensor-model-parallel-size {tp} does not divide --make-vocab-size-divisible-by "
                 f"{multiple}: the vocabulary is padded to a multiple of it under every layout; "
                 f"pass --make-vocab-size-divisible-by {multiple * tp // math.gcd(multiple, tp)}")
         if model.num_attention_heads % tp or model.query_groups % tp:
-            raise ValueError(
+            raise ConfigError(
                 f"--tensor-model-parallel-size {tp} must divide --num-attention-heads "
                 f"{model.num_attention_heads} and the query groups {model.query_groups}")
         if parallel.sequence_parallel and model.seq_length % tp:
-            raise ValueError(f"--seq-length {model.seq_length} must be divisible by TP {tp} "
+            raise ConfigError(f"--seq-length {model.seq_length} must be divisible by TP {tp} "
                              "under --sequence-parallel")
         if world % (tp * pp):
-            raise ValueError(f"{world} processes cannot hold TP {tp} x PP {pp}; launch a multiple")
+            raise ConfigError(f"{world} processes cannot hold TP {tp} x PP {pp}; launch a multiple")
         self._check_experts(world // (tp * pp))
         if self.megatron_lm.no_position_embedding and model.position_embedding_type != "rope":
-            raise ValueError(f"--no-position-embedding with --position-embedding-type "
+            raise ConfigError(f"--no-position-embedding with --position-embedding-type "
                              f"{model.position_embedding_type}: a model without position "
                              "information is not supported; drop --no-position-embedding")
         per_step = self.training.micro_batch_size * (world // (tp * pp))
         if self.training.global_batch_size % per_step:
-            raise ValueError(
+            raise ConfigError(
                 f"--global-batch-size {self.training.global_batch_size} is not divisible by "
                 f"--micro-batch-size x data-parallel size = {per_step}")
 
@@ -239,17 +242,17 @@ class ExperimentConfig:
         ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
         if not model.num_experts:
             if ep > 1:
-                raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts "
+                raise ConfigError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts "
                                  "model; add --num-experts or drop it")
             return
         if tp > 1 and not parallel.sequence_parallel:
-            raise ValueError("--num-experts with --tensor-model-parallel-size > 1 needs "
+            raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
                              "--sequence-parallel (as in Megatron-LM); add it")
         if model.num_experts % ep:
-            raise ValueError(f"--expert-model-parallel-size {ep} must divide --num-experts "
+            raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts "
                              f"{model.num_experts}")
         if dp % ep:
-            raise ValueError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
+            raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
                              f"size {dp} (the experts are split over data-parallel ranks)")
 
     def _check_save_directory(self) -> None:
@@ -263,7 +266,7 @@ class ExperimentConfig:
                       if n == TRACKER or (n.startswith("iter_") and n[5:].isdigit()))
         if held:
             shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
-            raise ValueError(
+            raise ConfigError(
                 f"--save {save} already holds checkpoints ({shown}) and this run does not resume "
                 f"from them: pass --load {save} to continue that run, another --save for a new "
                 "one, or --overwrite-checkpoints to replace them")

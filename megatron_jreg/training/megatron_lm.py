@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional
 
-from megatron_jreg import config_values
+from megatron_jreg.config import values as config_values
+from megatron_jreg.errors import ConfigError
 
 ACCEPTED, NOTED, REFUSED = "accepted", "accepted with a printed line", "refused"
 
@@ -36,7 +37,7 @@ class Row(NamedTuple):
     choices: Optional[tuple] = None
     allowed: tuple = ()  # values that are accepted silently although the row is NOTED/REFUSED
     nargs: Optional[object] = None
-    bounds: Optional[dict] = None  # config_values' range metadata (min, gt, max, lt) of a value
+    bounds: Optional[dict] = None  # config.values' range metadata (min, gt, max, lt) of a value
 
 
 TABLE = [
@@ -196,11 +197,11 @@ def _refuse(self) -> None:
         if row.status == REFUSED and _given(row, getattr(self, _name(row.flag))):
             value = getattr(self, _name(row.flag))
             shown = row.flag if row.kind is bool else f"{row.flag} {value}"
-            raise ValueError(f"{shown}: not supported: {row.why}")
+            raise ConfigError(f"{shown}: not supported: {row.why}")
 
 
 MegatronLMConfig = dataclasses.make_dataclass(
-    "MegatronLMConfig", [_field(row) for row in TABLE], kw_only=True,
+    "MegatronLMConfig", [_field(row) for row in TABLE], kw_only=True, frozen=True,
     namespace={"__post_init__": _refuse, "__doc__": "Megatron-LM flags: see TABLE."})
 MegatronLMConfig.__module__ = __name__
 
@@ -208,7 +209,7 @@ MegatronLMConfig.__module__ = __name__
 def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: str) -> List[str]:
     """The lines the trainer prints for this run's Megatron-LM flags.
 
-    given: the settings as given per section (``cli.parse``'s ``given``); impl: the resolved
+    given: the settings as given per section (``commands.flags.parse``'s ``given``); impl: the resolved
     transformer implementation; backend: the run's process-group backend ("nccl" or "gloo",
     ``platform.device.backend``).
     """

@@ -7,6 +7,7 @@ optimizer and schedule (``optimizer``), one step's forward/backward (``step``), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import sys
@@ -21,12 +22,13 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.atomic_write import check_output_dir, check_output_path
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
+from megatron_jreg.config.resolve import NULL_TOKENIZER, RunFacts, model_vocab, resolve
 from megatron_jreg.data.datasets.batches import rank_microbatches
 from megatron_jreg.data.datasets.gpt import build_gpt_datasets
 from megatron_jreg.data.datasets.run_data_check import check_data_against_run
 from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
 from megatron_jreg.data.datasets.sft_samples import build_sft_samples
-from megatron_jreg.data.tokenizers.build import build_tokenizer
+from megatron_jreg.data.tokenizers.build import build_tokenizer, tokenizer_identity
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
     initialize_model_parallel,
@@ -58,7 +60,7 @@ from megatron_jreg.training.megatron_lm import notes
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
 from megatron_jreg.data.datasets.sample_order import CyclicOrder
 from megatron_jreg.training.signals import SignalFlag
-from megatron_jreg.errors import InputError
+from megatron_jreg.errors import ConfigError, InputError
 from megatron_jreg.training.step import forward_backward
 
 
@@ -75,33 +77,40 @@ class Trainer:
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
-        cfg = self.cfg
+        raw = self.cfg  # the settings as parsed; the run is what they resolve to here
         self.tokenizer = self._build_tokenizer()
         self.checkpoints.check_source(self.tokenizer)  # first: a changed tokenizer explains the rest
-        cfg.validate(tokenizer_vocab_size=self.tokenizer.vocab_size)
-        if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = self.tokenizer.vocab_size
+        raw.validate(tokenizer_vocab_size=self.tokenizer.vocab_size)
+        impl, impl_why = resolve_transformer_impl(raw.model.transformer_impl)
+        cfg = self.cfg = resolve(raw, RunFacts(
+            tokenizer_vocab_size=self.tokenizer.vocab_size,
+            tokenizer_identity=tokenizer_identity(self.tokenizer), transformer_impl=impl,
+            **self.checkpoints.facts()))
+        self.train_cfg = cfg.training
+        self.checkpoints.experiment = cfg  # each save records the resolved run
         initialize_distributed(cfg.parallel.distributed_timeout_minutes)
         self.device = platform_device.current_device()
         self._check_outputs()
         check_data_against_run(cfg.data_prefixes(), self.tokenizer.vocab_size, cfg.data.data_cache_path,
                                (cfg.data.split, cfg.model.seq_length) if cfg.data.sft else None)
         if cfg.jreg.impl == "fused" and not fused_available(self.device):
-            raise ValueError(
+            raise ConfigError(
                 f"--jreg-impl fused: the fused kernel is not built for {self.device.type} "
                 f"({kernel_build()}); reinstall with `pip install --no-build-isolation -e .` "
                 "or pass --jreg-impl torch (or auto)")
         self.checkpoints.take_save_lock()
         jreg_impl, why = describe_impl(cfg.jreg.impl, self.device)
         print_rank_0(f"JREG implementation: {jreg_impl} ({why})")
-        impl, why = resolve_transformer_impl(cfg.model.transformer_impl)
-        print_rank_0(f"transformer implementation: {impl} ({why})")
+        print_rank_0(f"transformer implementation: {impl} ({impl_why})")
         attention, why = resolve_attention_backend(cfg.model.attention_backend, impl)
         print_rank_0(f"core attention: {attention} ({why})")
-        for line in notes(cfg, cfg.given, impl, platform_device.backend()):  # Megatron-LM flags
+        # the Megatron-LM flags, with the padding the settings asked for (a checkpoint's own
+        # rows have a line of their own)
+        asked = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, padded_vocab=raw.model.padded_vocab))
+        for line in notes(asked, cfg.given, impl, platform_device.backend()):
             print_rank_0(line)
-        cfg.model.transformer_impl = impl  # the saved run config records what ran
-        self.checkpoints.resolve_padded_vocab()
+        self.checkpoints.report_padded_vocab()
         initialize_model_parallel(cfg.model, cfg.parallel)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -121,14 +130,17 @@ class Trainer:
                                   extra=(getattr(signal, self.train_cfg.exit_signal),))
 
     def _build_tokenizer(self):
+        """The run's tokenizer, from the settings as given (before the run is resolved)."""
         data, model = self.cfg.data, self.cfg.model
         if data.tokenizer_type not in MEGATRON_LM_TOKENIZERS:
             return build_tokenizer(data.tokenizer_type, data.tokenizer_model)
         tokenizer = build_megatron_tokenizer(data.tokenizer_type, data.tokenizer_model,
                                              model.vocab_size, data.vocab_file, data.merge_file)
-        if data.tokenizer_type == "NullTokenizer":
-            # --vocab-size counts the ids before the end-of-document id (Megatron-LM's rule)
-            model.vocab_size = tokenizer.vocab_size
+        if data.tokenizer_type == NULL_TOKENIZER:
+            # --vocab-size counts the ids before the end-of-document id (Megatron-LM's
+            # rule); the settings say so before they are checked and resolved
+            model.vocab_size = model_vocab(model.vocab_size, data.tokenizer_type,
+                                           tokenizer.vocab_size)
         return tokenizer
 
     def _check_outputs(self) -> None:
@@ -157,7 +169,7 @@ class Trainer:
             dist.all_gather_object(found, problem)
             first = next((p for p in found if p), None)
             if first:
-                raise ValueError(first)
+                raise InputError(first)
 
     def _build_model_and_optimizer(self) -> None:
         cfg = self.cfg

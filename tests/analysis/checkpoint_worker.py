@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from megatron_jreg.cli import from_yaml_text
+from megatron_jreg.config.yaml_settings import from_yaml_text
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
     initialize_model_parallel,

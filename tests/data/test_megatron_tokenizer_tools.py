@@ -190,7 +190,7 @@ def run_configs(kind, sp_model, gpt2_files):
     vocabulary to --vocab-size + 1), then the sections go through YAML as a save does."""
     from types import SimpleNamespace
 
-    from megatron_jreg.cli import from_yaml_text, to_yaml
+    from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml
     from megatron_jreg.model.config import ModelConfig
     from megatron_jreg.training.config import DataConfig
     from megatron_jreg.training.trainer import Trainer

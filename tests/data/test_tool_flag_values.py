@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import pytest
 
-from megatron_jreg import cli
+from megatron_jreg.commands import flags as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import yaml
 
-from megatron_jreg import cli
+from megatron_jreg.commands import flags as cli
 from megatron_jreg.model.config import PRESETS
 from megatron_jreg.training.config import BUILDERS, SECTIONS
 

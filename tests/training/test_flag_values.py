@@ -12,7 +12,7 @@ import typing
 import pytest
 import yaml
 
-from megatron_jreg import cli
+from megatron_jreg.commands import flags as cli
 from megatron_jreg.model.config import ModelConfig
 from megatron_jreg.training.config import BUILDERS, SECTIONS
 from trainer_runs import REPO, run_env

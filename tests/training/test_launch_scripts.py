@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from trainer_runs import REPO
-from megatron_jreg import cli
+from megatron_jreg.commands import flags as cli
 from megatron_jreg.model.config import PRESETS
 from megatron_jreg.training.config import BUILDERS, SECTIONS
 from megatron_jreg.training.experiment import ExperimentConfig

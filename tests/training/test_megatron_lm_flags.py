@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainer_runs import REPO, base_args, read_metrics, run_env, train
-from megatron_jreg import cli
+from megatron_jreg.commands import flags as cli
 from megatron_jreg.model.config import PRESETS, preset_flags
 from megatron_jreg.training.config import BUILDERS, SECTIONS, OptimConfig
 from megatron_jreg.training.experiment import ExperimentConfig

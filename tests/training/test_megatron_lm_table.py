@@ -12,7 +12,8 @@ import types
 import pytest
 
 from trainer_runs import REPO
-from megatron_jreg import cli, train
+from megatron_jreg import train
+from megatron_jreg.commands import flags as cli
 from megatron_jreg.training import megatron_lm
 from megatron_jreg.training.config import SECTIONS
 from megatron_jreg.training.megatron_lm import ACCEPTED, NOTED, REFUSED, TABLE

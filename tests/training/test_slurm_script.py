@@ -9,7 +9,7 @@ import subprocess
 import time
 
 from trainer_runs import REPO
-from megatron_jreg import cli
+from megatron_jreg.commands import flags as cli
 from megatron_jreg.training.config import BUILDERS, SECTIONS
 from test_launch_scripts import RECORDER, validated
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from set_up_trainer import NEGATIONS, RESTORED
 from trainer_runs import base_args
 
-from megatron_jreg import cli, train
+from megatron_jreg import train
+from megatron_jreg.commands import flags as cli
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, CheckpointError, load_scheduler
 from megatron_jreg.distributed import setup
 from megatron_jreg.model.builder import transformer_config

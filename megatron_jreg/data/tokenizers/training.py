@@ -16,7 +16,7 @@ from megatron_jreg.atomic_write import (
     write_atomic,
     write_text_atomic,
 )
-from megatron_jreg.config_values import check_fields
+from megatron_jreg.config.values import check_fields
 from megatron_jreg.data.preprocess.sources import resolve_inputs
 from megatron_jreg.errors import InputError
 

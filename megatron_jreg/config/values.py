@@ -1,5 +1,6 @@
 """The value check every config field gets where its value enters: a flag, a ``--config``
-YAML key, a tool's flag (``megatron_jreg.cli`` calls :func:`check_value`).
+YAML key, a tool's flag (``megatron_jreg.commands.flags`` and ``config.yaml_settings`` call
+:func:`check_value`).
 
 A field declares its allowed values in its metadata, one small vocabulary:
 
@@ -23,6 +24,9 @@ import math
 import re
 import typing
 from typing import Any, Mapping, Tuple
+
+from megatron_jreg.config.schema import flag_of
+from megatron_jreg.errors import ConfigError
 
 BOUNDS = ("min", "gt", "max", "lt")
 # YAML 1.1 (PyYAML) reads 1e-4 as a string: a float field takes it as a flag would
@@ -66,7 +70,7 @@ def _typed(where: str, value: Any, kind: Any) -> Any:
     else:
         return value
     if not ok:
-        raise ValueError(f"{where}: expected {_KIND_WORDS[kind]}, got {_shown(value)}")
+        raise ConfigError(f"{where}: expected {_KIND_WORDS[kind]}, got {_shown(value)}")
     return value
 
 
@@ -84,16 +88,16 @@ def check_type(where: str, value: Any, annotation: Any) -> Any:
     if value is None:
         if optional:
             return None
-        raise ValueError(f"{where}: expected {_KIND_WORDS.get(kind, 'a value')}, got None")
+        raise ConfigError(f"{where}: expected {_KIND_WORDS.get(kind, 'a value')}, got None")
     origin = typing.get_origin(kind) or kind
     if origin in (list, tuple):
         if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list, got {_shown(value)}")
+            raise ConfigError(f"{where}: expected a list, got {_shown(value)}")
         args = typing.get_args(kind)
         element = args[0] if args else Any
         return [_typed(where, v, element) for v in value]
     if isinstance(value, (list, dict)) and kind in _KIND_WORDS:
-        raise ValueError(f"{where}: expected {_KIND_WORDS[kind]}, got {_shown(value)}")
+        raise ConfigError(f"{where}: expected {_KIND_WORDS[kind]}, got {_shown(value)}")
     return _typed(where, value, kind)
 
 
@@ -122,18 +126,18 @@ def check_range(where: str, value: Any, meta: Mapping[str, Any]) -> None:
         if item is None or isinstance(item, bool):
             continue
         if "choices" in meta and meta["choices"] and item not in meta["choices"]:
-            raise ValueError(f"{where} must be one of {', '.join(map(str, meta['choices']))}, "
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, meta['choices']))}, "
                              f"got {_shown(item)}")
         if not isinstance(item, (int, float)):
             continue
         if isinstance(item, float) and not math.isfinite(item):
             if meta.get("finite", True):
                 shown = allowed(meta)
-                raise ValueError(f"{where} must be a finite number{' ' + shown if shown else ''}"
+                raise ConfigError(f"{where} must be a finite number{' ' + shown if shown else ''}"
                                  f", got {item}")
             continue
         if not _in_range(item, meta):
-            raise ValueError(f"{where} must be {allowed(meta)}, got {item}")
+            raise ConfigError(f"{where} must be {allowed(meta)}, got {item}")
 
 
 def check_value(where: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> Any:
@@ -147,5 +151,4 @@ def check_fields(config: Any) -> None:
     """Finiteness, bounds and choices of every field of a dataclass instance, each named by
     its flag (metadata ``flag``, else ``--field-name``)."""
     for field in dataclasses.fields(config):
-        where = field.metadata.get("flag") or "--" + field.name.replace("_", "-")
-        check_range(where, getattr(config, field.name), field.metadata)
+        check_range(flag_of(field), getattr(config, field.name), field.metadata)
