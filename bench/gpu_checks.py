@@ -235,7 +235,7 @@ def te_available() -> bool:
     """Whether Transformer Engine imports (False where the package itself does not import:
     the preflight has said so on its own line)."""
     try:
-        from megatron_jreg.model.config import transformer_engine_available
+        from megatron_jreg.config.model import transformer_engine_available
     except Exception:
         return False
     return transformer_engine_available()

@@ -40,7 +40,7 @@ def run(args) -> dict:
     device = one_device_model.start(args.device)
     import torch
 
-    from megatron_jreg.model.config import (
+    from megatron_jreg.config.model import (
         JregConfig,
         ModelConfig,
         ParallelConfig,
@@ -48,7 +48,7 @@ def run(args) -> dict:
     )
     from megatron_jreg.model.builder import core_attention
     from megatron_jreg.model.jreg_layer import JregTracker
-    from megatron_jreg.training.config import OptimConfig
+    from megatron_jreg.config.run import OptimConfig
     from megatron_jreg.training.metrics import model_flops_per_token
     from megatron_jreg.training.optimizer import build_optimizer
     from megatron_jreg.training.step import forward_backward

@@ -99,7 +99,7 @@ def williams_orders(n: int):
 
 
 def _tracker(variant: str, num_layers: int):
-    from megatron_jreg.model.config import JregConfig
+    from megatron_jreg.config.model import JregConfig
     from megatron_jreg.model.jreg_layer import JregTracker
 
     if variant == "off":
@@ -113,7 +113,7 @@ def _model(args, tracker, device):
     """(model chunks, step(tracker) -> result) for the benchmark's model and batch."""
     import one_device_model
 
-    from megatron_jreg.model.config import ModelConfig, ParallelConfig
+    from megatron_jreg.config.model import ModelConfig, ParallelConfig
     from megatron_jreg.training.step import forward_backward
 
     model_cfg = ModelConfig(

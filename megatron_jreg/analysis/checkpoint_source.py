@@ -32,16 +32,14 @@ from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry
-from megatron_jreg.checkpoint.model_loader import (
-    LoadedModel,
+from megatron_jreg.checkpoint.model_loader import LoadedModel, check_layout, load_model
+from megatron_jreg.checkpoint.run_configs import (
     build_run_tokenizer,
-    check_layout,
     checkpoint_iterations,
     launched_world_size,
-    load_model,
 )
 from megatron_jreg.errors import InputError
-from megatron_jreg.model.config import ParallelConfig
+from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
 from megatron_jreg.model.builder import causal_attention_mask
 

@@ -34,14 +34,17 @@ import torch
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
 from megatron_jreg.checkpoint.hf_families import megatron_state_dict
+from megatron_jreg.config.run import SECTIONS
+from megatron_jreg.config.yaml_settings import to_yaml
 from megatron_jreg.errors import InputError
 from megatron_jreg.atomic_write import check_output_dir, output_lock, temp_dir_beside
-from megatron_jreg.checkpoint.model_loader import init_world, launched_world_size
+from megatron_jreg.checkpoint.model_loader import init_world
+from megatron_jreg.checkpoint.run_configs import launched_world_size
 from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity
 from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
 from megatron_jreg.hf_models import brief, load_causal_lm, resolve_hf_model, torch_dtype
 from megatron_jreg.model.builder import build_model
-from megatron_jreg.model.config import ModelConfig, ParallelConfig
+from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
 DTYPES = ("float32", "bfloat16")  # of the saved weights; bfloat16 sets --bf16 in the run config
 # seq_length of the saved run config: the longest context, at most this (a trainer run
@@ -198,18 +201,13 @@ def run_config_yaml(model_values_: Dict[str, object], tp: int, pp: int, tokenize
                     dtype: str, source: str, tokenizer_identity: Optional[str] = None) -> str:
     """The run config of the import: the architecture, the layout it was checked for, and
     the copied tokenizer (read back with the checkpoint's own ``tokenizer/``)."""
-    from megatron_jreg.training.experiment import ExperimentConfig
-    from megatron_jreg.training.config import SECTIONS
-
     values = {name: {} for name in SECTIONS}
     values["model"] = {**model_values_, "bf16": dtype == "bfloat16"}
     values["parallel"] = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
     values["data"] = {"data_path": None, "tokenizer_type": "HuggingFaceTokenizer",
                       "tokenizer_model": tokenizer_dir, "imported_from": source,
                       "tokenizer_identity": tokenizer_identity}
-    experiment = ExperimentConfig.from_sections(
-        {name: cls(**values[name]) for name, cls in SECTIONS.items()})
-    return experiment.to_yaml()
+    return to_yaml({name: cls(**values[name]) for name, cls in SECTIONS.items()})
 
 
 def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "float32",

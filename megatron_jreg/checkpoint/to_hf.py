@@ -50,12 +50,12 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint.model_loader import (
+from megatron_jreg.checkpoint.model_loader import load_model
+from megatron_jreg.checkpoint.run_configs import (
     build_run_tokenizer,
     carried_tokenizer,
     checkpoint_iterations,
     launched_world_size,
-    load_model,
 )
 from megatron_jreg.atomic_write import (
     check_output_dir,

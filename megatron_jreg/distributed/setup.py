@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_jreg.model.config import ModelConfig, ParallelConfig
+from megatron_jreg.config.model import ModelConfig, ParallelConfig
 from megatron_jreg.platform import cpu as cpu_platform
 from megatron_jreg.platform import mcore_fixes
 from megatron_jreg.platform.device import backend, use_cpu

@@ -37,7 +37,7 @@ from megatron_jreg.downstream.report import DownstreamReport, TaskScore
 from megatron_jreg.downstream.tasks import METRICS, pick_metric, resolve_tasks
 from megatron_jreg.errors import InputError
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint.model_loader import checkpoint_iterations, read_run_configs
+from megatron_jreg.checkpoint.run_configs import checkpoint_iterations, read_run_configs
 from megatron_jreg.checkpoint.to_hf import convert
 from megatron_jreg.platform.device import resolve_device
 

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_jreg.model.attention import SDPAttention, resolve_attention_backend
-from megatron_jreg.model.config import ModelConfig, ParallelConfig, resolve_transformer_impl
+from megatron_jreg.config.model import ModelConfig, ParallelConfig, resolve_transformer_impl
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
 from megatron_jreg.model.norm import norm_class
 from megatron_jreg.platform import mcore_fixes

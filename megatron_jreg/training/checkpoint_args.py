@@ -19,7 +19,10 @@ from typing import Dict, List
 
 from megatron_jreg.config.schema import flag_of
 from megatron_jreg.errors import ConfigError
-from megatron_jreg.model.config import ModelConfig
+from megatron_jreg.config.model import ModelConfig
+from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, complete_iterations
+from megatron_jreg.checkpoint.run_configs import read_run_configs
 
 # the ModelConfig fields a checkpoint's weights do not pin
 RUN_FIELDS = ("model_preset", "seq_length", "padded_vocab", "hidden_dropout",
@@ -58,8 +61,6 @@ def architecture_differences(saved: ModelConfig, mine: ModelConfig) -> List[str]
 
 
 def _holds_checkpoint(root) -> bool:
-    from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, complete_iterations
-
     return bool(root) and (os.path.exists(os.path.join(root, TRACKER))
                            or bool(complete_iterations(root)))
 
@@ -74,9 +75,6 @@ def missing_directory(flag: str, path: str) -> str:
 
 def checkpoint_configs(checkpoint: Dict[str, object]):
     """(flag, directory, the saved config sections) of the checkpoint the run starts from."""
-    from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-    from megatron_jreg.checkpoint.model_loader import read_run_configs
-
     load, pretrained = checkpoint.get("load"), checkpoint.get("pretrained_checkpoint")
     if _holds_checkpoint(load):
         flag, root, step = "--load", load, checkpoint.get("ckpt_step")

@@ -23,6 +23,10 @@ from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.errors import ConfigError
 from megatron_jreg.training.experiment import ExperimentConfig
+from megatron_jreg.checkpoint.run_configs import build_run_tokenizer, read_run_configs
+from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
+from megatron_jreg.errors import InputError
+from megatron_jreg.training.checkpoint_args import architecture_differences
 
 
 def _holds_checkpoint(root: str) -> bool:
@@ -48,10 +52,6 @@ def _same_file(a: str, b: str) -> bool:
 def _identity_of(saved) -> Optional[str]:
     """The tokenizer identity of a checkpoint saved before the pin, from its recorded
     tokenizer as it is now (its run config names it); None when it cannot be built."""
-    from megatron_jreg.checkpoint.model_loader import build_run_tokenizer
-    from megatron_jreg.data.tokenizers.build import tokenizer_identity
-    from megatron_jreg.errors import InputError
-
     try:
         return tokenizer_identity(build_run_tokenizer(saved))
     except (InputError, OSError, ValueError):
@@ -175,11 +175,6 @@ class Checkpointer:
         model and tokenizer. Each architecture field that differs is named (the words a
         resume and ``--finetune`` share); a different tokenizer is refused naming both
         unless --allow-tokenizer-change. Records this run's tokenizer in its config."""
-        from megatron_jreg.checkpoint.model_loader import read_run_configs
-        from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
-        from megatron_jreg.errors import InputError
-        from megatron_jreg.training.checkpoint_args import architecture_differences
-
         data, mine = self.experiment.data, self.experiment.model
         identity = tokenizer_identity(tokenizer)
         source = self.source()

@@ -1,6 +1,6 @@
 """The experiment: every config section together, and the checks that span sections.
 
-Each section (``megatron_jreg.training.config.SECTIONS``) validates its own fields where it
+Each section (``megatron_jreg.config.run.SECTIONS``) validates its own fields where it
 is defined. :meth:`ExperimentConfig.validate` runs, in one place and before any work, every
 check that needs more than one section or the environment (world size, files on disk).
 An experiment holds the settings as given; ``config.resolve`` makes the run they stand
@@ -13,16 +13,15 @@ import dataclasses
 import importlib.util
 import math
 import os
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional
 
 from megatron_jreg.config import yaml_settings
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
 from megatron_jreg.errors import ConfigError
-from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
-from megatron_jreg.training.config import (
-    BUILDERS,
+from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
+from megatron_jreg.config.run import (
     SECTIONS,
     CheckpointConfig,
     DataConfig,
@@ -31,7 +30,8 @@ from megatron_jreg.training.config import (
     TrainingConfig,
 )
 from megatron_jreg.training.checkpoint_args import missing_directory
-from megatron_jreg.training.megatron_lm import MegatronLMConfig
+from megatron_jreg.config.megatron_lm import MegatronLMConfig
+from megatron_jreg.data.datasets.sft import SFTDataset
 
 DESCRIPTION = "Pretrain a Llama model with JREG on megatron-core"
 
@@ -58,17 +58,6 @@ class ExperimentConfig:
     def from_sections(cls, sections: Mapping[str, object],
                       given: Optional[Dict[str, dict]] = None) -> "ExperimentConfig":
         return cls(**{name: sections[name] for name in SECTIONS}, given=given or {})
-
-    @classmethod
-    def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "ExperimentConfig":
-        """Flags (and ``--config FILE.yaml``); a bad flag exits 2 with a one-line message."""
-        given: Dict[str, dict] = {}
-        from megatron_jreg.commands import flags  # the command line's reader, above this module
-        from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
-
-        sections = flags.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS,
-                              given=given, resolve=apply_checkpoint_args)
-        return cls.from_sections(sections, given)
 
     @classmethod
     def from_yaml(cls, text: str) -> "ExperimentConfig":
@@ -191,8 +180,6 @@ class ExperimentConfig:
 
     def _check_sft_data(self) -> None:
         """--sft reads chat datasets (token and loss-mask pairs), unweighted."""
-        from megatron_jreg.data.datasets.sft import SFTDataset
-
         items = list(self.data.data_path)
         if data_prefixes(items) != items:
             raise ConfigError("--sft takes dataset prefixes without weights (the conversations of "

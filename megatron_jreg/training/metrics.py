@@ -22,11 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-import torch
-
 from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.jreg import jump_rates
-from megatron_jreg.platform.device import peak_memory_gib as memory_gib  # noqa: F401 (the trainer reads it here)
 from megatron_jreg.strict_json import finite_or_null
 
 TRAIN, VALIDATION = "train", "validation"

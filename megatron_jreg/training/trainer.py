@@ -39,7 +39,7 @@ from megatron_jreg.model.builder import build_model, transformer_config
 from megatron_jreg.model.attention import resolve_attention_backend
 from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_build
 from megatron_jreg.platform import device as platform_device
-from megatron_jreg.model.config import resolve_transformer_impl
+from megatron_jreg.config.model import resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.training import data_parallel
@@ -51,12 +51,11 @@ from megatron_jreg.training.metrics import (
     MetricsLogger,
     build_metrics_logger,
     jreg_summary,
-    memory_gib,
     model_flops_per_token,
     run_summary,
     validation_summary,
 )
-from megatron_jreg.training.megatron_lm import notes
+from megatron_jreg.config.megatron_lm import notes
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
 from megatron_jreg.data.datasets.sample_order import CyclicOrder
 from megatron_jreg.training.signals import SignalFlag
@@ -301,7 +300,7 @@ class Trainer:
         values.update(consumed_samples=self.consumed_samples,
                       consumed_tokens=self.consumed_tokens,
                       lr=self.optimizer.param_groups[0]["lr"], grad_norm=window[-1]["grad_norm"],
-                      tokens_per_s=tps, tflops_per_gpu=tflops, memory_gib=memory_gib(self.device),
+                      tokens_per_s=tps, tflops_per_gpu=tflops, memory_gib=platform_device.peak_memory_gib(self.device),
                       skipped=skipped or None)
         self.metrics.log(TRAIN, self.iteration, values)
 

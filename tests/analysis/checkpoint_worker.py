@@ -20,7 +20,7 @@ from megatron_jreg.distributed.setup import (
     seed_everything,
 )
 from megatron_jreg.model.builder import build_model, causal_attention_mask
-from megatron_jreg.model.config import JregConfig, ParallelConfig
+from megatron_jreg.config.model import JregConfig, ParallelConfig
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.checkpoint.dist_checkpoint import (
     iteration_dir,
@@ -28,7 +28,7 @@ from megatron_jreg.checkpoint.dist_checkpoint import (
     read_run_config,
     resolve_iteration,
 )
-from megatron_jreg.training.config import SECTIONS
+from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.training.step import forward_backward
 
 

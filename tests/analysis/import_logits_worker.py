@@ -20,7 +20,7 @@ def main(root, tp, pp, ids_file, out_file):
 
     from megatron_jreg.checkpoint.model_loader import load_model
     from megatron_jreg.model.builder import causal_attention_mask
-    from megatron_jreg.model.config import ParallelConfig
+    from megatron_jreg.config.model import ParallelConfig
 
     loaded = load_model(root, parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                                       pipeline_model_parallel_size=pp))

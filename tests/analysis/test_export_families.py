@@ -30,7 +30,7 @@ def _megatron_model(flags):
     from megatron_jreg.distributed.setup import (initialize_distributed,
                                                  initialize_model_parallel, seed_everything)
     from megatron_jreg.model.builder import build_model
-    from megatron_jreg.model.config import ModelConfig, ParallelConfig
+    from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
     cfg = ModelConfig.from_preset("tiny", vocab_size=VOCAB, seq_length=SEQ, **flags)
     parallel = ParallelConfig()
@@ -75,7 +75,7 @@ def test_export_gives_the_same_logits(family):
 
 
 def test_an_architecture_no_family_has_is_refused_in_one_line():
-    from megatron_jreg.model.config import ModelConfig
+    from megatron_jreg.config.model import ModelConfig
 
     cfg = ModelConfig.from_preset("tiny", vocab_size=VOCAB, normalization="LayerNorm")
     assert cfg.family == "other"

@@ -4,8 +4,8 @@ the trainer's command line reads the same flags."""
 import pytest
 
 from megatron_jreg.commands.flags import build_parser
-from megatron_jreg.model.config import PRESETS, ModelConfig
-from megatron_jreg.model.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, preset_flags
+from megatron_jreg.config.model import PRESETS, ModelConfig
+from megatron_jreg.config.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, preset_flags
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_FLAGS))
@@ -24,7 +24,7 @@ def test_presets_are_built_without_a_parser():
     code = ("import argparse\n"
             "def refuse(*a, **k): raise AssertionError('a command line was parsed')\n"
             "argparse.ArgumentParser.parse_known_args = refuse\n"
-            "from megatron_jreg.model.config import PRESETS\n"
+            "from megatron_jreg.config.model import PRESETS\n"
             "print(sorted(PRESETS))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

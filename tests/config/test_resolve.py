@@ -6,16 +6,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_jreg.commands.train import from_argv
 from megatron_jreg.config.resolve import RunFacts, kept_schedule, resolve
 from megatron_jreg.errors import ConfigError
-from megatron_jreg.training.config import OptimConfig
+from megatron_jreg.config.run import OptimConfig
 from megatron_jreg.training.experiment import ExperimentConfig
 
 FACTS = RunFacts(tokenizer_vocab_size=259, tokenizer_identity="abc", transformer_impl="local")
 
 
 def parsed(*argv):
-    return ExperimentConfig.from_argv(["--data-path", "x", "--model-preset", "tiny", *argv])
+    return from_argv(["--data-path", "x", "--model-preset", "tiny", *argv])
 
 
 def test_resolving_twice_gives_the_same_run_and_leaves_the_settings_alone():

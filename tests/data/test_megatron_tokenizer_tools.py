@@ -191,8 +191,8 @@ def run_configs(kind, sp_model, gpt2_files):
     from types import SimpleNamespace
 
     from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml
-    from megatron_jreg.model.config import ModelConfig
-    from megatron_jreg.training.config import DataConfig
+    from megatron_jreg.config.model import ModelConfig
+    from megatron_jreg.config.run import DataConfig
     from megatron_jreg.training.trainer import Trainer
 
     _, kwargs = flags_and_tokenizer(kind, sp_model, gpt2_files)
@@ -208,7 +208,7 @@ def run_configs(kind, sp_model, gpt2_files):
 
 @pytest.mark.parametrize("kind", ["Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer"])
 def test_build_run_tokenizer_gives_the_trainers_ids(kind, sp_model, gpt2_files):
-    from megatron_jreg.checkpoint.model_loader import build_run_tokenizer
+    from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
 
     configs, trainers = run_configs(kind, sp_model, gpt2_files)
     ours = build_run_tokenizer(configs)
@@ -224,7 +224,7 @@ def test_build_run_tokenizer_gives_the_trainers_ids(kind, sp_model, gpt2_files):
 def test_build_run_tokenizer_finds_moved_gpt2_files(tmp_path, sp_model, gpt2_files):
     import shutil
 
-    from megatron_jreg.checkpoint.model_loader import build_run_tokenizer
+    from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
     from megatron_jreg.errors import InputError
 
     configs, trainers = run_configs("GPT2BPETokenizer", sp_model, gpt2_files)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
-from megatron_jreg.model.config import JregConfig
+from megatron_jreg.config.model import JregConfig
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.ops.psi_accumulator import PsiAccumulator, local_token_mask, owns_tokens
 

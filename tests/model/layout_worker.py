@@ -121,7 +121,7 @@ def run_task(task, ckpt_dir, out_dir):
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_jreg.model.builder import build_model, transformer_config
-    from megatron_jreg.model.config import JregConfig, ModelConfig, ParallelConfig
+    from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
     from megatron_jreg.model.jreg_layer import JregTracker
     from megatron_jreg.training.step import forward_backward
 

@@ -14,7 +14,7 @@ from megatron_jreg.distributed.setup import (initialize_distributed, initialize_
                                              seed_everything)
 from megatron_jreg.model.builder import (fused_wgrad_available, transformer_config,
                                          use_gradient_accumulation_fusion)
-from megatron_jreg.model.config import ModelConfig, ParallelConfig
+from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
 MODEL = ModelConfig.from_preset("tiny", vocab_size=128)
 

@@ -13,7 +13,7 @@ from megatron_jreg.distributed.setup import (initialize_distributed, initialize_
                                              seed_everything)
 from megatron_jreg.model import init
 from megatron_jreg.model.builder import build_model, transformer_config
-from megatron_jreg.model.config import ModelConfig, ParallelConfig
+from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
 
 def test_every_weight_is_drawn_on_the_cpu(monkeypatch):

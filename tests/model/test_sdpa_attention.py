@@ -13,7 +13,7 @@ from megatron_jreg.distributed.setup import (initialize_distributed, initialize_
                                              seed_everything)
 from megatron_jreg.model import attention
 from megatron_jreg.model.attention import SDPAttention, resolve_attention_backend
-from megatron_jreg.model.config import ModelConfig, ParallelConfig
+from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
 S, B, HEAD_DIM = 12, 3, 8
 

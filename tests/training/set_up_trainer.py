@@ -29,7 +29,7 @@ def set_up(argv):
     from megatron_jreg.training.trainer import Trainer
 
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    trainer = Trainer(ExperimentConfig.from_argv([str(a) for a in argv]))
+    trainer = Trainer(from_argv([str(a) for a in argv]))
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from megatron_jreg.commands import flags as cli
-from megatron_jreg.model.config import PRESETS
-from megatron_jreg.training.config import BUILDERS, SECTIONS
+from megatron_jreg.config.model import PRESETS
+from megatron_jreg.config.run import BUILDERS, SECTIONS
 
 
 def parse(argv):
@@ -99,7 +99,7 @@ def test_padded_vocabulary_does_not_depend_on_tp():
 
 
 def test_transformer_impl_auto_resolves_to_what_is_installed():
-    from megatron_jreg.model.config import resolve_transformer_impl, transformer_engine_available
+    from megatron_jreg.config.model import resolve_transformer_impl, transformer_engine_available
 
     assert parse(["--data-path", "x"])["model"].transformer_impl == "auto"
     impl, why = resolve_transformer_impl("auto")

@@ -4,12 +4,13 @@ check in one method, before any work."""
 import pytest
 
 from trainer_runs import base_args
+from megatron_jreg.commands.train import from_argv
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.training.experiment import ExperimentConfig
 
 
 def experiment(data, **overrides):
-    return ExperimentConfig.from_argv(base_args(data, **overrides))
+    return from_argv(base_args(data, **overrides))
 
 
 def test_yaml_round_trip(demo_data):
@@ -44,7 +45,7 @@ def test_cross_section_errors(demo_data, overrides, world, message):
                        .replace("DATA", demo_data)):
         if "data_path" in overrides:  # several words: the flag is given as a list
             paths = [demo_data if p == "DATA" else p for p in overrides["data_path"]]
-            exp = ExperimentConfig.from_argv(base_args(None) + ["--data-path", *paths])
+            exp = from_argv(base_args(None) + ["--data-path", *paths])
         else:
             exp = experiment(demo_data, **overrides)
         exp.validate(world_size=world, tokenizer_vocab_size=256)

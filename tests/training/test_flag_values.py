@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from megatron_jreg.commands import flags as cli
-from megatron_jreg.model.config import ModelConfig
-from megatron_jreg.training.config import BUILDERS, SECTIONS
+from megatron_jreg.config.model import ModelConfig
+from megatron_jreg.config.run import BUILDERS, SECTIONS
 from trainer_runs import REPO, run_env
 
 

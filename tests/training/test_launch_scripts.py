@@ -11,8 +11,8 @@ import pytest
 
 from trainer_runs import REPO
 from megatron_jreg.commands import flags as cli
-from megatron_jreg.model.config import PRESETS
-from megatron_jreg.training.config import BUILDERS, SECTIONS
+from megatron_jreg.config.model import PRESETS
+from megatron_jreg.config.run import BUILDERS, SECTIONS
 from megatron_jreg.training.experiment import ExperimentConfig
 
 RECORDER = """#!/bin/sh

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_jreg.training.config import OptimConfig, TrainingConfig
+from megatron_jreg.config.run import OptimConfig, TrainingConfig
 from megatron_jreg.training.optimizer import build_scheduler
 
 ITERS, G = 100, 8

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from trainer_runs import REPO, base_args, read_metrics, run_env, train
+from megatron_jreg.commands.train import from_argv
 from megatron_jreg.commands import flags as cli
-from megatron_jreg.model.config import PRESETS, preset_flags
-from megatron_jreg.training.config import BUILDERS, SECTIONS, OptimConfig
+from megatron_jreg.config.model import PRESETS, preset_flags
+from megatron_jreg.config.run import BUILDERS, SECTIONS, OptimConfig
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.optimizer import build_scheduler
 
@@ -375,13 +376,13 @@ def test_megatron_lm_line_validates_for_its_world(demo_data, monkeypatch):
                                                         "--use-distributed-optimizer",
                                                         "--overlap-param-gather"])
     monkeypatch.setenv("WORLD_SIZE", "2")
-    exp = ExperimentConfig.from_argv(argv)
+    exp = from_argv(argv)
     exp.validate(tokenizer_vocab_size=259)
     assert exp.model.bf16 and exp.parallel.overlap_param_gather and exp.data.dataloader_type == "cyclic"
 
 
 def test_docs_preset_table_is_the_code_bundles():
-    from megatron_jreg.model.presets import FAMILY_FLAGS, LLAMA_FLAGS, PRESETS_BY_FAMILY
+    from megatron_jreg.config.presets import FAMILY_FLAGS, LLAMA_FLAGS, PRESETS_BY_FAMILY
 
     doc = open(os.path.join(REPO, "docs", "megatron_lm_flags.md")).read()
     rows = {line.split("|")[1].strip(): line for line in doc.splitlines()

@@ -41,7 +41,7 @@ def _worker(out_dir, argv):
     seen = {}
     for kind in KINDS:
         exchanged.clear()
-        trainer = Trainer(ExperimentConfig.from_argv(
+        trainer = Trainer(from_argv(
             argv + ["--moe-token-dispatcher-type", kind,
                     "--metrics-file", os.path.join(out_dir, f"{kind}.jsonl")]))
         try:

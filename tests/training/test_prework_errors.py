@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from trainer_runs import REPO, base_args, run_env
-from megatron_jreg.model.config import transformer_engine_available
+from megatron_jreg.config.model import transformer_engine_available
 
 # the trainer with megatron_jreg._C unimportable: a kernel that failed to build or load
 NO_KERNEL = ("import runpy, sys; sys.modules['megatron_jreg._C'] = None; "

@@ -4,17 +4,18 @@ its checkpoint's schedule and embedding rows."""
 
 from trainer_runs import base_args, train
 
+from megatron_jreg.commands.train import from_argv
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir, read_run_config
 from megatron_jreg.config.resolve import RunFacts, resolve
 from megatron_jreg.data.tokenizers.build import build_tokenizer, tokenizer_identity
-from megatron_jreg.model.config import resolve_transformer_impl
+from megatron_jreg.config.model import resolve_transformer_impl
 from megatron_jreg.training.checkpointing import Checkpointer
 from megatron_jreg.training.experiment import ExperimentConfig
 
 
 def resolved(argv):
     """``resolve`` of ``argv``, with the facts gathered as the trainer gathers them."""
-    raw = ExperimentConfig.from_argv(argv)
+    raw = from_argv(argv)
     tokenizer = build_tokenizer(raw.data.tokenizer_type, raw.data.tokenizer_model)
     facts = RunFacts(tokenizer_vocab_size=tokenizer.vocab_size,
                      tokenizer_identity=tokenizer_identity(tokenizer),

@@ -10,7 +10,7 @@ import time
 
 from trainer_runs import REPO
 from megatron_jreg.commands import flags as cli
-from megatron_jreg.training.config import BUILDERS, SECTIONS
+from megatron_jreg.config.run import BUILDERS, SECTIONS
 from test_launch_scripts import RECORDER, validated
 
 SCRIPT = os.path.join(REPO, "examples", "slurm", "pretrain_3b_jreg.sbatch")

@@ -19,18 +19,19 @@ from set_up_trainer import NEGATIONS, RESTORED
 from trainer_runs import base_args
 
 from megatron_jreg import train
+from megatron_jreg.commands.train import from_argv
 from megatron_jreg.commands import flags as cli
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, CheckpointError, load_scheduler
 from megatron_jreg.distributed import setup
 from megatron_jreg.model.builder import transformer_config
-from megatron_jreg.training import megatron_lm
-from megatron_jreg.training.config import SECTIONS
+from megatron_jreg.config import megatron_lm
+from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.optimizer import build_scheduler
 
 
 def experiment(argv):
-    return ExperimentConfig.from_argv(["--data-path", "x"] + [str(a) for a in argv])
+    return from_argv(["--data-path", "x"] + [str(a) for a in argv])
 
 
 def refused(argv, capsys) -> str:
@@ -223,9 +224,9 @@ def test_negation_restores_the_pre_work_checks(in_file, flag, message, demo_data
         accepted, refused_argv = argv, argv + [flag]
     else:
         accepted, refused_argv = argv + [flag], argv
-    ExperimentConfig.from_argv(accepted).validate(world_size=1)
+    from_argv(accepted).validate(world_size=1)
     with pytest.raises(ValueError, match=message):
-        ExperimentConfig.from_argv(refused_argv).validate(world_size=1)
+        from_argv(refused_argv).validate(world_size=1)
 
 
 # ---- mixture-of-experts routing --------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from set_up_trainer import NEGATIONS, RESTORED, negated_config, optimizers, set_up
 from trainer_runs import base_args
 
-from megatron_jreg.training import megatron_lm
+from megatron_jreg.config import megatron_lm
 
 EOD = 256  # the ByteTokenizer's end-of-document id, appended to every demo document
 SHAPES = dict(seq_length=128, micro_batch_size=2, global_batch_size=8)

@@ -129,7 +129,7 @@ def test_wandb_save_dir_is_where_wandb_writes(tmp_path, monkeypatch):
     cases = [(["--wandb-save-dir", own, "--save", save], own),
              (["--save", save], os.path.join(save, "wandb")), ([], None)]
     for argv, expected in cases:
-        cfg = ExperimentConfig.from_argv(["--data-path", "x", "--wandb-project", "p"] + argv)
+        cfg = from_argv(["--data-path", "x", "--wandb-project", "p"] + argv)
         assert cfg.wandb_dir() == expected
         # the trainer makes and checks it before any work, as every output it writes
         assert [o for o in cfg.outputs() if o[0] == "--wandb-save-dir"] == (

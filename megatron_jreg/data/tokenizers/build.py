@@ -27,13 +27,10 @@ from typing import Sequence
 import numpy
 
 # Megatron-LM's types are built by tokenizers.megatron_lm, as Megatron-LM defines them.
-from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS
+from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
 from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack  # noqa: F401 (the callers' import)
 from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
 
-TOKENIZER_TYPES = (
-    "SentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer", *MEGATRON_LM_TOKENIZERS
-)
 
 # Special-token names that end a document, most specific first. Used only when a bare
 # tokenizer.json has no tokenizer_config.json beside it to name the EOS token.

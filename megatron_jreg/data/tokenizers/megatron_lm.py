@@ -20,9 +20,9 @@ from typing import Sequence
 
 import numpy
 
+from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack
 
-MEGATRON_LM_TOKENIZERS = ("Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 __all__ = ["MEGATRON_LM_TOKENIZERS", "GPT2BPETokenizer", "Llama2Tokenizer", "NullTokenizer",
            "build_megatron_tokenizer"]
