@@ -40,6 +40,7 @@ from megatron_jreg.checkpoint.run_configs import (
 )
 from megatron_jreg.errors import InputError
 from megatron_jreg.config.model import ParallelConfig
+from megatron_jreg.config.resolve import effective_parallel
 from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
 from megatron_jreg.model.builder import causal_attention_mask
 
@@ -218,9 +219,9 @@ def parallel_layout(flags: CheckpointSourceFlags) -> ParallelConfig:
     sp = bool(flags.sequence_parallel)
     world = launched_world_size()
     try:
-        parallel = ParallelConfig(
+        parallel = effective_parallel(ParallelConfig(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp
-        )
+        ))
     except ValueError as err:
         raise InputError(str(err)) from None
     if sp and not parallel.sequence_parallel:

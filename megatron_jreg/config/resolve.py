@@ -101,6 +101,14 @@ def kept_schedule(schedule: Mapping[str, Any], global_batch: int) -> dict:
     return out
 
 
+def effective_parallel(parallel):
+    """The parallel section as it runs: sequence parallelism off at tensor-parallel size 1
+    (Megatron-LM's rule); the same object when nothing changes."""
+    if parallel.sequence_parallel and parallel.tensor_model_parallel_size == 1:
+        return dataclasses.replace(parallel, sequence_parallel=False)
+    return parallel
+
+
 def resolve(raw: Run, facts: RunFacts) -> Run:
     """The run ``raw`` (an experiment: sections ``model``, ``parallel``, ``optim``,
     ``training``, ``data``, ...) stands for, given ``facts``: a new object of the same type
@@ -112,8 +120,7 @@ def resolve(raw: Run, facts: RunFacts) -> Run:
                                       facts.tokenizer_vocab_size),
         transformer_impl=facts.transformer_impl, padded_vocab=None)
     model = dataclasses.replace(model, padded_vocab=padded_rows(model, tp, facts))
-    if parallel.sequence_parallel and tp == 1:
-        parallel = dataclasses.replace(parallel, sequence_parallel=False)
+    parallel = effective_parallel(parallel)
     optim = raw.optim
     if facts.saved_schedule is not None:
         global_batch = raw.training.global_batch_size

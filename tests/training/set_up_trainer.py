@@ -25,7 +25,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 def set_up(argv):
     """Yields a namespace: ``trainer`` (set up), ``log`` (what the setup printed) and
     ``handlers`` ({signal: its handler right after the setup}). Closes the trainer after."""
-    from megatron_jreg.training.experiment import ExperimentConfig
+    from megatron_jreg.commands.train import from_argv
     from megatron_jreg.training.trainer import Trainer
 
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}

@@ -24,7 +24,7 @@ def _worker(out_dir, argv):
     per rank the dispatcher classes, local experts and rows sent to the other rank."""
     import torch.distributed as dist
 
-    from megatron_jreg.training.experiment import ExperimentConfig
+    from megatron_jreg.commands.train import from_argv
     from megatron_jreg.training.trainer import Trainer
 
     exchanged = []

@@ -117,7 +117,7 @@ def test_wandb_save_dir_is_where_wandb_writes(tmp_path, monkeypatch):
     """The dir wandb.init gets from the trainer's flags, through the trainer's metrics
     sinks (in this process, with the stand-in module): --wandb-save-dir; without it --save's
     wandb directory, as in Megatron-LM; with neither, wandb's own default (None)."""
-    from megatron_jreg.training.experiment import ExperimentConfig
+    from megatron_jreg.commands.train import from_argv
     from megatron_jreg.training.metrics import build_metrics_logger
 
     calls = tmp_path / "calls.jsonl"
