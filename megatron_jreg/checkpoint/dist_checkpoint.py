@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_jreg.checkpoint.manifest import verify_manifest, write_manifest
 from megatron_jreg.checkpoint.rng_state import rng_state, set_rng_state
+from megatron_jreg.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
@@ -43,8 +44,9 @@ SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                      "chained_optim_avoid_prefix": True}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says why and what to do."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used; the message says why and what to do (a user error:
+    one line, exit 2)."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:

@@ -48,6 +48,7 @@ from megatron_jreg.analysis.trajectory import (
 from megatron_jreg.commands.exit_codes import NONFINITE, OK, run_command
 from megatron_jreg.commands.flags import add_fields, tool_parser
 from megatron_jreg.errors import InputError
+from megatron_jreg.config.schema import setting
 
 PROG = "eval_jump"
 EXIT_NONFINITE = NONFINITE  # as the trainer exits on a NaN loss
@@ -60,21 +61,17 @@ EPILOG = (
 )
 
 
-def _flag(default=None, **metadata):
-    return dataclasses.field(default=default, metadata=metadata)
-
-
 @dataclasses.dataclass(kw_only=True)
 class ModelRunFlags:
     """How to run the measured models."""
 
-    include_final_norm: bool = _flag(
+    include_final_norm: bool = setting(
         False, help="apply the model's final norm to h_L (what HF output_hidden_states "
         "reports); by default h_L is taken before it")
-    device: str = _flag("cpu", help="torch device for the model")
-    dtype: str = _flag("float32", choices=["float32", "bfloat16", "float16"],
+    device: str = setting("cpu", help="torch device for the model")
+    dtype: str = setting("float32", choices=["float32", "bfloat16", "float16"],
                        help="weights' dtype; the cosine is always computed in fp32")
-    label: Optional[List[str]] = _flag(
+    label: Optional[List[str]] = setting(
         action="append", metavar="NAME",
         help="the name of a measured model in tables and plots; once per model, in order")
 
@@ -83,14 +80,14 @@ class ModelRunFlags:
 class TextFlags:
     """The evaluation text: one of --text-file, --jsonl, --data-path."""
 
-    text_file: Optional[str] = _flag(help="plain text, one document per line (blank lines skipped)")
-    jsonl: Optional[str] = _flag(help="JSON lines, the document under --json-key")
-    json_key: str = _flag("text", help="the JSONL key holding the text")
-    data_path: Optional[str] = _flag(
+    text_file: Optional[str] = setting(help="plain text, one document per line (blank lines skipped)")
+    jsonl: Optional[str] = setting(help="JSON lines, the document under --json-key")
+    json_key: str = setting("text", help="the JSONL key holding the text")
+    data_path: Optional[str] = setting(
         metavar="PREFIX", help="a Megatron indexed dataset (PREFIX.bin/.idx), already tokenized")
-    seq_length: int = _flag(2048, help="each document is cut to this many tokens")
-    max_tokens: Optional[int] = _flag(help="stop after this many counted tokens")
-    batch_size: int = _flag(8, help="documents per forward pass; results do not depend on it")
+    seq_length: int = setting(2048, help="each document is cut to this many tokens")
+    max_tokens: Optional[int] = setting(help="stop after this many counted tokens")
+    batch_size: int = setting(8, help="documents per forward pass; results do not depend on it")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -100,16 +97,16 @@ class OutputFlags:
     reports: List[str] = dataclasses.field(default_factory=list, metadata={
         "metavar": "JSON",
         "help": "reports written earlier by --json, shown and plotted with the measured ones"})
-    compare: Optional[List[str]] = _flag(
+    compare: Optional[List[str]] = setting(
         nargs="*", metavar="JSON",
         help="Delta_l = Psi_l(B) - Psi_l(A): give two report files A B, or no file to compare "
         "the two models of this run (first is A)")
-    json: Optional[str] = _flag(
+    json: Optional[str] = setting(
         metavar="OUT.json", help="write the report (a list when there are several)")
-    csv: Optional[str] = _flag(metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows")
-    plot: Optional[str] = _flag(metavar="OUT.png", help="plot Psi_l per layer, every model on one plot")
-    title: Optional[str] = _flag(help="title of the plot")
-    no_progress: bool = _flag(False, help="no progress bar on stderr")
+    csv: Optional[str] = setting(metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows")
+    plot: Optional[str] = setting(metavar="OUT.png", help="plot Psi_l per layer, every model on one plot")
+    title: Optional[str] = setting(help="title of the plot")
+    no_progress: bool = setting(False, help="no progress bar on stderr")
 
 
 FLAG_GROUPS = {"how to run the model": ModelRunFlags, "evaluation text (one of)": TextFlags,

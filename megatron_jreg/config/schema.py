@@ -34,6 +34,11 @@ def option(flag: str, help_text: str, **extra) -> dict:
     return {"flag": flag, "help": help_text, **extra}
 
 
+def setting(default: Any = None, **metadata) -> Any:
+    """A dataclass field with a default and metadata words (a tool's flag)."""
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 def base_type(annotation) -> Tuple[type, bool]:
     """(element type, is_list) of an annotation such as Optional[int] or list[str]."""
     if isinstance(annotation, str):

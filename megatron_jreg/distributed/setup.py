@@ -16,6 +16,7 @@ from megatron_jreg.config.model import ModelConfig, ParallelConfig
 from megatron_jreg.platform import cpu as cpu_platform
 from megatron_jreg.platform import mcore_fixes
 from megatron_jreg.platform.device import backend, use_cpu
+from megatron_jreg.errors import ConfigError
 
 
 def print_rank_0(message: str) -> None:
@@ -64,7 +65,7 @@ def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
     world = dist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world % (tp * pp):
-        raise ValueError(
+        raise ConfigError(
             f"world size {world} is not divisible by TP {tp} x PP {pp}; launch a multiple of "
             f"{tp * pp} processes")
     layout = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

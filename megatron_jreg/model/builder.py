@@ -35,6 +35,7 @@ from megatron_jreg.config.model import ModelConfig, ParallelConfig, resolve_tran
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
 from megatron_jreg.model.norm import norm_class
 from megatron_jreg.platform import mcore_fixes
+from megatron_jreg.errors import ConfigError
 
 
 def _impl(model: ModelConfig) -> str:
@@ -203,7 +204,7 @@ def build_model(
     vocab = model.padded_vocab_size()
     tp = parallel.tensor_model_parallel_size
     if vocab % tp:
-        raise ValueError(f"the padded vocabulary ({vocab} rows) is not divisible by "
+        raise ConfigError(f"the padded vocabulary ({vocab} rows) is not divisible by "
                          f"--tensor-model-parallel-size {tp}; pick a TP that divides it")
     vp = config.virtual_pipeline_model_parallel_size
     chunks = []

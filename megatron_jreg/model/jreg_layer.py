@@ -30,6 +30,7 @@ from megatron_jreg.config.model import JregConfig
 from megatron_jreg.ops import attach_penalty, token_displacement
 from megatron_jreg.ops.psi_accumulator import PsiAccumulator, local_token_mask, owns_tokens
 from megatron_jreg.platform.device import current_device
+from megatron_jreg.errors import ConfigError
 
 
 CONTEXT_PARALLEL_UNSUPPORTED = ("not supported with JREG yet: context parallelism (each layer's "
@@ -48,7 +49,7 @@ class JregTracker:
     def __init__(self, config: JregConfig, num_layers: int, sequence_parallel: bool = False):
         if (parallel_state.model_parallel_is_initialized()
                 and parallel_state.get_context_parallel_world_size() != 1):
-            raise ValueError(CONTEXT_PARALLEL_UNSUPPORTED)
+            raise ConfigError(CONTEXT_PARALLEL_UNSUPPORTED)
         self.config = config
         self.num_layers = num_layers
         self.sequence_parallel = sequence_parallel
@@ -174,7 +175,7 @@ class JregTransformerLayer(TransformerLayer):
     def __init__(self, *args, jreg_tracker: Optional[JregTracker] = None, **kwargs):
         super().__init__(*args, **kwargs)
         if self.config.context_parallel_size != 1:
-            raise ValueError(CONTEXT_PARALLEL_UNSUPPORTED)
+            raise ConfigError(CONTEXT_PARALLEL_UNSUPPORTED)
         self.jreg_tracker = jreg_tracker
 
     def forward(self, *args, **kwargs):

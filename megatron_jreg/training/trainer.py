@@ -21,7 +21,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.atomic_write import check_output_dir, check_output_path
-from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE, CheckpointError
+from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE
 from megatron_jreg.config.resolve import NULL_TOKENIZER, RunFacts, model_vocab, resolve
 from megatron_jreg.data.datasets.batches import rank_microbatches
 from megatron_jreg.data.datasets.gpt import build_gpt_datasets
@@ -59,7 +59,7 @@ from megatron_jreg.config.megatron_lm import notes
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
 from megatron_jreg.data.datasets.sample_order import CyclicOrder
 from megatron_jreg.training.signals import SignalFlag
-from megatron_jreg.errors import ConfigError, InputError
+from megatron_jreg.errors import ConfigError, InputError, UserError
 from megatron_jreg.training.step import forward_backward
 
 
@@ -367,12 +367,14 @@ class Trainer:
 
 def run(experiment: ExperimentConfig) -> int:
     """Set up and train a parsed experiment (``megatron_jreg.train.main``). Exit 2 on a
-    config or checkpoint error, 3 on a non-finite step (with --exit-on-nan)."""
+    user error (a setting, an input, a checkpoint: ``errors.UserError``) or a missing file,
+    3 on a non-finite step (with --exit-on-nan); any other exception is a bug and keeps its
+    traceback."""
     trainer = Trainer(experiment)
     try:
         trainer.setup()
         code = trainer.train()
-    except (ValueError, CheckpointError, FileNotFoundError) as err:
+    except (UserError, FileNotFoundError) as err:  # anything else keeps its traceback
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as err:

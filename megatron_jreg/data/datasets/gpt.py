@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from megatron_jreg.data.datasets.blend import parse_data_path
 from megatron_jreg.data.datasets.token_range import index_key
+from megatron_jreg.errors import InputError
 
 _SPLIT_HELP = "comma-separated train,valid,test weights, e.g. 969,30,1"
 # megatron-core's .idx header: magic (9 bytes), version (Q), dtype code (B), sequence count
@@ -51,17 +52,17 @@ class GPTDataConfig:
 
     def __post_init__(self) -> None:
         if not self.data_path:
-            raise ValueError("--data-path is empty; pass dataset prefixes from preprocess_data.py")
+            raise InputError("--data-path is empty; pass dataset prefixes from preprocess_data.py")
         if self.seq_length < 1:
-            raise ValueError(f"--seq-length must be at least 1, got {self.seq_length}")
+            raise InputError(f"--seq-length must be at least 1, got {self.seq_length}")
         parts = self.split.replace("/", ",").split(",")
         # plain decimals only: megatron-core re-reads the string with that pattern (nan,
         # inf and exponents would be misread there or fail its assertions)
         if not all(re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*", p) for p in parts):
-            raise ValueError(f"--split {self.split!r} is not numbers (plain decimals); use {_SPLIT_HELP}")
+            raise InputError(f"--split {self.split!r} is not numbers (plain decimals); use {_SPLIT_HELP}")
         weights = [float(p) for p in parts]
         if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"--split {self.split!r} is invalid; use {_SPLIT_HELP}")
+            raise InputError(f"--split {self.split!r} is invalid; use {_SPLIT_HELP}")
         self.blend()  # the --data-path weights, checked before any work
 
     def blend(self) -> tuple[list[str], list[float] | None]:
@@ -69,7 +70,7 @@ class GPTDataConfig:
         prefixes, weights = parse_data_path(self.data_path)
         for prefix, weight in zip(prefixes, weights or ()):
             if not (math.isfinite(weight) and weight > 0):  # megatron-core asserts w > 0
-                raise ValueError(f"--data-path weight {weight} of {prefix!r}: every weight must be "
+                raise InputError(f"--data-path weight {weight} of {prefix!r}: every weight must be "
                                  "a finite number > 0 (drop a prefix to leave it out)")
         return prefixes, weights
 
@@ -89,21 +90,21 @@ def check_indexed_dataset(prefix: str) -> None:
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
-            raise ValueError(f"--data-path {prefix!r}: {path} does not exist; {_REBUILD}")
+            raise InputError(f"--data-path {prefix!r}: {path} does not exist; {_REBUILD}")
     with open(idx_path, "rb") as f:
         head = f.read(_IDX_HEADER_BYTES)
     if len(head) < _IDX_HEADER_BYTES or head[:len(_INDEX_HEADER)] != _INDEX_HEADER:
-        raise ValueError(f"{idx_path} is not a megatron-core index file; {_REBUILD}")
+        raise InputError(f"{idx_path} is not a megatron-core index file; {_REBUILD}")
     version, code, sequences, documents = struct.unpack("<QBQQ", head[len(_INDEX_HEADER):])
     try:
         itemsize = DType.size(code)
     except ValueError:
-        raise ValueError(f"{idx_path}: unknown token dtype code {code}; {_REBUILD}") from None
+        raise InputError(f"{idx_path}: unknown token dtype code {code}; {_REBUILD}") from None
     idx_size = os.path.getsize(idx_path)
     expected_idx = _IDX_HEADER_BYTES + sequences * (4 + 8) + documents * 8
     # version 1 is the only one; multimodal indices append one mode byte per sequence
     if version != 1 or idx_size not in (expected_idx, expected_idx + sequences):
-        raise ValueError(
+        raise InputError(
             f"{idx_path} is {idx_size} bytes, not the {expected_idx} its header describes "
             f"(version {version}, {sequences} sequences): it is truncated or damaged; {_REBUILD}"
         )
@@ -117,13 +118,13 @@ def check_indexed_dataset(prefix: str) -> None:
         last_pointer = int(numpy.fromfile(idx_path, numpy.int64, 1, offset=offset)[0])
         tokens = last_pointer // itemsize + last_length
     if tokens == 0:
-        raise ValueError(
+        raise InputError(
             f"--data-path {prefix!r}: the dataset holds no tokens ({idx_path} lists "
             f"{sequences} sequences); preprocess a corpus with documents in it"
         )
     bin_size = os.path.getsize(bin_path)
     if bin_size != tokens * itemsize:
-        raise ValueError(
+        raise InputError(
             f"{bin_path} is {bin_size} bytes but {idx_path} describes {tokens} tokens of "
             f"{itemsize} bytes ({tokens * itemsize} bytes): the two files come from different "
             f"runs or one is damaged; {_REBUILD}"
@@ -188,7 +189,7 @@ def build_gpt_datasets(
                 gpt_config.split_matrix[i] = None
                 sizes[i] = 0
     if gpt_config.split_matrix[0] is None:  # megatron-core would build no train dataset
-        raise ValueError(f"--split {config.split} gives the train split no weight: the first of "
+        raise InputError(f"--split {config.split} gives the train split no weight: the first of "
                          "the three weights is the train split's (e.g. --split 969,30,1)")
     for prefix in prefixes:
         if weights is not None or len(prefixes) == 1:  # an unweighted blend builds one epoch
@@ -222,7 +223,7 @@ def refuse_empty_splits(prefix: str, split_matrix, sizes, split: str, sized: boo
         first, end = int(round(bounds[0] * sequences)), int(round(bounds[1] * sequences))
         if int(lengths[first:end].sum(dtype=numpy.int64)) == 0:
             fix = " (or --eval-interval 0 for no validation)" if name == "validation" else ""
-            raise ValueError(
+            raise InputError(
                 f"--split {split} gives the {name} split {end - first} of the {sequences} "
                 f"documents of --data-path {prefix!r}, and no tokens: give it more weight in "
                 f"--split or add documents{fix}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from megatron_jreg.errors import InputError
 
 
 class CyclicOrder:
@@ -27,7 +28,7 @@ class CyclicOrder:
         self.active = total - total % per_round  # whole rounds of the epoch
         self.bucket = total // per_round * micro_batch_size  # each DP rank's share
         if self.bucket == 0:
-            raise ValueError(f"the train split has {total} samples, fewer than one step's "
+            raise InputError(f"the train split has {total} samples, fewer than one step's "
                              f"micro-batches ({per_round}); use --dataloader-type single or more data")
         self._epoch, self._perm = None, None
 

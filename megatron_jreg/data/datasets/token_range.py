@@ -28,6 +28,7 @@ import numpy
 
 from megatron_jreg.atomic_write import write_text_atomic
 from megatron_jreg.data.preprocess.writer import DTYPE_CODES, read_header
+from megatron_jreg.errors import InputError
 
 _CHUNK_BYTES = 64 << 20  # one pass, 64 MiB at a time: a dataset of any size fits in memory
 _DIGESTS: dict = {}  # (path, size, mtime_ns, inode, ctime_ns) -> SHA-256 of the .idx
@@ -65,7 +66,7 @@ def scan_max_token_id(prefix: str, part: tuple = (0, 1)) -> int:
     (k, n): only the k-th of n equal slices, so n ranks share the pass."""
     header = read_header(prefix + ".idx")
     if header is None or header[1] not in DTYPE_CODES:
-        raise ValueError(f"{prefix}.idx is not a megatron-core index file; rebuild the pair "
+        raise InputError(f"{prefix}.idx is not a megatron-core index file; rebuild the pair "
                          "with tools/preprocess_data.py")
     dtype = numpy.dtype(DTYPE_CODES[header[1]])
     tokens = os.path.getsize(prefix + ".bin") // dtype.itemsize

@@ -56,13 +56,13 @@ class DemoCorpusConfig:
 
     def __post_init__(self) -> None:
         if self.max_docs is not None and self.max_docs < 1:
-            raise ValueError(f"--max-docs must be at least 1, got {self.max_docs}")
+            raise InputError(f"--max-docs must be at least 1, got {self.max_docs}")
         if self.max_mb is not None and self.max_mb <= 0:
-            raise ValueError(f"--max-mb must be positive, got {self.max_mb}")
+            raise InputError(f"--max-mb must be positive, got {self.max_mb}")
         if self.skip_docs < 0:
-            raise ValueError(f"--skip-docs must be >= 0, got {self.skip_docs}")
+            raise InputError(f"--skip-docs must be >= 0, got {self.skip_docs}")
         if self.min_chars < 1:
-            raise ValueError(f"--min-chars must be at least 1, got {self.min_chars}")
+            raise InputError(f"--min-chars must be at least 1, got {self.min_chars}")
 
 
 def _stdlib_sources(stdlib_dir: str) -> Iterator[tuple[str, str]]:

@@ -29,6 +29,7 @@ from megatron_jreg.data.preprocess.workers import (
     token_dtype,
 )
 from megatron_jreg.data.tokenizers.build import build_tokenizer
+from megatron_jreg.errors import InputError
 
 OVERLONG_CHOICES = ("skip", "truncate")
 
@@ -108,7 +109,7 @@ class SFTEncoder:
             self.chat = ChatEncoder(self.tokenizer, spec.template, spec.tokenizer_model)
             self.chat.check()
         except ValueError as e:  # InputError: which template, what is wrong with it
-            raise ValueError(f"--chat-template {spec.template_name}: {e}") from None
+            raise InputError(f"--chat-template {spec.template_name}: {e}") from None
 
     def _records(self, chunk: Chunk):
         """(chunk-relative line, record or BadLine) of every non-blank line."""

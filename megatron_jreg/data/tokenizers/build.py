@@ -30,6 +30,7 @@ import numpy
 from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
 from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack  # noqa: F401 (the callers' import)
 from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
+from megatron_jreg.errors import InputError
 
 
 # Special-token names that end a document, most specific first. Used only when a bare
@@ -51,7 +52,7 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int | None = None) -> None:
         minimum = self.PAD + 1
         if vocab_size is not None and vocab_size < minimum:
-            raise ValueError(
+            raise InputError(
                 f"ByteTokenizer: --vocab-size {vocab_size} is too small; it needs at least "
                 f"{minimum} (256 bytes + EOD, BOS, PAD)"
             )
@@ -93,12 +94,12 @@ class SentencePieceTokenizer:
         try:
             self._sp.Load(model_path)
         except (OSError, RuntimeError) as e:
-            raise ValueError(
+            raise InputError(
                 f"SentencePieceTokenizer: cannot load {model_path!r} as a sentencepiece model "
                 f"({e}); check --tokenizer-type/--tokenizer-model"
             ) from None
         if self._sp.eos_id() < 0:
-            raise ValueError(
+            raise InputError(
                 f"SentencePieceTokenizer: {model_path!r} has no EOS piece to mark document ends; "
                 f"retrain it with eos_id set (tools/train_tokenizer.py does)"
             )
@@ -157,7 +158,7 @@ def _hf_eos_token(tokenizer_dir: str | None, special_tokens: dict[str, int], pat
     for name in _KNOWN_EOS_TOKENS:
         if name in special_tokens:
             return name
-    raise ValueError(
+    raise InputError(
         f"HuggingFaceTokenizer: cannot tell the end-of-document token of {path!r}; put a "
         f"tokenizer_config.json with \"eos_token\" beside tokenizer.json"
     )
@@ -183,7 +184,7 @@ class HuggingFaceTokenizer:
         try:
             self._tok = Tokenizer.from_file(json_path)
         except Exception as e:  # the library raises plain Exception on bad files
-            raise ValueError(
+            raise InputError(
                 f"HuggingFaceTokenizer: cannot load {json_path!r} ({e}); check "
                 f"--tokenizer-type/--tokenizer-model"
             ) from None
@@ -192,7 +193,7 @@ class HuggingFaceTokenizer:
         eos_text = _hf_eos_token(tokenizer_dir, special, json_path)
         eod = self._tok.token_to_id(eos_text)
         if eod is None:
-            raise ValueError(
+            raise InputError(
                 f"HuggingFaceTokenizer: EOS token {eos_text!r} is not in the vocabulary of "
                 f"{json_path!r}; fix eos_token in tokenizer_config.json"
             )
@@ -241,22 +242,22 @@ def build_tokenizer(
     fix; both messages name the flag.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(
+        raise InputError(
             f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
             f"{', '.join(TOKENIZER_TYPES)}"
         )
     if (vocab_file is not None or merge_file is not None) and tokenizer_type != "GPT2BPETokenizer":
-        raise ValueError(
+        raise InputError(
             "--vocab-file and --merge-file are GPT2BPETokenizer's files; pass --tokenizer-type "
             "GPT2BPETokenizer (or drop them)"
         )
     if tokenizer_type in ("ByteTokenizer", "NullTokenizer"):
         if tokenizer_model is not None:
-            raise ValueError(f"{tokenizer_type} needs no file; drop --tokenizer-model")
+            raise InputError(f"{tokenizer_type} needs no file; drop --tokenizer-model")
         if tokenizer_type == "ByteTokenizer":
             return ByteTokenizer(vocab_size)
     elif vocab_size is not None:
-        raise ValueError(
+        raise InputError(
             f"--vocab-size applies to ByteTokenizer and NullTokenizer only; {tokenizer_type} "
             f"takes its size from its files, so drop --vocab-size"
         )
@@ -264,7 +265,7 @@ def build_tokenizer(
         return build_megatron_tokenizer(tokenizer_type, tokenizer_model, vocab_size,
                                         vocab_file, merge_file)
     if tokenizer_model is None:
-        raise ValueError(f"{tokenizer_type} needs --tokenizer-model (its model file)")
+        raise InputError(f"{tokenizer_type} needs --tokenizer-model (its model file)")
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     return HuggingFaceTokenizer(tokenizer_model)

@@ -22,6 +22,7 @@ import numpy
 
 from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack
+from megatron_jreg.errors import InputError
 
 
 __all__ = ["MEGATRON_LM_TOKENIZERS", "GPT2BPETokenizer", "Llama2Tokenizer", "NullTokenizer",
@@ -30,7 +31,7 @@ __all__ = ["MEGATRON_LM_TOKENIZERS", "GPT2BPETokenizer", "Llama2Tokenizer", "Nul
 
 def _need_file(kind: str, flag: str, path: str | None, what: str) -> str:
     if path is None:
-        raise ValueError(f"{kind} needs {flag} ({what})")
+        raise InputError(f"{kind} needs {flag} ({what})")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{kind}: {flag} {path!r} is not a file; pass {what}")
     return path
@@ -57,10 +58,10 @@ class Llama2Tokenizer(_Batched):
         try:
             self._sp.Load(path)
         except (OSError, RuntimeError) as e:
-            raise ValueError(f"Llama2Tokenizer: cannot load {path!r} as a sentencepiece model "
+            raise InputError(f"Llama2Tokenizer: cannot load {path!r} as a sentencepiece model "
                              f"({e}); check --tokenizer-type/--tokenizer-model") from None
         if self._sp.bos_id() < 0 or self._sp.eos_id() < 0:
-            raise ValueError(f"Llama2Tokenizer: {path!r} has no BOS or no EOS piece, which "
+            raise InputError(f"Llama2Tokenizer: {path!r} has no BOS or no EOS piece, which "
                              "Llama-2 models have; use --tokenizer-type SentencePieceTokenizer")
         self.vocab_size = self._sp.vocab_size()
         self.bos, self.eos, self.pad_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()
@@ -98,13 +99,13 @@ class GPT2BPETokenizer(_Batched):
                 table = json.load(f)
             self._tok = Tokenizer(models.BPE.from_file(vocab, merges))
         except Exception as e:  # the library raises plain Exception on bad files
-            raise ValueError(f"GPT2BPETokenizer: cannot read --vocab-file {vocab!r} with "
+            raise InputError(f"GPT2BPETokenizer: cannot read --vocab-file {vocab!r} with "
                              f"--merge-file {merges!r} ({e})") from None
         # GPT-2's pre-tokenizer: its regex over bytes mapped to printable characters
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
         if self.EOD_TEXT not in table:
-            raise ValueError(f"GPT2BPETokenizer: {vocab!r} has no {self.EOD_TEXT} token to end "
+            raise InputError(f"GPT2BPETokenizer: {vocab!r} has no {self.EOD_TEXT} token to end "
                              "documents with")
         self.vocab_file, self.merge_file = vocab, merges  # HF export copies them
         self.vocab_size = len(table)
@@ -131,7 +132,7 @@ class NullTokenizer(_Batched):
 
     def __init__(self, vocab_size: int | None) -> None:
         if vocab_size is None or vocab_size < 1:
-            raise ValueError("NullTokenizer needs --vocab-size (the ids below the end-of-document "
+            raise InputError("NullTokenizer needs --vocab-size (the ids below the end-of-document "
                              "id, which is --vocab-size itself)")
         self.vocab_size = vocab_size + 1
         self.eod = self.eos = vocab_size
@@ -141,10 +142,10 @@ class NullTokenizer(_Batched):
         try:
             ids = [int(x) for x in text.split(" ")]
         except ValueError:
-            raise ValueError("NullTokenizer: the text is not integers separated by single "
+            raise InputError("NullTokenizer: the text is not integers separated by single "
                              f"spaces: {text[:40]!r}") from None
         if any(not 0 <= i < self.vocab_size for i in ids):
-            raise ValueError(f"NullTokenizer: an id is outside 0..{self.vocab_size - 1}: "
+            raise InputError(f"NullTokenizer: an id is outside 0..{self.vocab_size - 1}: "
                              f"{text[:40]!r}")
         return ids
 
@@ -168,4 +169,4 @@ def build_megatron_tokenizer(tokenizer_type: str, tokenizer_model: str | None = 
             vocab_file = os.path.join(tokenizer_model, "vocab.json")
             merge_file = os.path.join(tokenizer_model, "merges.txt")
         return GPT2BPETokenizer(vocab_file, merge_file)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r}: not one of {MEGATRON_LM_TOKENIZERS}")
+    raise InputError(f"--tokenizer-type {tokenizer_type!r}: not one of {MEGATRON_LM_TOKENIZERS}")

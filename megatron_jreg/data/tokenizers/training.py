@@ -59,14 +59,14 @@ class TrainTokenizerConfig:
     def __post_init__(self) -> None:
         check_fields(self)  # --max-sentences' bounds, however the config is built
         if self.vocab_size < 300:
-            raise ValueError(
+            raise InputError(
                 f"--vocab-size {self.vocab_size} is too small: 259 ids go to bytes and specials; "
                 f"use at least 300"
             )
         if self.input_format not in ("jsonl", "text"):
-            raise ValueError(f"--input-format must be jsonl or text, got {self.input_format!r}")
+            raise InputError(f"--input-format must be jsonl or text, got {self.input_format!r}")
         if self.model_type not in ("bpe", "unigram"):
-            raise ValueError(f"--model-type must be bpe or unigram, got {self.model_type!r}")
+            raise InputError(f"--model-type must be bpe or unigram, got {self.model_type!r}")
         check_output_path(self.model_prefix + ".model", "--model-prefix")
 
 
@@ -110,7 +110,7 @@ def sample_lines(lines: Iterable[str], size: int, seed: int) -> LineSample:
     returned in input order; every line when there are no more than ``size``. Holds at most
     ``size`` lines at a time."""
     if size < 1:
-        raise ValueError(f"sample_lines: size must be >= 1, got {size}")
+        raise InputError(f"sample_lines: size must be >= 1, got {size}")
     rng = random.Random(seed)
     reservoir: list[tuple[int, str]] = []
     total = too_long = 0
