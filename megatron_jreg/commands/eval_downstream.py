@@ -17,12 +17,7 @@ from megatron_jreg import strict_json
 from megatron_jreg.atomic_write import output_locks, stop_reason, write_text_atomic
 from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
-from megatron_jreg.downstream.evaluate import (
-    PROG,
-    DownstreamConfig,
-    _signals_as_interrupt_here,
-    run,
-)
+from megatron_jreg.downstream.settings import PROG, DownstreamConfig
 from megatron_jreg.downstream.report import format_table, to_csv
 
 DESCRIPTION = ("Downstream accuracy (the paper's Table 3) of checkpoints or HF models through "
@@ -40,6 +35,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _evaluate(config: DownstreamConfig) -> int:
+    # the work after the flags: --help and a bad flag answer before the model code loads
+    from megatron_jreg.downstream.evaluate import _signals_as_interrupt_here, run
+
     try:  # a kill removes the temporary export on the way out, as Ctrl-C does
         with _signals_as_interrupt_here(), output_locks([("--json", config.json),
                                                          ("--csv", config.csv)]):
