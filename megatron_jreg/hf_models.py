@@ -27,6 +27,8 @@ from megatron_jreg.errors import InputError, missing_extra
 GGUF_SUFFIX = ".gguf"
 # the --dtype names of the tools that load or write Hugging Face models
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# the dtypes of a checkpoint converted from Hugging Face; bfloat16 sets --bf16 in its run config
+CHECKPOINT_DTYPES = ("float32", "bfloat16")
 # accelerate's placements (``from_pretrained(device_map=...)``): "auto" and "balanced" spread
 # the layers evenly over the GPUs, then the CPU; "balanced_low_0" keeps GPU 0 light;
 # "sequential" fills the GPUs in order. Without a GPU every one of them is the CPU.

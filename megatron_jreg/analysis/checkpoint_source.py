@@ -19,11 +19,10 @@ Documents are tokenized as the trainer's data was (``tokenizer.encode``: no BOS/
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -39,6 +38,7 @@ from megatron_jreg.checkpoint.run_configs import (
     launched_world_size,
 )
 from megatron_jreg.errors import InputError
+from megatron_jreg.analysis.source_flags import CheckpointSourceFlags
 from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.config.resolve import effective_parallel
 from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
@@ -153,59 +153,6 @@ def checkpoint_world(sequence_parallel: bool) -> MeasureWorld:
             "sequence_parallel": sequence_parallel,
         },
     )
-
-
-# The layout flags are ParallelConfig's own (one definition of each); help for eval_jump.
-LAYOUT_FIELDS = {
-    "tensor_model_parallel_size": "--load under torchrun: tensor-parallel ranks; "
-    "the world's remaining factor after TP x PP is data parallel",
-    "pipeline_model_parallel_size": "--load under torchrun: pipeline stages",
-    "sequence_parallel": "--load under torchrun: split the sequence over the TP ranks "
-    "(needs TP > 1)",
-}
-
-
-def layout_flags() -> Dict[str, str]:
-    """{ParallelConfig field: its flag} for the layout flags of ``--load``."""
-    flags = {f.name: f.metadata["flag"] for f in dataclasses.fields(ParallelConfig)}
-    return {name: flags[name] for name in LAYOUT_FIELDS}
-
-
-def layout_flags_given(args) -> List[str]:
-    """The layout flags set away from their defaults (one process, TP1 PP1)."""
-    defaults = ParallelConfig()
-    return [flag for name, flag in layout_flags().items()
-            if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name)]
-
-
-def _layout_field(name: str, default):
-    return dataclasses.field(default=default, metadata={
-        "flag": layout_flags()[name], "help": LAYOUT_FIELDS[name],
-        **({} if isinstance(default, bool) else {"metavar": "N"})})
-
-
-@dataclasses.dataclass(kw_only=True)
-class CheckpointSourceFlags:
-    """The flags that select checkpoints of our trainer to measure (``--load``)."""
-
-    load: Optional[List[str]] = dataclasses.field(default=None, metadata={
-        "metavar": "CKPT",
-        "help": "checkpoint directories of our trainer (its --save); any TP/PP layout is read "
-        "on one process, or under torchrun at --tensor/--pipeline-model-parallel-size. "
-        "The latest iteration unless --iteration/--iterations/--all-iterations"})
-    iteration: Optional[int] = dataclasses.field(default=None, metadata={
-        "exclusive": "iteration", "metavar": "N", "help": "--load: this iteration"})
-    iterations: Optional[List[int]] = dataclasses.field(default=None, metadata={
-        "exclusive": "iteration", "metavar": "N",
-        "help": "--load: these iterations of one run (a trajectory)"})
-    all_iterations: bool = dataclasses.field(default=False, metadata={
-        "exclusive": "iteration",
-        "help": "--load: every complete iteration of one run (a trajectory table and plot)"})
-    tokenizer_model: Optional[str] = dataclasses.field(default=None, metadata={
-        "metavar": "PATH", "help": "--load: the run's tokenizer file, when it moved since training"})
-    tensor_model_parallel_size: int = _layout_field("tensor_model_parallel_size", 1)
-    pipeline_model_parallel_size: int = _layout_field("pipeline_model_parallel_size", 1)
-    sequence_parallel: bool = _layout_field("sequence_parallel", False)
 
 
 def _run_name(root: str) -> str:

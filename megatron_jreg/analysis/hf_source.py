@@ -15,7 +15,6 @@ before the final norm unless ``include_final_norm``, in which case it is
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import List, Optional, Tuple
 
@@ -27,6 +26,7 @@ from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.errors import InputError
+from megatron_jreg.analysis.source_flags import HFSourceFlags
 
 # (decoder layers, final norm) attribute paths, tried in order.
 _LAYOUTS: Tuple[Tuple[str, str], ...] = (
@@ -135,25 +135,6 @@ def load_hf_source(
         model.to(dev)
     label = name or hf_models.default_label(path)
     return HFCausalLMSource(model, tokenizer, label, include_final_norm=include_final_norm)
-
-
-@dataclasses.dataclass(kw_only=True)
-class HFSourceFlags:
-    """The flags that select Hugging Face models to measure."""
-
-    hf_model: Optional[List[str]] = dataclasses.field(default=None, metadata={
-        "metavar": "MODEL",
-        "help": "Hugging Face causal LMs (Llama, Qwen, Gemma, Mistral, ...): a directory "
-        "written by save_pretrained, a hub id already in the local Hugging Face cache (read "
-        "offline, never downloaded), or a .gguf file (dequantized by transformers); several "
-        "go on one plot. Needs the hf extra: `pip install --no-build-isolation -e "
-        "'.[hf]'` from the repository root."})
-    device_map: Optional[str] = dataclasses.field(default=None, metadata={
-        "choices": list(hf_models.DEVICE_MAPS),
-        "help": "--hf-model only, for a model larger than one GPU: accelerate spreads its "
-        "layers over the visible GPUs (auto: evenly, then the CPU when they are full); "
-        "without a GPU all of it runs on the CPU. Replaces --device; combine with --dtype "
-        "bfloat16 (psi is still computed in fp32). Needs accelerate."})
 
 
 def hf_entries(

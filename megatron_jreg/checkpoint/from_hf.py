@@ -42,11 +42,11 @@ from megatron_jreg.checkpoint.model_loader import init_world
 from megatron_jreg.checkpoint.run_configs import launched_world_size
 from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity
 from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
-from megatron_jreg.hf_models import brief, load_causal_lm, resolve_hf_model, torch_dtype
+from megatron_jreg.hf_models import CHECKPOINT_DTYPES, brief, load_causal_lm, resolve_hf_model, torch_dtype
 from megatron_jreg.model.builder import build_model
 from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
-DTYPES = ("float32", "bfloat16")  # of the saved weights; bfloat16 sets --bf16 in the run config
+DTYPES = CHECKPOINT_DTYPES  # of the saved weights; bfloat16 sets --bf16 in the run config
 # seq_length of the saved run config: the longest context, at most this (a trainer run
 # sets its own --seq-length; RoPE has no weights that depend on it)
 DEFAULT_SEQ_LENGTH = 2048

@@ -12,9 +12,9 @@ import sys
 from dataclasses import dataclass, field
 
 from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
-from megatron_jreg.checkpoint.from_hf import DTYPES, convert
 from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
+from megatron_jreg.hf_models import CHECKPOINT_DTYPES
 
 PROG = "convert_from_hf"
 
@@ -34,7 +34,7 @@ class ImportConfig:
     pipeline_model_parallel_size: int = field(default=1, metadata={
         "metavar": "M", "help": "check that the layers split over M pipeline stages"})
     dtype: str = field(default="float32", metadata={
-        "choices": sorted(DTYPES), "help": "dtype of the saved weights (bfloat16 sets --bf16 "
+        "choices": sorted(CHECKPOINT_DTYPES), "help": "dtype of the saved weights (bfloat16 sets --bf16 "
         "in the run config)"})
 
 
@@ -53,6 +53,9 @@ def main(argv=None) -> int:
 
 
 def _import(args) -> int:
+    # the model code after the flags: --help and a bad flag answer before it loads
+    from megatron_jreg.checkpoint.from_hf import convert
+
     try:  # the temporary directory is removed on the way out, for a kill as for Ctrl-C
         with signals_as_interrupt():
             summary = convert(args.hf_model, args.save, tp=args.tensor_model_parallel_size,

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
-from megatron_jreg.checkpoint.to_hf import convert
 from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
 from megatron_jreg.hf_models import DTYPE_NAMES
@@ -53,6 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _export(args) -> int:
+    # the model code after the flags: --help and a bad flag answer before it loads
+    from megatron_jreg.checkpoint.to_hf import convert
+
     try:  # a kill removes the temporary export on the way out, as Ctrl-C does
         with signals_as_interrupt():
             warnings = convert(

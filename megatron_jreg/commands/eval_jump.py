@@ -32,12 +32,13 @@ from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg import strict_json
 from megatron_jreg.atomic_write import check_output_path, output_locks, write_text_atomic
-from megatron_jreg.analysis import checkpoint_source, hf_source
-from megatron_jreg.analysis.checkpoint_source import CheckpointSourceFlags, layout_flags_given
+from megatron_jreg.analysis.source_flags import (
+    CheckpointSourceFlags,
+    HFSourceFlags,
+    layout_flags_given,
+)
 from megatron_jreg.analysis.compare import compare_reports, format_summary_table, load_report
 from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
-from megatron_jreg.analysis.measure import measure_jump
-from megatron_jreg.analysis.hf_source import HFSourceFlags
 from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.analysis.text_inputs import read_documents, token_sequences
 from megatron_jreg.analysis.trajectory import (
@@ -143,6 +144,9 @@ def model_entries(args: argparse.Namespace) -> List[SourceEntry]:
         raise InputError(f"{' and '.join(given)} were both given; measure one kind of model per run")
     run = {"include_final_norm": args.include_final_norm, "device": args.device,
            "dtype": args.dtype}
+    # the model code after the flags: --help and a bad flag answer before it loads
+    from megatron_jreg.analysis import checkpoint_source, hf_source
+
     if args.hf_model:
         entries = hf_source.hf_entries(_flags_of(args, HFSourceFlags), **run)
     elif args.load:
@@ -219,6 +223,8 @@ def _is_output_rank() -> bool:
 
 
 def _measure(entry: SourceEntry, args: argparse.Namespace) -> JumpReport:
+    from megatron_jreg.analysis.measure import measure_jump
+
     source = entry.open()
     sequences = token_sequences(
         read_documents(args.text_file, args.jsonl, args.json_key, args.data_path),
