@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 
 from megatron_jreg import hf_models
 from megatron_jreg.config.model import ParallelConfig
+from megatron_jreg.config.schema import flag_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -43,7 +44,7 @@ LAYOUT_FIELDS = {
 
 def layout_flags() -> Dict[str, str]:
     """{ParallelConfig field: its flag} for the layout flags of ``--load``."""
-    flags = {f.name: f.metadata["flag"] for f in dataclasses.fields(ParallelConfig)}
+    flags = {f.name: flag_of(f) for f in dataclasses.fields(ParallelConfig)}
     return {name: flags[name] for name in LAYOUT_FIELDS}
 
 

@@ -237,7 +237,7 @@ def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: s
     tp = parallel.tensor_model_parallel_size
     if model.padded_vocab is None and model.vocab_size and tp > 1:
         multiple = model.make_vocab_size_divisible_by
-        ours = -(-model.vocab_size // multiple) * multiple
+        ours = model.padded_to_multiple()
         theirs = -(-model.vocab_size // (multiple * tp)) * multiple * tp
         if ours != theirs:
             out.append(f"vocabulary padded to {ours} rows, the same under every TP; Megatron-LM "

@@ -258,6 +258,11 @@ class ModelConfig:
         parallel layout, so one seed gives one model under every TP/PP/DP split."""
         if self.padded_vocab is not None:
             return self.padded_vocab
+        return self.padded_to_multiple()
+
+    def padded_to_multiple(self) -> int:
+        """The vocabulary rounded up to ``make_vocab_size_divisible_by`` (whatever
+        ``padded_vocab`` says)."""
         if self.vocab_size is None:
             raise ConfigError("vocab size unknown: set --vocab-size or give a tokenizer")
         multiple = self.make_vocab_size_divisible_by

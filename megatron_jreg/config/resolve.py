@@ -66,8 +66,7 @@ def padded_rows(model, tensor_parallel: int, facts: RunFacts) -> int:
     """Embedding rows: a resumed checkpoint's own (so a checkpoint padded otherwise, e.g.
     by an earlier version that multiplied by TP, still loads), else the vocabulary padded
     to --make-vocab-size-divisible-by."""
-    multiple = model.make_vocab_size_divisible_by
-    rows = -(-model.vocab_size // multiple) * multiple
+    rows = model.padded_to_multiple()
     saved = facts.saved_embedding_rows
     if saved is None:
         return rows

@@ -8,8 +8,7 @@ from typing import List, Optional
 from megatron_jreg.config import values as config_values
 from megatron_jreg.config.resolve import kept_schedule
 from megatron_jreg.config.schema import option
-from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS
-from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES as BASE_TOKENIZER_TYPES
+from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES
 from megatron_jreg.errors import ConfigError
 from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.config.megatron_lm import MegatronLMConfig
@@ -19,10 +18,6 @@ def _normalize(config, **values) -> None:
     canonical form of what was given, such as the steps ``--train-samples`` stands for."""
     for name, value in values.items():
         object.__setattr__(config, name, value)
-
-
-# data.tokenizers' types and Megatron-LM's others (the trainer builds both kinds)
-TOKENIZER_TYPES = tuple(dict.fromkeys(BASE_TOKENIZER_TYPES + MEGATRON_LM_TOKENIZERS))
 
 
 @dataclass(kw_only=True)

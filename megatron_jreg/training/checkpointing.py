@@ -21,11 +21,10 @@ from megatron_jreg.checkpoint.dist_checkpoint import (
 )
 from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.distributed.setup import print_rank_0
-from megatron_jreg.errors import ConfigError
+from megatron_jreg.errors import ConfigError, InputError
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer, read_run_configs
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
-from megatron_jreg.errors import InputError
 from megatron_jreg.training.checkpoint_args import architecture_differences
 
 
@@ -138,11 +137,11 @@ class Checkpointer:
         """Say so when the run keeps a checkpoint's embedding rows that differ from the
         vocabulary padded to --make-vocab-size-divisible-by."""
         m = self.experiment.model
-        multiple = m.make_vocab_size_divisible_by
-        rows = -(-m.vocab_size // multiple) * multiple
+        rows = m.padded_to_multiple()
         if self.source() and m.padded_vocab != rows:
             print_rank_0(f"vocabulary: keeping the checkpoint's {m.padded_vocab} embedding rows "
-                         f"(--make-vocab-size-divisible-by {multiple} gives {rows})")
+                         f"(--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} "
+                         f"gives {rows})")
 
     def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, int, Optional[int]]]:
         """Restore :meth:`source` into the model (and optimizer and schedule unless

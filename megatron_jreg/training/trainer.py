@@ -300,7 +300,8 @@ class Trainer:
         values.update(consumed_samples=self.consumed_samples,
                       consumed_tokens=self.consumed_tokens,
                       lr=self.optimizer.param_groups[0]["lr"], grad_norm=window[-1]["grad_norm"],
-                      tokens_per_s=tps, tflops_per_gpu=tflops, memory_gib=platform_device.peak_memory_gib(self.device),
+                      tokens_per_s=tps, tflops_per_gpu=tflops,
+                      memory_gib=platform_device.peak_memory_gib(self.device),
                       skipped=skipped or None)
         self.metrics.log(TRAIN, self.iteration, values)
 
