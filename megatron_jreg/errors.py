@@ -19,6 +19,10 @@ class InputError(UserError):
     """
 
 
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used; the message says why and what to do."""
+
+
 def missing_extra(package: str, extra: str, purpose: str) -> InputError:
     """The error for an optional dependency that is not installed."""
     return InputError(

@@ -1,22 +1,31 @@
-"""Checkpoints in Megatron's layout with dist-checkpointing (torch_dist).
+"""Checkpoints in Megatron's layout with dist-checkpointing (torch_dist), readable and
+resumable by Megatron-LM, and reading Megatron-LM's.
 
     SAVE/latest_checkpointed_iteration.txt
-    SAVE/iter_0000100/            dist-ckpt shards, common.pt, metadata.json
+    SAVE/iter_0000100/            dist-ckpt shards, .metadata, common.pt, metadata.json
                       run_config.yaml     the resolved config of the run
-                      rng/rank_00000.pt   each rank's RNG state
+                      tokenizer/          a Hugging Face tokenizer's files, carried
+                      jreg_manifest.json  per-file CRC-32 (manifest.py)
                       jreg_complete.json  written last: the directory is whole
 
-A save goes to ``iter_XXXXXXX.partial`` and is renamed once every rank has written; the
-tracker file is replaced atomically after that. A directory without the completion
-marker is torn and is refused at load with a message naming the earlier whole ones.
-The distributed optimizer is saved ``fully_reshardable`` (0.16.1's default sharding
-type fails to save).
+The common state carries Megatron-LM's fields beside ours: ``args`` (the run as
+Megatron-LM's argument namespace, megatron_lm_args.py), ``checkpoint_version`` 3.0,
+``iteration``, ``opt_param_scheduler``, ``num_floating_point_operations_so_far``; the
+random state is Megatron-LM's sharded ``rng_state`` (rng_state.py). The distributed
+optimizer is saved ``dp_reshardable`` (Megatron-LM's default) or, with
+``--dist-ckpt-optim-fully-reshardable``, ``fully_reshardable``; the content metadata says
+which, and a load reads it from there.
 
-Each run names its temporary directory and tracker file with its own run id, and
-``jreg_manifest.json`` (per-file CRC-32, see manifest.py) is written before the
-completion marker and checked at load. A missing tracker (or one left as ``.tmp`` by a
-kill between the rename and the tracker update) is recovered from the newest whole
-iteration. Non-finite parameters are never saved.
+A save goes to ``iter_XXXXXXX.partial-RUNID`` and is renamed once every rank has written;
+the tracker file is replaced atomically after that. An iteration directory of ours without
+the completion marker is torn and is refused at load with a message naming the earlier
+whole ones. One that holds none of our files was saved by another megatron-core program
+(Megatron-LM): dist-checkpointing writes its ``metadata.json`` last, after every rank's
+shards and the global ``.metadata``, so with both it is whole.
+
+A missing tracker (or one left as ``.tmp`` by a kill between the rename and the tracker
+update) is recovered from the newest whole iteration. Non-finite parameters are never
+saved. Loading is loading.py's.
 """
 
 from __future__ import annotations
@@ -29,9 +38,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_jreg.checkpoint.manifest import verify_manifest, write_manifest
-from megatron_jreg.checkpoint.rng_state import rng_state, set_rng_state
-from megatron_jreg.errors import UserError
+from megatron_jreg.checkpoint.manifest import MANIFEST, write_manifest
+from megatron_jreg.checkpoint.rng_state import sharded_rng_state
+from megatron_jreg.checkpoint.scheduler_state import SCHEDULE_KEYS, scheduler_state
+from megatron_jreg.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "jreg_complete.json"
@@ -40,17 +50,44 @@ CHAT_TEMPLATE = "chat_template.jinja"  # an SFT run's chat template, for the HF 
 TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer's files, carried (see carry_tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "added_tokens.json")
-SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                     "chained_optim_avoid_prefix": True}
+RNG_FILES_DIR = "rng"  # earlier versions' per-rank random state files
+OWN_FILES = (COMPLETE, MANIFEST, RUN_CONFIG, RNG_FILES_DIR)  # any of them: a save of ours
+# what dist-checkpointing writes of every save, metadata.json last
+DIST_CKPT_FILES = (".metadata", "common.pt", "metadata.json")
+# distributed-optimizer formats that reload at any TP/PP layout (megatron-core's
+# DistributedOptimizer.checkpoint_fully_reshardable_formats)
+FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
 
 
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be used; the message says why and what to do (a user error:
-    one line, exit 2)."""
+def sharding_metadata(fully_reshardable: bool) -> Dict:
+    """The content metadata of a save (Megatron-LM's for the same flags): how the
+    distributed optimizer's state is sharded."""
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable" if fully_reshardable
+                else "dp_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    if fully_reshardable:
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return metadata
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def is_own(path: str) -> bool:
+    """An iteration directory written by this project (whole or not)."""
+    return any(os.path.exists(os.path.join(path, name)) for name in OWN_FILES)
+
+
+def torn_reason(path: str) -> Optional[str]:
+    """None when iteration directory ``path`` is whole, else what is missing: our completion
+    marker (a save of ours), or dist-checkpointing's last files (another program's)."""
+    if os.path.exists(os.path.join(path, COMPLETE)):
+        return None
+    if is_own(path):
+        return f"no {COMPLETE}"
+    absent = [n for n in DIST_CKPT_FILES if not os.path.exists(os.path.join(path, n))]
+    return f"no {', '.join(absent)}" if absent else None
 
 
 def complete_iterations(root: str) -> List[int]:
@@ -60,7 +97,8 @@ def complete_iterations(root: str) -> List[int]:
     found = []
     for name in os.listdir(root):
         if name.startswith("iter_") and name[5:].isdigit():
-            if os.path.exists(os.path.join(root, name, COMPLETE)):
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and torn_reason(path) is None:
                 found.append(int(name[5:]))
     return sorted(found)
 
@@ -75,14 +113,15 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
     if iteration is None:
         tracker = os.path.join(root, TRACKER)
         if not os.path.exists(tracker):
-            if os.path.exists(os.path.join(root, COMPLETE)):  # an iter_ directory itself
+            if os.path.basename(os.path.normpath(root)).startswith("iter_") and \
+                    torn_reason(root) is None:  # an iter_ directory itself
                 raise CheckpointError(
                     f"{root!r} is one iteration's directory; pass its parent to {root_flag} and "
                     f"{step_flag} {os.path.basename(root)[5:].lstrip('0') or 0}")
             if not whole:
                 raise CheckpointError(
                     f"{root!r} has no {TRACKER} and no whole iter_XXXXXXX directory: not a "
-                    "megatron-jreg checkpoint directory, or no save finished")
+                    "torch_dist checkpoint directory, or no save finished")
             # a kill between the rename of iter_N and the tracker update, or a copy by hand
             _report_once(f"{root}: no {TRACKER}; using the newest whole iteration {whole[-1]}")
             return whole[-1]
@@ -91,11 +130,12 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
     if not os.path.isdir(path):
         raise CheckpointError(
             f"iteration {iteration} is not under {root!r}; whole iterations: {whole or 'none'}")
-    if not os.path.exists(os.path.join(path, COMPLETE)):
+    torn = torn_reason(path)
+    if torn:
         earlier = [i for i in whole if i < iteration]
         hint = (f"load an earlier one with {step_flag} {earlier[-1]}" if earlier
                 else f"no earlier whole checkpoint exists; start without {root_flag}")
-        raise CheckpointError(f"checkpoint {path} is incomplete (torn save: no {COMPLETE}); {hint}")
+        raise CheckpointError(f"checkpoint {path} is incomplete (torn save: {torn}); {hint}")
     return iteration
 
 
@@ -191,13 +231,16 @@ def nonfinite_anywhere(model_chunks) -> Optional[str]:
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
                     run_config_yaml: str, train_state: Dict, run_id: str = "0",
                     extra_files: Optional[Dict[str, str]] = None,
-                    tokenizer_dir: Optional[str] = None) -> str:
+                    tokenizer_dir: Optional[str] = None, common: Optional[Dict] = None,
+                    fully_reshardable: bool = False) -> str:
     """Write iteration ``iteration`` under ``root``; collective over all ranks.
 
     ``run_id`` (the same on every rank) names the temporary directory and tracker file,
     so no two runs share one. ``extra_files`` (name -> text) go beside the run config, and
     ``tokenizer_dir``'s Hugging Face tokenizer files are copied into ``tokenizer/``
-    (:func:`carry_tokenizer`).
+    (:func:`carry_tokenizer`). ``common`` adds entries to the common state (Megatron-LM's
+    ``args``, ``checkpoint_version``, FLOPs so far); ``fully_reshardable`` picks the
+    distributed optimizer's format (:func:`sharding_metadata`).
     Raises CheckpointError, having written nothing, when any parameter is non-finite."""
     from megatron.core import dist_checkpointing
 
@@ -214,15 +257,17 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
+    metadata = sharding_metadata(fully_reshardable)
     state = model_sharded_state_dict(model_chunks)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=SHARDING_METADATA)
-    state["scheduler"] = scheduler_state(scheduler) if scheduler is not None else None
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+    if scheduler is not None:
+        state[SCHEDULE_KEYS[0]] = scheduler_state(scheduler)
+    state.update(common or {})
     state["iteration"] = iteration
     state["train_state"] = train_state
-    dist_checkpointing.save(state, partial, content_metadata=SHARDING_METADATA)
-    os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
-    torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
+    state["rng_state"] = sharded_rng_state()
+    dist_checkpointing.save(state, partial, content_metadata=metadata)
     _barrier()
     if rank == 0:
         for name, text in {RUN_CONFIG: run_config_yaml, **(extra_files or {})}.items():
@@ -262,139 +307,3 @@ def carry_tokenizer(source: str, target: str) -> None:
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
-
-
-SCHEDULER_FLAGS = {  # scheduler state key -> (flag, unit: samples per flag unit or None)
-    "max_lr": ("--lr", None), "min_lr": ("--min-lr", None),
-    "lr_warmup_steps": ("--lr-warmup-iters", "iters"),
-    "lr_decay_steps": ("--lr-decay-iters", "iters"), "lr_decay_style": ("--lr-decay-style", None),
-    "wsd_decay_steps": ("--lr-wsd-decay-iters", "iters"),
-    "lr_wsd_decay_style": ("--lr-wsd-decay-style", None),
-    "start_wd": ("--weight-decay", None),
-}
-
-
-def scheduler_state(scheduler) -> Dict:
-    """megatron's scheduler state plus the WSD fields its state_dict leaves out."""
-    state = scheduler.state_dict()
-    state["wsd_decay_steps"] = scheduler.wsd_decay_steps
-    state["lr_wsd_decay_style"] = scheduler.lr_wsd_decay_style
-    return state
-
-
-def scheduler_differences(scheduler, saved: Dict, samples_per_iter: int) -> List[str]:
-    """'flag: flags give X, the checkpoint Y' for each schedule value that differs."""
-    out = []
-    for key, (flag, unit) in SCHEDULER_FLAGS.items():
-        if key not in saved:
-            continue
-        mine, theirs = getattr(scheduler, key), saved[key]
-        if mine == theirs:
-            continue
-        if unit and isinstance(mine, int) and isinstance(theirs, int):
-            mine, theirs = mine / samples_per_iter, theirs / samples_per_iter
-            mine, theirs = (int(v) if float(v).is_integer() else v for v in (mine, theirs))
-        out.append(f"{flag} {mine} (the checkpoint's {theirs})")
-    return out
-
-
-def load_scheduler(scheduler, saved: Dict, mode: str, samples_per_iter: int) -> None:
-    """Megatron-LM's rule: ``override`` takes the flags, ``checkpoint`` the checkpoint's
-    values, ``strict`` (neither flag) requires them to agree."""
-    if mode == "strict":
-        diffs = scheduler_differences(scheduler, saved, samples_per_iter)
-        if diffs:
-            raise CheckpointError(
-                "the learning-rate schedule differs from the checkpoint's: " + "; ".join(diffs)
-                + ". Pass --override-opt-param-scheduler to use the flags or "
-                "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
-    scheduler.override_opt_param_scheduler = mode == "override"
-    scheduler.use_checkpoint_opt_param_scheduler = mode != "override"
-    scheduler.load_state_dict(saved)
-    if mode == "override":
-        # megatron reads the peak/final lr per parameter group first, and the optimizer's
-        # loaded state brought back the checkpoint's
-        for group in scheduler.optimizer.param_groups:
-            for key in ("max_lr", "min_lr"):
-                if key in group:
-                    group[key] = getattr(scheduler, key)
-        scheduler.step(increment=0)
-    else:
-        for key in ("wsd_decay_steps", "lr_wsd_decay_style"):
-            if key in saved:
-                setattr(scheduler, key, saved[key])
-
-
-def _load_rng(path: str, rank: int) -> None:
-    rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    try:
-        with open(os.path.join(path, COMPLETE)) as f:
-            saved_world = int(json.load(f).get("world_size", world))
-    except (OSError, ValueError, TypeError):
-        saved_world = world
-    if not os.path.exists(rng_file):
-        if saved_world == world:
-            raise CheckpointError(
-                f"{rng_file} is missing (saved by {saved_world} ranks, as many as now); the "
-                "directory is damaged: load an earlier one with --ckpt-step, or pass "
-                "--no-load-rng to resume without the saved random state")
-        _report_once(f"random state not restored: {path} was saved by {saved_world} ranks, "
-                     f"this run has {world}")
-        return
-    try:
-        state = torch.load(rng_file, weights_only=False)
-        set_rng_state(state, _report_once, path)
-    except Exception as err:
-        raise CheckpointError(
-            f"cannot read {rng_file} ({type(err).__name__}); the directory is damaged: load "
-            "an earlier one with --ckpt-step, or pass --no-load-rng") from None
-
-
-def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer=None,
-                    scheduler=None, step_flag: str = "--ckpt-step", verify: bool = True,
-                    scheduler_mode: str = "strict", samples_per_iter: int = 1,
-                    load_rng: bool = True) -> Tuple[int, Dict]:
-    """Load weights (and optimizer, schedule, RNG when given); returns (iteration, train_state).
-
-    ``verify`` checks the manifest's checksums first; ``scheduler_mode`` is load_scheduler's."""
-    from megatron.core import dist_checkpointing
-
-    iteration = resolve_iteration(root, iteration, step_flag=step_flag)
-    path = iteration_dir(root, iteration)
-    if verify:
-        problem = verify_manifest(path)
-        if problem:
-            raise CheckpointError(
-                f"checkpoint {path} fails its checksum: {problem}; load an earlier one with "
-                f"{step_flag}" + (" (or pass --no-verify-checkpoint to load it anyway)"
-                                  if step_flag == "--ckpt-step" else ""))
-    state = model_sharded_state_dict(model_chunks)
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
-                                                          metadata=SHARDING_METADATA)
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        loaded = dist_checkpointing.load(state, path)
-    # dist-ckpt raises many types for damaged files; torch's CheckpointException is a
-    # BaseException, not an Exception
-    except (Exception, CheckpointException) as err:
-        raise CheckpointError(
-            f"cannot read checkpoint {path} ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-            f"it may be corrupt: load an earlier one with {step_flag}") from err
-    modules = [getattr(chunk, "module", chunk) for chunk in model_chunks]
-    keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
-    for module, key in zip(modules, keys):
-        module.load_state_dict(loaded[key])
-    bad = nonfinite_anywhere(model_chunks)
-    if bad:
-        raise CheckpointError(f"checkpoint {path} holds non-finite weights {bad}; it is damaged: "
-                              f"load an earlier one with {step_flag}")
-    if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
-    if scheduler is not None and loaded.get("scheduler") is not None:
-        load_scheduler(scheduler, loaded["scheduler"], scheduler_mode, samples_per_iter)
-    if optimizer is not None and load_rng:
-        _load_rng(path, dist.get_rank() if dist.is_initialized() else 0)
-    return iteration, loaded.get("train_state") or {}

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.errors import InputError
 from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.checkpoint.run_configs import (
@@ -192,7 +193,7 @@ def load_model(
     for chunk in chunks:
         chunk.to(torch_device)
     try:
-        ckpt.load_checkpoint(root, iteration, chunks, optimizer=None, step_flag=ITERATION_FLAG)
+        load_checkpoint(root, iteration, chunks, optimizer=None, step_flag=ITERATION_FLAG)
     except ckpt.CheckpointError as err:
         raise InputError(str(err)) from None
     for chunk in chunks:

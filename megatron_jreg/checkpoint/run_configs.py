@@ -1,6 +1,7 @@
 """A checkpoint's run, read without building a model: its iterations, the run config of
-one iteration directory (``run_config.yaml``: the schema of ``config.run``), the tokenizer
-it carries or pins, and its embedding rows. Imports neither megatron-core nor the model, so
+one iteration directory (``run_config.yaml``: the schema of ``config.run``; for a
+checkpoint Megatron-LM saved, the same sections from its ``args``), the tokenizer it
+carries or pins, and its embedding rows. Imports neither megatron-core nor the model, so
 the trainer's flags (``--use-checkpoint-args``), eval_downstream and the checks before a
 load read a checkpoint in a fraction of a second; :mod:`model_loader` builds the model.
 """
@@ -13,6 +14,11 @@ import sys
 from typing import Dict, List, Optional
 
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+from megatron_jreg.checkpoint.megatron_lm_args import (
+    is_megatron_lm_state,
+    read_common_state,
+    sections_from_args,
+)
 from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.config.yaml_settings import from_yaml_text
 from megatron_jreg.data.tokenizers.build import build_tokenizer, describe_tokenizer, tokenizer_identity
@@ -36,22 +42,24 @@ def checkpoint_iterations(
     """The iterations of ``root`` to open: the latest, one, a list, or every whole one.
 
     Checks the directory and that each chosen iteration is whole (its save finished) and
-    carries ``run_config.yaml``; raises InputError naming the fix otherwise.
+    describes its model (``run_config.yaml``, or Megatron-LM's ``args``); raises InputError
+    naming the fix otherwise.
     """
     if not os.path.exists(root):
         raise InputError(f"{flag} {root}: no such directory; check the path")
     if not os.path.isdir(root):
         raise InputError(f"{flag} {root}: not a directory; give the --save directory of a run")
     whole = ckpt.complete_iterations(root)
-    if os.path.exists(os.path.join(root, ckpt.COMPLETE)):
-        it = os.path.basename(os.path.normpath(root))[5:].lstrip("0") or "0"
+    name = os.path.basename(os.path.normpath(root))
+    if name.startswith("iter_") and ckpt.torn_reason(root) is None:
+        it = name[5:].lstrip("0") or "0"
         raise InputError(
             f"{flag} {root}: this is one iteration's directory; give its parent and "
             f"--iteration {it}"
         )
     if not whole:
         raise InputError(
-            f"{flag} {root}: not a megatron-jreg checkpoint directory (no complete iter_XXXXXXX "
+            f"{flag} {root}: not a torch_dist checkpoint directory (no complete iter_XXXXXXX "
             "directory); give the --save directory of a training run"
         )
     if all_iterations:
@@ -75,18 +83,26 @@ def checkpoint_iterations(
                 f"complete iterations: {whole}"
             )
         path = ckpt.iteration_dir(root, it)
-        if not os.path.isfile(os.path.join(path, ckpt.RUN_CONFIG)):
+        if not os.path.isfile(os.path.join(path, ckpt.RUN_CONFIG)) and \
+                not is_megatron_lm_state(read_common_state(path)):
             raise InputError(
-                f"{flag} {root}: {path} has no {ckpt.RUN_CONFIG}, so the model cannot be "
-                "rebuilt; it was not written by megatron-jreg's trainer"
+                f"{flag} {root}: {path} has neither {ckpt.RUN_CONFIG} nor Megatron-LM's args "
+                "in its common state, so the model cannot be rebuilt; give a checkpoint saved "
+                "by this project's trainer or by Megatron-LM"
             )
     return chosen
 
 def read_run_configs(path: str) -> Dict[str, object]:
-    """The config sections (model, parallel, data, ...) saved with one iteration directory."""
+    """The config sections (model, parallel, data, ...) saved with one iteration directory:
+    its ``run_config.yaml``, else those of Megatron-LM's ``args`` (a checkpoint Megatron-LM
+    saved: the architecture, layout, tokenizer and seed; the rest defaults)."""
     text = ckpt.read_run_config(path)
     if text is None:
-        raise InputError(f"{path}: no {ckpt.RUN_CONFIG}; cannot rebuild the model")
+        common = read_common_state(path)
+        if is_megatron_lm_state(common):
+            return sections_from_args(common["args"], path)
+        raise InputError(f"{path}: neither {ckpt.RUN_CONFIG} nor Megatron-LM's args; cannot "
+                         "rebuild the model")
     try:
         configs = from_yaml_text(text, SECTIONS)
     except Exception as err:  # yaml errors, unknown keys (TypeError), validation (ValueError)

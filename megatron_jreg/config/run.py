@@ -116,7 +116,7 @@ class OptimConfig:
             setattr(self, name, value)
 
     def scheduler_mode(self) -> str:
-        """How a resumed schedule is reconciled with the flags (checkpoint.dist_checkpoint.load_scheduler)."""
+        """How a resumed schedule is reconciled with the flags (checkpoint.scheduler_state.load_scheduler)."""
         if self.override_opt_param_scheduler:
             return "override"
         return "checkpoint" if self.use_checkpoint_opt_param_scheduler else "strict"
@@ -275,6 +275,11 @@ class CheckpointConfig:
         "flag is given) from the checkpoint of --load, else --pretrained-checkpoint; an "
         "architecture flag that differs from it is refused", const=True))
     ckpt_format: str = field(default="torch_dist", metadata=option("--ckpt-format", "torch_dist"))
+    dist_ckpt_optim_fully_reshardable: bool = field(default=False, metadata=option(
+        "--dist-ckpt-optim-fully-reshardable", "save the distributed optimizer's state "
+        "fully_reshardable (loads at any TP/PP layout; an all-gather of the optimizer state at "
+        "each save) instead of Megatron-LM's default dp_reshardable (loads at the same TP/PP, "
+        "any DP)"))
     no_load_rng: bool = field(default=False, metadata=option(
         "--no-load-rng", "on --load, do not restore the saved random state"))
     no_verify_checkpoint: bool = field(default=False, metadata=option(

@@ -14,11 +14,13 @@ from megatron_jreg.checkpoint.dist_checkpoint import (
     TRACKER,
     complete_iterations,
     iteration_dir,
-    load_checkpoint,
     resolve_iteration,
     save_checkpoint,
     saved_embedding_rows,
 )
+from megatron_jreg.checkpoint.loading import load_checkpoint
+from megatron_jreg.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_args
+from megatron_jreg.checkpoint.scheduler_state import saved_schedule
 from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.errors import ConfigError, InputError
@@ -39,7 +41,7 @@ def _saved_schedule(path: str) -> Optional[dict]:
     from megatron.core import dist_checkpointing
 
     try:
-        return dist_checkpointing.load_common_state_dict(path).get("scheduler")
+        return saved_schedule(dist_checkpointing.load_common_state_dict(path))
     except Exception:  # a damaged directory: load_checkpoint reports it by name
         return None
 
@@ -143,11 +145,11 @@ class Checkpointer:
                          f"(--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} "
                          f"gives {rows})")
 
-    def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, int, Optional[int]]]:
+    def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, Dict]]:
         """Restore :meth:`source` into the model (and optimizer and schedule unless
-        --no-load-optim or fine-tuning). Returns (iteration, consumed samples, consumed tokens:
-        None from a checkpoint saved before that count) to continue from, or None when only
-        weights were loaded (the run starts at iteration 0)."""
+        --no-load-optim or fine-tuning). Returns (iteration, train state: consumed_samples,
+        consumed_tokens and flops_so_far, None where the checkpoint has no such count) to
+        continue from, or None when only weights were loaded (the run starts at iteration 0)."""
         root, step, weights_only, flag = self.source()
         load_optim = not (self.cfg.no_load_optim or weights_only)
         o = self.experiment.optim
@@ -160,7 +162,7 @@ class Checkpointer:
             samples_per_iter=g, load_rng=not self.cfg.no_load_rng)
         resumed = None
         if load_optim:
-            resumed = iteration, int(state.get("consumed_samples", 0)), state.get("consumed_tokens")
+            resumed = iteration, state
         if weights_only:
             print_rank_0(f"fine-tuning from {flag} {root} iteration {iteration}: weights only; "
                          "iteration 0 with a fresh optimizer, schedule and random state")
@@ -217,9 +219,15 @@ class Checkpointer:
             "or --allow-tokenizer-change to go on with this one")
 
     def save(self, iteration: int, model, optimizer, scheduler, consumed_samples: int,
-             consumed_tokens: Optional[int] = None) -> None:
+             consumed_tokens: Optional[int] = None, flops_so_far: float = 0.0) -> None:
         if not self.cfg.save:
             return
+        fully = self.cfg.dist_ckpt_optim_fully_reshardable
+        # Megatron-LM's fields: it resumes, converts and reads --use-checkpoint-args from them
+        common = {"args": megatron_lm_args(self.experiment, world_size=dist.get_world_size(),
+                                           consumed_samples=consumed_samples, fully_reshardable=fully),
+                  "checkpoint_version": CHECKPOINT_VERSION,
+                  "num_floating_point_operations_so_far": float(flops_so_far)}
         t0 = time.time()
         data = self.experiment.data
         carried = (data.tokenizer_model if data.tokenizer_type == "HuggingFaceTokenizer"
@@ -228,7 +236,7 @@ class Checkpointer:
                                self.experiment.to_yaml(), {"consumed_samples": consumed_samples,
                                                            "consumed_tokens": consumed_tokens},
                                run_id=self.run_id, extra_files=self.extra_files,
-                               tokenizer_dir=carried)
+                               tokenizer_dir=carried, common=common, fully_reshardable=fully)
         print_rank_0(f"saved checkpoint {path} in {time.time() - t0:.1f}s")
 
     def close(self) -> None:

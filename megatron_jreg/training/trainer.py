@@ -69,6 +69,7 @@ class Trainer:
         self.train_cfg = experiment.training  # steps, batches, evaluation: read every step
         self.iteration = 0
         self.consumed_samples = self.consumed_tokens = 0  # tokens: a count (--seq-length may change)
+        self.flops_so_far = 0.0  # model FLOPs of the steps taken (Megatron-LM's running total)
         self.skipped_steps = self.no_loss_token_steps = 0
         self.checkpoints = Checkpointer(experiment)
         self.metrics = MetricsLogger()
@@ -121,8 +122,11 @@ class Trainer:
         if self.checkpoints.source():
             resumed = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
             if resumed is not None:
-                self.iteration, self.consumed_samples, tokens = resumed  # tokens None: an older save
+                self.iteration, state = resumed
+                self.consumed_samples = state["consumed_samples"]
+                tokens, flops = state["consumed_tokens"], state["flops_so_far"]  # None: not saved
                 self.consumed_tokens = self.consumed_samples * cfg.model.seq_length if tokens is None else tokens
+                self.flops_so_far = self.consumed_tokens * self._flops_per_token() if flops is None else flops
         self.metrics = build_metrics_logger(cfg.logging, self.train_cfg.train_iters, dist.get_rank(),
                                             cfg.to_dict(), cfg.wandb_dir())
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler,
@@ -261,6 +265,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += t.global_batch_size
         self.consumed_tokens += t.global_batch_size * self.cfg.model.seq_length
+        self.flops_so_far += t.global_batch_size * self.cfg.model.seq_length * self._flops_per_token()
         self.skipped_steps += not success
         self.no_loss_token_steps += empty
         return {"lm_loss": loss, "penalty": out["penalty"], "R": out["R"], "psi": out["psi"],
@@ -294,8 +299,7 @@ class Trainer:
         cfg = self.cfg
         values = jreg_summary(window, cfg.model.num_layers, cfg.jreg.lam)
         tps = len(window) * self.train_cfg.global_batch_size * cfg.model.seq_length / max(elapsed, 1e-9)
-        per_token = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size())
-        tflops = per_token * tps / dist.get_world_size() / 1e12
+        tflops = self._flops_per_token() * tps / dist.get_world_size() / 1e12
         skipped = sum(w["skipped"] for w in window)
         values.update(consumed_samples=self.consumed_samples,
                       consumed_tokens=self.consumed_tokens,
@@ -305,11 +309,14 @@ class Trainer:
                       skipped=skipped or None)
         self.metrics.log(TRAIN, self.iteration, values)
 
+    def _flops_per_token(self) -> float:
+        return model_flops_per_token(self.cfg.model, self.cfg.model.padded_vocab_size())
+
     # ---- loop -----------------------------------------------------------------------------
     def save(self) -> None:
         data_parallel.sync_params(self.model)
         self.checkpoints.save(self.iteration, self.model, self.optimizer, self.scheduler,
-                              self.consumed_samples, self.consumed_tokens)
+                              self.consumed_samples, self.consumed_tokens, self.flops_so_far)
 
     def train(self) -> int:
         cfg, t = self.cfg, self.train_cfg

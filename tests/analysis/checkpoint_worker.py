@@ -24,10 +24,10 @@ from megatron_jreg.config.model import JregConfig, ParallelConfig
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.checkpoint.dist_checkpoint import (
     iteration_dir,
-    load_checkpoint,
     read_run_config,
     resolve_iteration,
 )
+from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.training.step import forward_backward
 

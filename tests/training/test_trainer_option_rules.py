@@ -21,7 +21,8 @@ from trainer_runs import base_args
 from megatron_jreg import train
 from megatron_jreg.commands.train import from_argv
 from megatron_jreg.commands import flags as cli
-from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, CheckpointError, load_scheduler
+from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, CheckpointError
+from megatron_jreg.checkpoint.scheduler_state import load_scheduler
 from megatron_jreg.distributed import setup
 from megatron_jreg.model.builder import transformer_config
 from megatron_jreg.config import megatron_lm
@@ -135,7 +136,7 @@ def test_wsd_decay_in_samples_and_its_default():
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_scheduler_flags_decide_a_resumed_schedule(in_file, argv, mode, tmp_path):
     """A checkpoint's schedule with peak lr 2e-3 loaded into a run with --lr 1e-3, the way
-    the Checkpointer does (dist_checkpoint.load_scheduler with the flags' mode): override
+    the Checkpointer does (scheduler_state.load_scheduler with the flags' mode): override
     keeps the flags, checkpoint takes the saved one, neither (strict) refuses the mismatch."""
     def scheduler(extra):
         c = experiment(["--train-iters", 100, "--global-batch-size", 8,

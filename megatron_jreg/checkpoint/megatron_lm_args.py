@@ -1,0 +1,182 @@
+"""Megatron-LM's ``args`` in a checkpoint's common state, both ways.
+
+Megatron-LM saves its whole argument namespace with every checkpoint and reads it back:
+for ``--use-checkpoint-args`` (the architecture, tokenizer and layout), to check a resume,
+for the samples consumed so far, and in ``tools/checkpoint``'s converters. This module
+writes that namespace from a resolved run (:func:`megatron_lm_args`), so Megatron-LM
+resumes and converts what we save, and reads one back into this project's config
+sections (:func:`sections_from_args`) for a checkpoint that has no ``run_config.yaml``
+(one Megatron-LM saved). Field names are Megatron-LM's argparse destinations, which the
+config sections already use; the values that differ in meaning are translated here.
+
+Imports neither megatron-core nor the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Dict, Optional
+
+import torch
+
+from megatron_jreg.config.megatron_lm import REFUSED, TABLE
+from megatron_jreg.config.model import TRANSFORMER_IMPLS, ModelConfig, ParallelConfig
+from megatron_jreg.config.run import SECTIONS
+from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES
+from megatron_jreg.errors import ConfigError, InputError
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's common-state version of torch_dist checkpoints
+COMMON_FILE = "common.pt"  # megatron-core's common (unsharded) state of an iteration
+
+# Megatron-LM fields with no setting here, and the values this project's models have
+_FIXED = {
+    "use_mcore_models": True, "use_legacy_models": False, "spec": None,
+    "squared_relu": False, "openai_gelu": False, "apply_query_key_layer_scaling": False,
+    "hybrid_override_pattern": None, "hybrid_attention_ratio": 0.0, "hybrid_mlp_ratio": 0.0,
+    "is_hybrid_model": False, "heterogeneous_layers_config_path": None,
+    "heterogeneous_layers_config_encoded_json": None, "moe_layer_freq": 1,
+    "moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
+    "moe_latent_size": None, "mamba_state_dim": 128, "mamba_head_dim": 64,
+    "mamba_num_groups": 8, "mamba_num_heads": None, "tiktoken_pattern": None,
+    "ckpt_format": "torch_dist", "use_dist_ckpt": True, "auto_detect_ckpt_format": False,
+    "no_save_optim": False, "no_save_rng": False, "data_parallel_random_init": False,
+    "skipped_train_samples": 0, "consumed_valid_samples": 0, "phase_transition_iterations": None,
+}
+
+# the architecture (and run) fields of ModelConfig read back from a Megatron-LM args
+_MODEL_READ = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                    if f.name not in ("model_preset", "padded_vocab", "vocab_size",
+                                      "attention_backend", "transformer_impl",
+                                      "make_vocab_size_divisible_by", "init_method_std"))
+_PARALLEL_READ = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                  "expert_model_parallel_size", "sequence_parallel")
+_TOKENIZER_READ = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def megatron_lm_args(run, *, world_size: int, consumed_samples: int,
+                     fully_reshardable: bool) -> argparse.Namespace:
+    """Megatron-LM's ``args`` for resolved run ``run`` (an ExperimentConfig) as saved at a
+    point where ``consumed_samples`` samples were trained on ``world_size`` processes."""
+    values: Dict[str, object] = {}
+    for name, section in run.sections().items():
+        if name == "jreg":
+            continue  # run_config.yaml carries it; Megatron-LM has no such fields
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if _plain(value):
+                values[f.name] = list(value) if isinstance(value, tuple) else value
+    m, p = run.model, run.parallel
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    values.update(_FIXED)
+    values.update(
+        num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim,
+        max_position_embeddings=m.max_positions, add_bias_linear=m.add_bias_linear,
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=m.position_embedding_type == "rope",
+        moe_ffn_hidden_size=m.moe_ffn_size if m.num_experts else None,
+        # Megatron-LM pads to a multiple of this x TP: at this TP it gives our rows
+        padded_vocab_size=m.padded_vocab_size(),
+        make_vocab_size_divisible_by=max(1, m.make_vocab_size_divisible_by // tp),
+        # Megatron-LM's NullTokenizer adds its EOD to --vocab-size; ours is counted in
+        vocab_size=(m.vocab_size - 1 if run.data.tokenizer_type == "NullTokenizer"
+                    and m.vocab_size else m.vocab_size),
+        params_dtype=torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32,
+        world_size=world_size, data_parallel_size=world_size // (tp * pp * cp),
+        consumed_train_samples=int(consumed_samples),
+        dist_ckpt_optim_fully_reshardable=fully_reshardable,
+        transformer_impl="transformer_engine" if m.transformer_impl == "transformer_engine" else "local",
+    )
+    return argparse.Namespace(**values)
+
+
+def read_common_state(path: str) -> Optional[dict]:
+    """The common (unsharded) state of iteration directory ``path``, or None when it has
+    none or it cannot be read. The one place this package unpickles a checkpoint's common
+    state itself (megatron-core reads it again at load)."""
+    file = os.path.join(path, COMMON_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception:  # a damaged file: loading the checkpoint names it
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def is_megatron_lm_state(common: Optional[dict]) -> bool:
+    """A common state with Megatron-LM's fields (``args`` and ``checkpoint_version``)."""
+    return bool(common) and "args" in common and "checkpoint_version" in common
+
+
+def _refused(args) -> Optional[str]:
+    """The first Megatron-LM flag set in ``args`` that this project cannot build."""
+    for row in TABLE:
+        dest = row.flag[2:].replace("-", "_")
+        value = getattr(args, dest, None)
+        if row.status == REFUSED and value not in (None, False, row.default, *row.allowed):
+            return f"{row.flag} ({row.why})"
+    for dest in ("squared_relu", "openai_gelu", "is_hybrid_model"):
+        if getattr(args, dest, False):
+            return f"--{dest.replace('_', '-')}"
+    return None
+
+
+def sections_from_args(args, where: str) -> Dict[str, object]:
+    """This project's config sections (those of ``run_config.yaml``) for Megatron-LM's
+    ``args``: the architecture, layout, tokenizer and seed it saved; the rest defaults.
+    Raises InputError naming ``where`` when the model is one this project cannot build."""
+    refused = _refused(args)
+    if refused:
+        raise InputError(f"{where}: the checkpoint's model uses {refused}, which this project "
+                         "cannot build")
+
+    def picked(names):
+        return {n: getattr(args, n) for n in names
+                if hasattr(args, n) and getattr(args, n) is not None and _plain(getattr(args, n))}
+
+    model = picked(_MODEL_READ)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    padded = getattr(args, "padded_vocab_size", None)
+    tokenizer = picked(_TOKENIZER_READ)
+    if tokenizer.get("tokenizer_type") not in TOKENIZER_TYPES:
+        tokenizer = {}
+    vocab = getattr(args, "vocab_size", None)
+    if tokenizer.get("tokenizer_type") == "NullTokenizer" and vocab:
+        vocab = int(vocab) + 1  # its EOD, counted in here
+    model.update(padded_vocab=padded, vocab_size=vocab or padded,
+                 make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128) * tp,
+                 transformer_impl=(args.transformer_impl if getattr(args, "transformer_impl", None)
+                                   in TRANSFORMER_IMPLS else "local"))
+    if model.get("kv_channels") == model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1)):
+        model["kv_channels"] = None  # the default head dim, as our settings say it
+    if not getattr(args, "num_experts", None):
+        model.pop("moe_ffn_hidden_size", None)
+    parallel = picked(_PARALLEL_READ)
+    if parallel.get("virtual_pipeline_model_parallel_size"):
+        parallel.pop("num_layers_per_virtual_pipeline_stage", None)
+    try:
+        sections = {"model": ModelConfig(**model), "parallel": ParallelConfig(**parallel)}
+    except (ConfigError, TypeError, ValueError) as err:
+        raise InputError(f"{where}: the checkpoint's arguments describe a model this project "
+                         f"cannot build ({err})") from None
+    try:
+        sections["data"] = SECTIONS["data"](**tokenizer)
+    except (ConfigError, TypeError, ValueError):
+        sections["data"] = SECTIONS["data"]()  # a tokenizer this project has no such type for
+    seed = getattr(args, "seed", None)
+    sections["training"] = SECTIONS["training"](**({"seed": seed} if isinstance(seed, int) else {}))
+    for name, cls in SECTIONS.items():
+        sections.setdefault(name, cls())
+    return sections
