@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pathlib
+import pickle
+import types
 from typing import Dict, Optional
 
 import torch
@@ -103,13 +106,23 @@ def megatron_lm_args(run, *, world_size: int, consumed_samples: int,
 
 def read_common_state(path: str) -> Optional[dict]:
     """The common (unsharded) state of iteration directory ``path``, or None when it has
-    none or it cannot be read. The one place this package unpickles a checkpoint's common
-    state itself (megatron-core reads it again at load)."""
+    none or it cannot be read. Unpickled as megatron-core reads it: tensors and plain
+    values only, plus the classes Megatron-LM's args hold (megatron-core's allow-list,
+    imported only when the plain one does not do)."""
     file = os.path.join(path, COMMON_FILE)
     if not os.path.isfile(file):
         return None
     try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals([argparse.Namespace, types.SimpleNamespace,
+                                               pathlib.PosixPath]):
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # another class Megatron-LM's args hold (an enum)
+        try:
+            from megatron.core.dist_checkpointing import load_common_state_dict
+
+            state = load_common_state_dict(path)
+        except Exception:
+            return None
     except Exception:  # a damaged file: loading the checkpoint names it
         return None
     return state if isinstance(state, dict) else None

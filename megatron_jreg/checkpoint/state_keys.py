@@ -94,15 +94,18 @@ class Comparison:
         """The lines saying which _extra_state entries were left out (at most two)."""
         out = []
         if self.extra_missing:
-            out.append(f"{len(self.extra_missing)} _extra_state entries this model keeps "
-                       "(Transformer Engine's FP8 metadata) are not in the checkpoint (saved "
-                       "by a model without them, e.g. megatron-core's local spec): they start "
-                       "fresh; no weight is affected")
+            out.append(f"this model's {_named(sorted(self.extra_missing))} (Transformer Engine's "
+                       "FP8 metadata) are not in the checkpoint, saved by a model without them "
+                       "(e.g. megatron-core's local spec): they start fresh; no weight is affected")
         if self.extra_unused:
-            out.append(f"{len(self.extra_unused)} _extra_state entries of the checkpoint are "
-                       "not used by this model (saved with Transformer Engine); no weight is "
-                       "affected")
+            out.append(f"the checkpoint's {_named(self.extra_unused)} are not used by this model "
+                       "(saved with Transformer Engine); no weight is affected")
         return out
+
+
+def _named(keys: List[str]) -> str:
+    shown = ", ".join(keys[:2]) + (f" and {len(keys) - 2} more" if len(keys) > 2 else "")
+    return f"_extra_state entries ({shown})"
 
 
 def compare(model_requests: Dict[str, Optional[Tuple[int, ...]]],
