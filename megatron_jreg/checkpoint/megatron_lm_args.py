@@ -45,6 +45,7 @@ _FIXED = {
     "moe_latent_size": None, "mamba_state_dim": 128, "mamba_head_dim": 64,
     "mamba_num_groups": 8, "mamba_num_heads": None, "tiktoken_pattern": None,
     "ckpt_format": "torch_dist", "use_dist_ckpt": True, "auto_detect_ckpt_format": False,
+    "ckpt_fully_parallel_save": False,
     "no_save_optim": False, "no_save_rng": False, "data_parallel_random_init": False,
     "skipped_train_samples": 0, "consumed_valid_samples": 0, "phase_transition_iterations": None,
 }
@@ -113,9 +114,11 @@ def read_common_state(path: str) -> Optional[dict]:
     if not os.path.isfile(file):
         return None
     try:
-        with torch.serialization.safe_globals([argparse.Namespace, types.SimpleNamespace,
-                                               pathlib.PosixPath]):
-            state = torch.load(file, map_location="cpu", weights_only=True)
+        # as megatron-core registers them when it is imported (safe_globals.py); a
+        # safe_globals() block would drop megatron-core's own registrations at its end
+        torch.serialization.add_safe_globals([argparse.Namespace, types.SimpleNamespace,
+                                              pathlib.PosixPath])
+        state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # another class Megatron-LM's args hold (an enum)
         try:
             from megatron.core.dist_checkpointing import load_common_state_dict

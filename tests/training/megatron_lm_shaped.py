@@ -16,7 +16,8 @@ layer), the one entry by which a TE-built GPT's checkpoint differs from a local-
 Run as a script (one process or under torchrun) it sets up the trainer from the flags after
 ``--`` (which load a checkpoint of ours), then writes that state Megatron-LM's way::
 
-    python megatron_lm_shaped.py TARGET {none,dp_reshardable,fully_reshardable} {local,te} -- FLAGS
+    python megatron_lm_shaped.py TARGET {none,dp_reshardable,fully_reshardable} \
+        {local,te,local-norng} -- FLAGS
 """
 
 import argparse
@@ -114,8 +115,9 @@ def megatron_lm_rng_state():
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def write_megatron_lm_checkpoint(trainer, target, sharding):
-    """Save the trainer's state under ``target`` as Megatron-LM does (collective)."""
+def write_megatron_lm_checkpoint(trainer, target, sharding, rng=True):
+    """Save the trainer's state under ``target`` as Megatron-LM does (collective);
+    ``rng`` False: as with Megatron-LM's --no-save-rng."""
     from megatron.core import dist_checkpointing
 
     metadata = {}
@@ -132,7 +134,10 @@ def write_megatron_lm_checkpoint(trainer, target, sharding):
         state[key] = chunk.module.sharded_state_dict(metadata=dict(metadata))
     state["optimizer"] = trainer.optimizer.sharded_state_dict(state, metadata=dict(metadata))
     state["opt_param_scheduler"] = trainer.scheduler.state_dict()
-    state["rng_state"] = megatron_lm_rng_state()
+    if rng:
+        state["rng_state"] = megatron_lm_rng_state()
+    else:
+        state["args"].no_save_rng = True
     state["num_floating_point_operations_so_far"] = 1234.5
     path = os.path.join(target, f"iter_{iteration:07d}")
     if torch.distributed.get_rank() == 0:
@@ -155,7 +160,7 @@ def main(argv):
     with set_up(argv[split + 1:]) as run:
         if spec == "te":
             te_shape(run.trainer.model)
-        write_megatron_lm_checkpoint(run.trainer, target, sharding)
+        write_megatron_lm_checkpoint(run.trainer, target, sharding, rng=spec != "local-norng")
         if torch.distributed.get_rank() == 0:
             print(f"wrote iteration {run.trainer.iteration} consumed "
                   f"{run.trainer.consumed_samples}", flush=True)

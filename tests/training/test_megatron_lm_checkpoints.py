@@ -145,3 +145,29 @@ def test_eval_jump_and_convert_to_hf_read_megatron_lm_checkpoints(demo_data, tmp
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def test_a_checkpoint_without_random_state_says_so(demo_data, tmp_path, tmp_path_factory):
+    """Megatron-LM's --no-save-rng: the resume restores the rest and says in one line that
+    the random state starts from --seed (an earlier version stopped on it or skipped it
+    silently)."""
+    _, _, ours = _source(demo_data, tmp_path_factory, "tp1")
+    target = write_megatron_lm(demo_data, ours, tmp_path / "mlm", "tp1", "local-norng")
+    proc = train(base_args(demo_data, load=target, **COMMON))
+    lines = [l for l in proc.stdout.splitlines() if "random state not restored" in l]
+    assert lines == [f"random state not restored: {iteration_dir(str(target), 4)} holds none "
+                     "(saved without it); it starts from --seed"]
+
+
+def test_dp_reshardable_optimizer_state_names_its_layout(demo_data, tmp_path, tmp_path_factory):
+    """Megatron-LM's default format of the distributed optimizer (ours too now) reloads at
+    the same TP/PP only: another layout is refused naming both and the ways on; the weights
+    alone load at any layout."""
+    _, _, ours = _source(demo_data, tmp_path_factory, "dp2_dp_reshardable")
+    flags = dict(load=ours, use_distributed_optimizer=True, tensor_model_parallel_size=2, **COMMON)
+    proc = train(base_args(demo_data, **flags), nproc=2, check=False)
+    assert proc.returncode != 0  # torchrun's status for a rank that exits 2
+    assert ("holds the distributed optimizer's state as dp_reshardable, which loads only at the "
+            "layout that saved it (TP 1 PP 1; this run TP 2 PP 1): resume at that layout, or "
+            "pass --no-load-optim") in proc.stderr
+    train(base_args(demo_data, no_load_optim=True, **flags), nproc=2)
