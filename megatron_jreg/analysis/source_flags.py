@@ -67,7 +67,8 @@ class CheckpointSourceFlags:
 
     load: Optional[List[str]] = dataclasses.field(default=None, metadata={
         "metavar": "CKPT",
-        "help": "checkpoint directories of our trainer (its --save); any TP/PP layout is read "
+        "help": "torch_dist checkpoint directories of our trainer or of Megatron-LM (its "
+        "--save); any TP/PP layout, Transformer Engine or local spec, is read "
         "on one process, or under torchrun at --tensor/--pipeline-model-parallel-size. "
         "The latest iteration unless --iteration/--iterations/--all-iterations"})
     iteration: Optional[int] = dataclasses.field(default=None, metadata={

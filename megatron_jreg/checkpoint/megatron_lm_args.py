@@ -1,5 +1,9 @@
 """Megatron-LM's ``args`` in a checkpoint's common state, both ways.
 
+Megatron-LM saves an ``argparse.Namespace``; ours is a ``types.SimpleNamespace`` of the
+same fields (what Megatron-LM itself falls back to when a checkpoint has no args): its
+loaders only get, set and list attributes.
+
 Megatron-LM saves its whole argument namespace with every checkpoint and reads it back:
 for ``--use-checkpoint-args`` (the architecture, tokenizer and layout), to check a resume,
 for the samples consumed so far, and in ``tools/checkpoint``'s converters. This module
@@ -14,7 +18,6 @@ Imports neither megatron-core nor the model.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pathlib
@@ -69,7 +72,7 @@ def _plain(value) -> bool:
 
 
 def megatron_lm_args(run, *, world_size: int, consumed_samples: int,
-                     fully_reshardable: bool) -> argparse.Namespace:
+                     fully_reshardable: bool) -> types.SimpleNamespace:
     """Megatron-LM's ``args`` for resolved run ``run`` (an ExperimentConfig) as saved at a
     point where ``consumed_samples`` samples were trained on ``world_size`` processes."""
     values: Dict[str, object] = {}
@@ -102,24 +105,23 @@ def megatron_lm_args(run, *, world_size: int, consumed_samples: int,
         dist_ckpt_optim_fully_reshardable=fully_reshardable,
         transformer_impl="transformer_engine" if m.transformer_impl == "transformer_engine" else "local",
     )
-    return argparse.Namespace(**values)
+    return types.SimpleNamespace(**values)
 
 
 def read_common_state(path: str) -> Optional[dict]:
     """The common (unsharded) state of iteration directory ``path``, or None when it has
     none or it cannot be read. Unpickled as megatron-core reads it: tensors and plain
     values only, plus the classes Megatron-LM's args hold (megatron-core's allow-list,
-    imported only when the plain one does not do)."""
+    imported only when ours, a SimpleNamespace of plain values, does not do)."""
     file = os.path.join(path, COMMON_FILE)
     if not os.path.isfile(file):
         return None
     try:
         # as megatron-core registers them when it is imported (safe_globals.py); a
         # safe_globals() block would drop megatron-core's own registrations at its end
-        torch.serialization.add_safe_globals([argparse.Namespace, types.SimpleNamespace,
-                                              pathlib.PosixPath])
+        torch.serialization.add_safe_globals([types.SimpleNamespace, pathlib.PosixPath])
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # another class Megatron-LM's args hold (an enum)
+    except pickle.UnpicklingError:  # Megatron-LM's own args: argparse's class, its enums
         try:
             from megatron.core.dist_checkpointing import load_common_state_dict
 

@@ -40,9 +40,11 @@ def build_parser() -> ArgumentParser:
     return tool_parser(
         {None: ExportConfig},
         prog=PROG,
-        description="Export a megatron-jreg checkpoint (any TP/PP layout) to a Hugging Face "
+        description="Export a torch_dist checkpoint of our trainer or of Megatron-LM (any "
+        "TP/PP layout, Transformer Engine or local spec) to a Hugging Face "
         "directory of its family: LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or "
-        "GPT2LMHeadModel (safetensors, config.json, tokenizer). See docs/evaluation.md.",
+        "GPT2LMHeadModel (safetensors, config.json, tokenizer). See docs/evaluation.md and "
+        "docs/moving_checkpoints.md.",
     )
 
 
