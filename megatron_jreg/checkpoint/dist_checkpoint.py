@@ -59,14 +59,25 @@ DIST_CKPT_FILES = (".metadata", "common.pt", "metadata.json")
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
 
 
-def sharding_metadata(fully_reshardable: bool) -> Dict:
+def is_distributed_optimizer(optimizer) -> bool:
+    """True when ``optimizer`` (megatron's, possibly chained) shards its state over the
+    data-parallel ranks (megatron-core's DistributedOptimizer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(part, DistributedOptimizer) for part in parts)
+
+
+def sharding_metadata(fully_reshardable: bool, distributed: bool = True) -> Dict:
     """The content metadata of a save (Megatron-LM's for the same flags): how the
-    distributed optimizer's state is sharded."""
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable" if fully_reshardable
-                else "dp_reshardable", "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True}
-    if fully_reshardable:
-        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    distributed optimizer's state is sharded (nothing to say without one)."""
+    metadata: Dict = {}
+    if distributed:
+        metadata["distrib_optim_sharding_type"] = ("fully_reshardable" if fully_reshardable
+                                                   else "dp_reshardable")
+        if fully_reshardable:
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    metadata.update(singleton_local_shards=False, chained_optim_avoid_prefix=True)
     return metadata
 
 
@@ -257,7 +268,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    metadata = sharding_metadata(fully_reshardable)
+    metadata = sharding_metadata(fully_reshardable, optimizer is not None
+                                 and is_distributed_optimizer(optimizer))
     state = model_sharded_state_dict(model_chunks)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)

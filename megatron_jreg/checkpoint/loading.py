@@ -64,11 +64,14 @@ def _layout_here() -> Tuple[int, int]:
     return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
 
 
-def _optimizer_metadata(path: str, common: Dict) -> Dict:
-    """The content metadata the optimizer was saved with, checked against this layout."""
+def _optimizer_metadata(path: str, common: Dict, optimizer) -> Dict:
+    """The content metadata the optimizer was saved with; for a distributed optimizer, its
+    format checked against this layout."""
     from megatron.core.dist_checkpointing import load_content_metadata
 
     metadata = dict(load_content_metadata(preloaded_state_dict=common) or {})
+    if not ckpt.is_distributed_optimizer(optimizer):
+        return metadata  # the sharding type is the distributed optimizer's alone
     # megatron-core < 0.13 wrote none: Megatron-LM's rule for those
     args = common.get("args")
     metadata.setdefault("distrib_optim_sharding_type",
@@ -190,7 +193,7 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     state = drop_requests(state, comparison.extra_missing)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=True, metadata=_optimizer_metadata(path, common))
+            state, is_loading=True, metadata=_optimizer_metadata(path, common, optimizer))
     rng_request = _rng_request(path, sharded_metadata) if optimizer is not None and load_rng else None
     if rng_request is not None:
         state["rng_state"] = rng_request

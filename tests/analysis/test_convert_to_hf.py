@@ -194,7 +194,7 @@ def test_errors(capsys, tmp_path):
     err = run_error(capsys, ["--load", tmp_path / "nope", "--output", out])
     assert "--load" in err and "no such directory" in err
     err = run_error(capsys, ["--load", tmp_path, "--output", out])
-    assert "not a megatron-jreg checkpoint directory" in err
+    assert "not a torch_dist checkpoint directory" in err
     run_dir = tmp_path / "run" / "iter_0000002"
     run_dir.mkdir(parents=True)
     (run_dir / "jreg_complete.json").write_text("{}")

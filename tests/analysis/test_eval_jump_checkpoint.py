@@ -123,7 +123,7 @@ def test_no_checkpoint_dir(capsys, tmp_path, text):
 
 def test_not_a_checkpoint_dir(capsys, tmp_path, text):
     err = run_error(capsys, ["--load", tmp_path, "--text-file", text])
-    assert "not a megatron-jreg checkpoint directory" in err and "--save" in err
+    assert "not a torch_dist checkpoint directory" in err and "--save" in err
 
 
 def test_an_iteration_dir_instead_of_the_run(capsys, tmp_path, text):

@@ -111,10 +111,10 @@ def test_rng_state_gpu_arm(fake_gpu, monkeypatch):
     tracker = get_cuda_rng_tracker()
     monkeypatch.setattr(tracker, "set_states", tracker_set.append)
     state = rng_state.rng_state()
-    assert state["device"] == "cuda" and torch.equal(state["cuda"], saved_state)
+    assert state["jreg_device"] == "cuda" and torch.equal(state["cuda_rng_state"], saved_state)
     rng_state.set_rng_state(state, pytest.fail)  # the same device: nothing to report
     assert len(restored) == 1 and torch.equal(restored[0], saved_state)
-    assert tracker_set == [state["tracker"]]
+    assert tracker_set == [state["rng_tracker_states"]]
 
 
 def test_rng_state_across_devices(fake_gpu, monkeypatch):
@@ -127,7 +127,7 @@ def test_rng_state_across_devices(fake_gpu, monkeypatch):
     monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
     torch.manual_seed(5)
     saved_on_cpu = rng_state.rng_state()
-    assert saved_on_cpu["device"] == "cpu" and "cuda" not in saved_on_cpu
+    assert saved_on_cpu["jreg_device"] == "cpu" and saved_on_cpu["cuda_rng_state"].numel() == 0
     expected = torch.rand(3)
     monkeypatch.delenv("MEGATRON_JREG_DEVICE")  # the resume runs on the (fake) GPU
     rng_state.set_rng_state(saved_on_cpu, reports.append, "ckpt/iter_0000004")
@@ -135,12 +135,31 @@ def test_rng_state_across_devices(fake_gpu, monkeypatch):
     assert tracker_set == []
     assert reports == ["model-parallel random streams not restored: ckpt/iter_0000004 was saved "
                        "on cpu, this run is on cuda (its generators differ); they start from --seed"]
-    # a GPU run's checkpoint from before the device was recorded, resumed on a CPU
+    # an earlier version's file of a GPU run (its own key names, no device), resumed on a CPU
     monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
-    old = {k: v for k, v in saved_on_cpu.items() if k != "device"}
-    old["cuda"] = torch.zeros(16, dtype=torch.uint8)
+    old = {"python": saved_on_cpu["random_rng_state"], "numpy": saved_on_cpu["np_rng_state"],
+           "torch": saved_on_cpu["torch_rng_state"], "tracker": saved_on_cpu["rng_tracker_states"],
+           "cuda": torch.zeros(16, dtype=torch.uint8)}
     rng_state.set_rng_state(old, reports.append)
     assert tracker_set == [] and "saved on cuda, this run is on cpu" in reports[-1]
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_saved_device_of_megatron_lm_states(monkeypatch):
+    """Megatron-LM records no device: its tracker streams tell it (a CUDA generator's Philox
+    state is 16 bytes, a CPU generator's mt19937 state 5056), and a GPU run's streams are
+    set on a GPU only."""
+    cpu_stream = torch.get_rng_state()
+    gpu_stream = torch.arange(16, dtype=torch.uint8)
+    base = {"random_rng_state": None, "np_rng_state": None, "torch_rng_state": cpu_stream}
+    on_gpu = dict(base, cuda_rng_state=gpu_stream,
+                  rng_tracker_states={"model-parallel-rng": gpu_stream})
+    on_cpu = dict(base, cuda_rng_state=torch.empty(0, dtype=torch.uint8),
+                  rng_tracker_states={"model-parallel-rng": cpu_stream})
+    assert rng_state.saved_device(on_gpu) == "cuda"
+    assert rng_state.saved_device(on_cpu) == "cpu"
+    assert rng_state.saved_device(dict(base, cuda_rng_state=gpu_stream)) == "cuda"
+    assert rng_state.saved_device(dict(on_cpu, jreg_device="cuda")) == "cuda"  # recorded wins
 
 
 def test_memory_gib_gpu_arm(monkeypatch):

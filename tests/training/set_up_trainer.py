@@ -58,6 +58,7 @@ NEGATIONS = {
     "--no-use-checkpoint-opt-param-scheduler": ("optim", "use_checkpoint_opt_param_scheduler"),
     "--no-calculate-per-token-loss": ("training", "calculate_per_token_loss"),
     "--no-sft": ("data", "sft"), "--no-finetune": ("checkpoint", "finetune"),
+    "--no-dist-ckpt-optim-fully-reshardable": ("checkpoint", "dist_ckpt_optim_fully_reshardable"),
     "--no-allow-tokenizer-change": ("checkpoint", "allow_tokenizer_change"),
     "--no-overwrite-checkpoints": ("checkpoint", "overwrite_checkpoints"),
 }

@@ -306,24 +306,38 @@ def test_exponent_flip_is_named_as_damage_not_a_learning_rate(demo_data, saved_r
     assert "lower --lr" not in proc.stderr
 
 
-def test_rng_file_damage_is_named(demo_data, saved_run, tmp_path):
-    ckpt, path = _damaged_copy(saved_run, tmp_path)
-    rng = os.path.join(path, "rng", "rank_00000.pt")
+def test_earlier_versions_rng_files_load_and_damage_is_named(tmp_path):
+    """Checkpoints of earlier versions kept each rank's random state in rng/rank_NNNNN.pt
+    (their own key names): it is restored; a damaged or missing file is named with the way on."""
+    import json
+    import random
+
+    import torch
+
+    from megatron_jreg.checkpoint.loading import _load_rng_files
+    from megatron_jreg.errors import CheckpointError
+
+    path = tmp_path / "iter_0000002"
+    (path / "rng").mkdir(parents=True)
+    (path / "jreg_complete.json").write_text(json.dumps({"iteration": 2, "world_size": 1}))
+    random.seed(7)
+    torch.manual_seed(7)
+    torch.save({"python": random.getstate(), "numpy": __import__("numpy").random.get_state(),
+                "torch": torch.get_rng_state(), "tracker": {}, "device": "cpu"},
+               path / "rng" / "rank_00000.pt")
+    expected = (random.random(), torch.rand(2))
+    random.seed(1)
+    torch.manual_seed(1)
+    _load_rng_files(str(path), 0)
+    assert random.random() == expected[0] and torch.equal(torch.rand(2), expected[1])
+    rng = path / "rng" / "rank_00000.pt"
     with open(rng, "r+b") as f:
         f.truncate(50)
-    proc = _resume_damaged(demo_data, ckpt)  # the manifest sees the size change first
-    assert proc.returncode == 2
-    assert f"{rng} has 50 bytes, the manifest" in proc.stderr.strip().splitlines()[-1]
-    proc = _resume_damaged(demo_data, ckpt, **{"no-verify-checkpoint": True})
-    assert proc.returncode == 2
-    assert f"cannot read {rng}" in proc.stderr.strip().splitlines()[-1]
-    os.remove(rng)
-    proc = _resume_damaged(demo_data, ckpt, **{"no-verify-checkpoint": True})
-    assert proc.returncode == 2
-    err = proc.stderr.strip().splitlines()[-1]
-    assert f"{rng} is missing" in err and "--no-load-rng" in err
-    ok = _resume_damaged(demo_data, ckpt, **{"no-verify-checkpoint": True, "no-load-rng": True})
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    with pytest.raises(CheckpointError, match=f"cannot read {rng} .*--no-load-rng"):
+        _load_rng_files(str(path), 0)
+    rng.unlink()
+    with pytest.raises(CheckpointError, match=f"{rng} is missing .*--no-load-rng"):
+        _load_rng_files(str(path), 0)
 
 
 def test_binary_tracker_is_named(demo_data, saved_run, tmp_path):
