@@ -52,8 +52,12 @@ def _megatron_names(state: Dict) -> Dict:
 
 def saved_device(state: Dict) -> str:
     """The kind of device whose generators a saved state's tracker streams are: recorded by
-    us, or (Megatron-LM records none) told by their size: a CPU generator's state is
-    mt19937's 5056 bytes, a CUDA generator's Philox state 16."""
+    us (or, in an earlier version's file without the record, told by its CUDA entry), or
+    (Megatron-LM records none) told by their size: a CPU generator's state is mt19937's
+    5056 bytes, a CUDA generator's Philox state 16."""
+    if "python" in state and "device" not in state:
+        # an earlier version's file from before it recorded the device: a GPU run's has "cuda"
+        return "cuda" if "cuda" in state else "cpu"
     state = _megatron_names(state)
     if DEVICE_KEY in state:
         return state[DEVICE_KEY]

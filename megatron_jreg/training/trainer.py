@@ -390,6 +390,8 @@ def run(experiment: ExperimentConfig) -> int:
         return 3
     finally:
         trainer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        # also after an error: a process that exits holding a gloo group can abort in its
+        # threads' teardown ("terminate called without an active exception")
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return code
