@@ -33,7 +33,12 @@ from megatron_jreg.checkpoint.run_configs import (
     read_run_configs,
     saved_vocab_rows,
 )
-from megatron_jreg.distributed.setup import initialize_distributed, initialize_model_parallel, seed_everything
+from megatron_jreg.distributed.setup import (
+    initialize_distributed,
+    initialize_model_parallel,
+    seed_everything,
+    teardown,
+)
 from megatron_jreg.model.builder import build_model
 
 
@@ -89,13 +94,6 @@ def check_model_split(path: str, model_cfg, vocab_rows: int, parallel) -> None:
         )
 
 
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def init_world(device: str | torch.device = "cpu") -> torch.device:
     """The default process group (a world of one, or torchrun's); returns this rank's device.
 
@@ -115,7 +113,7 @@ def init_world(device: str | torch.device = "cpu") -> torch.device:
     fresh = not dist.is_initialized()
     initialize_distributed(gpu=dev.index if dev.type == "cuda" else None)
     if fresh:
-        atexit.register(_destroy_process_group)
+        atexit.register(teardown)
     if dev.type != "cuda":
         return torch.device("cpu")
     if dev.index is not None:

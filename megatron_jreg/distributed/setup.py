@@ -83,6 +83,18 @@ def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
     _LAYOUT = (layout, world_group)
 
 
+def teardown() -> None:
+    """megatron's groups (gloo ones included), then the default group, while the
+    interpreter is alive: groups left to its exit may abort it in their threads' teardown
+    ("terminate called without an active exception") after the work is done."""
+    global _LAYOUT
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    _LAYOUT = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def seed_everything(seed: int) -> None:
     """Init RNG (same on every rank) plus megatron's model-parallel RNG streams."""
     random.seed(seed)

@@ -34,6 +34,7 @@ from megatron_jreg.distributed.setup import (
     initialize_model_parallel,
     print_rank_0,
     seed_everything,
+    teardown,
 )
 from megatron_jreg.model.builder import build_model, transformer_config
 from megatron_jreg.model.attention import resolve_attention_backend
@@ -390,8 +391,5 @@ def run(experiment: ExperimentConfig) -> int:
         return 3
     finally:
         trainer.close()
-        # also after an error: a process that exits holding a gloo group can abort in its
-        # threads' teardown ("terminate called without an active exception")
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown()  # also after an error
     return code
