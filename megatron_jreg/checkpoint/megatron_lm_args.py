@@ -138,16 +138,22 @@ def is_megatron_lm_state(common: Optional[dict]) -> bool:
     return bool(common) and "args" in common and "checkpoint_version" in common
 
 
+# Megatron-LM's model fields that change what a layer computes from its weights, in a way
+# this project does not build (the refused rows of config.megatron_lm's table say why)
+_FORWARD_FIELDS = ("apply_layernorm_1p", "openai_gelu", "squared_relu", "quick_geglu",
+                   "rotary_interleaved", "use_rope_scaling", "rotary_seq_len_interpolation_factor",
+                   "apply_residual_connection_post_layernorm", "multi_latent_attention",
+                   "is_hybrid_model")
+
+
 def _refused(args) -> Optional[str]:
-    """The first Megatron-LM flag set in ``args`` that this project cannot build."""
-    for row in TABLE:
-        dest = row.flag[2:].replace("-", "_")
+    """The first Megatron-LM model flag set in ``args`` that this project cannot build."""
+    why = {row.flag[2:].replace("-", "_"): row.why for row in TABLE if row.status == REFUSED}
+    for dest in _FORWARD_FIELDS:
         value = getattr(args, dest, None)
-        if row.status == REFUSED and value not in (None, False, row.default, *row.allowed):
-            return f"{row.flag} ({row.why})"
-    for dest in ("squared_relu", "openai_gelu", "is_hybrid_model"):
-        if getattr(args, dest, False):
-            return f"--{dest.replace('_', '-')}"
+        if value not in (None, False):
+            reason = why.get(dest)
+            return f"--{dest.replace('_', '-')}" + (f" ({reason})" if reason else "")
     return None
 
 

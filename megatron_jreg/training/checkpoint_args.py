@@ -106,14 +106,24 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
     def resolved(name: str, value):  # --kv-channels unset means hidden / heads
         return model.head_dim if name == "kv_channels" and value is None else value
 
+    data = values["data"]
+    tokenizer_type = data.get("tokenizer_type") or saved["data"].tokenizer_type
+    null_vocab = tokenizer_type == "NullTokenizer" and model.vocab_size
+    # NullTokenizer's --vocab-size counts the ids before its EOD; the saved vocabulary
+    # counts it (as the trainer resolves it)
+    flag_values = {"vocab_size": model.vocab_size - 1} if null_vocab else {}
+
+    def saved_value(name: str):
+        return flag_values.get(name, resolved(name, getattr(model, name)))
+
     for name in ARCHITECTURE_FIELDS:
-        if name in given and resolved(name, given[name]) != resolved(name, getattr(model, name)):
+        if name in given and resolved(name, given[name]) != saved_value(name):
             raise ConfigError(f"{flag_of(_FIELDS[name])} {given[name]} differs from the checkpoint's "
-                             f"{resolved(name, getattr(model, name))} {where}; drop {flag_of(_FIELDS[name])}")
+                             f"{saved_value(name)} {where}; drop {flag_of(_FIELDS[name])}")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                 if f.default is not dataclasses.MISSING}
     merged = {**{k: defaults[k] for k in RUN_FIELDS if k in defaults},
-              **{k: getattr(model, k) for k in ARCHITECTURE_FIELDS},
+              **{k: flag_values.get(k, getattr(model, k)) for k in ARCHITECTURE_FIELDS},
               "seq_length": model.seq_length, "padded_vocab": None, "model_preset": None}
     merged.update({k: v for k, v in given.items() if k in RUN_FIELDS})
     if merged["max_position_embeddings"] is not None and \
@@ -121,7 +131,6 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
         raise ConfigError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's "
                          f"--max-position-embeddings {merged['max_position_embeddings']} {where}")
     values["model"] = merged
-    data = values["data"]
     if not any(name in data for name in TOKENIZER_FIELDS):
         for name in TOKENIZER_FIELDS:
             value = getattr(saved["data"], name)
