@@ -120,3 +120,47 @@ def test_compare_names_what_does_not_fit():
     only_extra = compare({"decoder.layers.mlp.linear_fc1._extra_state": None},
                          {"decoder.layers.self_attention.core_attention._extra_state": None})
     assert only_extra.problem() is None and len(only_extra.notes()) == 2
+
+
+def test_args_of_a_model_this_project_cannot_build_are_named():
+    """Megatron-LM's args: run flags (--mock-data) are no refusal; a model flag is."""
+    import types
+
+    from megatron_jreg.errors import InputError
+
+    args = types.SimpleNamespace(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                 seq_length=32, padded_vocab_size=256, mock_data=True,
+                                 tokenizer_type="NullTokenizer", vocab_size=255)
+    sections = sections_from_args(args, "ckpt/iter_0000004")
+    assert sections["model"].num_layers == 2 and sections["model"].vocab_size == 256
+    args.squared_relu = True
+    with pytest.raises(InputError, match="ckpt/iter_0000004: the checkpoint's model uses "
+                                         "--squared-relu"):
+        sections_from_args(args, "ckpt/iter_0000004")
+
+
+def test_use_checkpoint_args_with_a_null_tokenizer(tmp_path):
+    """NullTokenizer's --vocab-size counts the ids before its EOD, the saved vocabulary
+    counts the EOD too: --use-checkpoint-args takes the checkpoint's tokenizer, or agrees
+    with the same --vocab-size given again (Megatron-LM's mock-data runs use this tokenizer)."""
+    import random
+
+    import forked_trainer
+
+    random.seed(0)
+    jsonl = tmp_path / "ids.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": " ".join(str(random.randrange(255))
+                                                          for _ in range(64))}) + "\n"
+                             for _ in range(200)))
+    proc = forked_trainer.run_tool("tools/preprocess_data.py", [
+        "--input", str(jsonl), "--output-prefix", str(tmp_path / "ids"), "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "255", "--append-eod", "--workers", "1"], run_env(),
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = str(tmp_path / "ids_text_document")
+    null = dict(tokenizer_type="NullTokenizer", vocab_size=255)
+    train(base_args(data, save=tmp_path / "run", train_iters=2, seq_length=32, **null))
+    for extra in ({"tokenizer_type": None}, null):
+        proc = train(base_args(data, model_preset=None, pretrained_checkpoint=tmp_path / "run",
+                               use_checkpoint_args=True, train_iters=1, seq_length=32, **extra))
+        assert "fine-tuning from --pretrained-checkpoint" in proc.stdout
