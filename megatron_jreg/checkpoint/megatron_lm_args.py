@@ -90,7 +90,9 @@ def megatron_lm_args(run, *, world_size: int, consumed_samples: int,
     values.update(
         num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim,
         max_position_embeddings=m.max_positions, add_bias_linear=m.add_bias_linear,
-        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        # Megatron-LM's flag as the run gave it (--no-position-embedding; default True, also
+        # with RoPE): its resume compares the value with its own command line
+        add_position_embedding=not run.megatron_lm.no_position_embedding,
         use_rotary_position_embeddings=m.position_embedding_type == "rope",
         moe_ffn_hidden_size=m.moe_ffn_size if m.num_experts else None,
         # Megatron-LM pads to a multiple of this x TP: at this TP it gives our rows

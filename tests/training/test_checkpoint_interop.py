@@ -51,6 +51,9 @@ def test_checkpoint_carries_what_megatron_lm_reads(demo_data, tmp_path, fully):
         (m.num_layers, m.hidden_size, m.num_attention_heads, 32)
     assert (args.fp16, args.bf16, args.sequence_parallel, args.tensor_model_parallel_size) == \
         (False, False, False, 1)
+    # check_checkpoint_args compares it with Megatron-LM's own command line: its default
+    # (True, with RoPE too) unless the run gave --no-position-embedding
+    assert args.add_position_embedding is True
     assert args.padded_vocab_size == m.padded_vocab == 384
     # Megatron-LM pads the tokenizer's vocabulary to the rows this checkpoint holds
     assert megatron_lm_padded_vocab(m.vocab_size, args.make_vocab_size_divisible_by,
