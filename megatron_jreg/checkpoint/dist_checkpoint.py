@@ -134,7 +134,7 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
                     f"{root!r} has no {TRACKER} and no whole iter_XXXXXXX directory: not a "
                     "torch_dist checkpoint directory, or no save finished")
             # a kill between the rename of iter_N and the tracker update, or a copy by hand
-            _report_once(f"{root}: no {TRACKER}; using the newest whole iteration {whole[-1]}")
+            report_once(f"{root}: no {TRACKER}; using the newest whole iteration {whole[-1]}")
             return whole[-1]
         iteration = read_tracker(tracker, step_flag)
     path = iteration_dir(root, iteration)
@@ -153,7 +153,7 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
 _reported = set()
 
 
-def _report_once(message: str) -> None:
+def report_once(message: str) -> None:
     if message not in _reported and (not dist.is_initialized() or dist.get_rank() == 0):
         print(message, flush=True)
     _reported.add(message)
@@ -195,11 +195,14 @@ def saved_embedding_rows(path: str, step_flag: str = "--ckpt-step") -> int:
     return int(metadata[EMBEDDING_KEY].global_shape[0])
 
 
+def model_keys(count: int) -> List[str]:
+    """The state keys of ``count`` model chunks (Megatron-LM's: ``model``, or ``model0``...)."""
+    return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
+
+
 def model_sharded_state_dict(model_chunks) -> Dict:
     modules = [getattr(chunk, "module", chunk) for chunk in model_chunks]
-    if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+    return {key: m.sharded_state_dict() for key, m in zip(model_keys(len(modules)), modules)}
 
 
 def _barrier():

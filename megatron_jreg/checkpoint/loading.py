@@ -32,9 +32,6 @@ from megatron_jreg.checkpoint.state_keys import (
 )
 from megatron_jreg.errors import CheckpointError
 
-_report_once = ckpt._report_once
-
-
 def _read_metadata(path: str, step_flag: str):
     """(sharded metadata, common state) of iteration directory ``path``."""
     from megatron.core.dist_checkpointing import load_common_state_dict
@@ -97,11 +94,11 @@ def _rng_request(path: str, sharded_metadata: Dict):
         here = rng_state.grid_here()
         if grid == here:
             return rng_state.sharded_rng_state(loading=True)
-        _report_once(f"random state not restored: {path} was saved with a (PP, TP) grid of "
+        ckpt.report_once(f"random state not restored: {path} was saved with a (PP, TP) grid of "
                      f"{grid}, this run has {here}; it starts from --seed")
         return None
     if not os.path.isdir(os.path.join(path, ckpt.RNG_FILES_DIR)):
-        _report_once(f"random state not restored: {path} holds none (saved without it); it "
+        ckpt.report_once(f"random state not restored: {path} holds none (saved without it); it "
                      "starts from --seed")
     return None
 
@@ -121,22 +118,22 @@ def _load_rng_files(path: str, rank: int) -> None:
                 f"{rng_file} is missing (saved by {saved_world} ranks, as many as now); the "
                 "directory is damaged: load an earlier one with --ckpt-step, or pass "
                 "--no-load-rng to resume without the saved random state")
-        _report_once(f"random state not restored: {path} was saved by {saved_world} ranks, "
+        ckpt.report_once(f"random state not restored: {path} was saved by {saved_world} ranks, "
                      f"this run has {world}")
         return
     try:
         state = torch.load(rng_file, weights_only=False)
-        rng_state.set_rng_state(state, _report_once, path)
+        rng_state.set_rng_state(state, ckpt.report_once, path)
     except Exception as err:
         raise CheckpointError(
             f"cannot read {rng_file} ({type(err).__name__}); the directory is damaged: load "
             "an earlier one with --ckpt-step, or pass --no-load-rng") from None
 
 
-def _load_modules(modules, keys, loaded: Dict, path: str) -> None:
+def _load_modules(model_chunks, loaded: Dict, path: str) -> None:
     """Each chunk's weights; only ``_extra_state`` may be absent on either side."""
-    for module, key in zip(modules, keys):
-        while hasattr(module, "module"):  # Float16Module's load_state_dict returns nothing
+    for module, key in zip(model_chunks, ckpt.model_keys(len(model_chunks))):
+        while hasattr(module, "module"):  # DDP, Float16Module (whose load returns nothing)
             module = module.module
         result = module.load_state_dict(loaded[key], strict=False)
         off = [k for k in (*result.missing_keys, *result.unexpected_keys)
@@ -189,7 +186,7 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
             f"checkpoint {path} does not fit this model: {problem}; pass the model flags it "
             "was saved with (or --use-checkpoint-args)")
     for note in comparison.notes():
-        _report_once(f"{path}: {note}")
+        ckpt.report_once(f"{path}: {note}")
     state = drop_requests(state, comparison.extra_missing)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -205,9 +202,7 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
         raise CheckpointError(
             f"cannot read checkpoint {path} ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
             f"it may be corrupt: load an earlier one with {step_flag}") from err
-    modules = [getattr(chunk, "module", chunk) for chunk in model_chunks]
-    keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
-    _load_modules(modules, keys, loaded, path)
+    _load_modules(model_chunks, loaded, path)
     bad = ckpt.nonfinite_anywhere(model_chunks)
     if bad:
         raise CheckpointError(f"checkpoint {path} holds non-finite weights {bad}; it is damaged: "
@@ -218,7 +213,7 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     if scheduler is not None and schedule is not None:
         load_scheduler(scheduler, schedule, scheduler_mode, samples_per_iter)
     if rng_request is not None:
-        rng_state.set_rng_state(rng_state.own_entry(loaded["rng_state"]), _report_once, path)
+        rng_state.set_rng_state(rng_state.own_entry(loaded["rng_state"]), ckpt.report_once, path)
     elif optimizer is not None and load_rng and os.path.isdir(os.path.join(path, ckpt.RNG_FILES_DIR)):
         _load_rng_files(path, dist.get_rank() if dist.is_initialized() else 0)
     return iteration, train_state_of(loaded)

@@ -50,7 +50,7 @@ def requested_entries(sharded_state_dict) -> Dict[str, Optional[Tuple[int, ...]]
         elif isinstance(node, (list, tuple)):
             for value in node:
                 walk(value)
-        elif isinstance(node, ShardedBase) or hasattr(node, "build"):  # factories build later
+        elif isinstance(node, ShardedBase):  # tensors, objects and factories
             out[node.key] = tuple(node.global_shape) if isinstance(node, ShardedTensor) else None
 
     walk(sharded_state_dict)
