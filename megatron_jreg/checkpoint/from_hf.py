@@ -37,7 +37,8 @@ from megatron_jreg.checkpoint.hf_families import megatron_state_dict
 from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.config.yaml_settings import to_yaml
 from megatron_jreg.errors import InputError
-from megatron_jreg.atomic_write import check_output_dir, output_lock, temp_dir_beside
+from megatron_jreg.atomic_write import check_output_dir, temp_dir_beside
+from megatron_jreg.writer_lock import output_lock
 from megatron_jreg.checkpoint.model_loader import init_world
 from megatron_jreg.checkpoint.run_configs import launched_world_size
 from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity

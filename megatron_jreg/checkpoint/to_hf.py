@@ -60,9 +60,9 @@ from megatron_jreg.checkpoint.run_configs import (
 from megatron_jreg.atomic_write import (
     check_output_dir,
     give_open_modes,
-    output_lock,
     temp_dir_beside,
 )
+from megatron_jreg.writer_lock import output_lock
 from megatron_jreg.checkpoint.hf_families import (  # noqa: F401 (also this module's API)
     HF_CLASSES,
     check_exportable,

@@ -14,7 +14,8 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_jreg import strict_json
-from megatron_jreg.atomic_write import output_locks, stop_reason, write_text_atomic
+from megatron_jreg.atomic_write import stop_reason, write_text_atomic
+from megatron_jreg.writer_lock import output_locks
 from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
 from megatron_jreg.downstream.settings import PROG, DownstreamConfig

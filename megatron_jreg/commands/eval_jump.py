@@ -31,7 +31,8 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg import strict_json
-from megatron_jreg.atomic_write import check_output_path, output_locks, write_text_atomic
+from megatron_jreg.atomic_write import check_output_path, write_text_atomic
+from megatron_jreg.writer_lock import output_locks
 from megatron_jreg.analysis.source_flags import (
     CheckpointSourceFlags,
     HFSourceFlags,

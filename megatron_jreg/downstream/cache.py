@@ -22,7 +22,8 @@ import json
 import os
 from typing import Dict, Optional
 
-from megatron_jreg.atomic_write import output_locks, write_text_atomic
+from megatron_jreg.atomic_write import write_text_atomic
+from megatron_jreg.writer_lock import output_locks
 from megatron_jreg.data.tokenizers.build import file_sha256
 from megatron_jreg.errors import InputError
 from megatron_jreg.checkpoint.manifest import MANIFEST

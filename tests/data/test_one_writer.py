@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from megatron_jreg.atomic_write import OutputBusy, lock_path, output_lock, write_text_atomic
+from megatron_jreg.atomic_write import write_text_atomic
+from megatron_jreg.writer_lock import OutputBusy, lock_path, output_lock
 from megatron_jreg.checkpoint.save_lock import SaveLock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -194,7 +195,8 @@ def test_save_lock_shares_the_writer_lock(tmp_path):
     with open(tmp_path / "jreg_writer.lock", "w") as f:
         json.dump({"host": socket.gethostname(), "pid": dead_pid(), "start_time": "then"}, f)
     warning = second.acquire()
-    assert warning.startswith("warning: took over the lock of a process no longer running") and str(tmp_path) in warning
+    assert warning.startswith("warning: took over the lock of pid ") and str(tmp_path) in warning
+    assert "its process is no longer running" in warning
     second.release()
     assert os.listdir(tmp_path) == []
 
@@ -220,7 +222,9 @@ def test_takeover_removes_only_the_dead_writers_temporaries(tmp_path, capsys):
         pass
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith(f"warning: --output-prefix {out}: took "
-                                                       "over the lock of a process no longer running"), warning
+                                                       f"over the lock of pid {tag.split('-')[0]} on host "
+                                                       f"{socket.gethostname()}, started then: its "
+                                                       "process is no longer running"), warning
     for name in dead + [f".out.tmp-{tag}.abc123"]:
         assert name in warning[0]
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
@@ -264,7 +268,7 @@ def test_preprocess_sigkill_leftovers_are_removed_by_the_next_run(corpus, tmp_pa
     rerun = tool("preprocess_data.py", *argv)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     warnings = [line for line in rerun.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "took over the lock of a process no longer running" in warnings[0], warnings
+    assert len(warnings) == 1 and "its process is no longer running" in warnings[0], warnings
     assert all(name in warnings[0] for name in left), (left, warnings)
     assert sorted(os.listdir(tmp_path)) == ["out_text_document.bin", "out_text_document.idx",
                                             "work"]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from trainer_runs import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import REPO, base_args, rank_pids, read_metrics, run_env, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 
@@ -191,26 +191,6 @@ def _wait_for_step(proc, step, lines):
     raise AssertionError("the run ended before step %d:\n%s" % (step, "".join(lines[-30:])))
 
 
-def _rank_pids(launcher_pid):
-    """{RANK: pid} of the worker processes torchrun started."""
-    pids = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if b"RANK" in env:
-            pids[int(env[b"RANK"])] = int(entry)
-    return pids
-
-
 def test_sigint_saves_and_exits_cleanly(demo_data, tmp_path):
     proc = _start(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32))
     lines = []
@@ -243,7 +223,7 @@ def test_a_signal_on_one_of_two_ranks_stops_both_at_one_saved_step(demo_data, tm
                             save_interval=100000), nproc=2)
     lines = []
     _wait_for_step(proc, 2, lines)
-    pids = _rank_pids(proc.pid)
+    pids = rank_pids(proc.pid)
     assert set(pids) == {0, 1}, pids
     os.kill(pids[1], signal.SIGTERM)  # rank 1 only: rank 0 prints, rank 1 got the signal
     rest, _ = proc.communicate(timeout=300)

@@ -209,7 +209,8 @@ def test_stale_lock_of_a_dead_process_is_taken_over(demo_data, tmp_path):
     # a kill mid-save also left a temporary directory of that run
     os.makedirs(ckpt / "iter_0000002.partial-x")
     proc = train(base_args(demo_data, train_iters=2, save=ckpt))
-    assert f"took over the lock of a process no longer running (pid {dead.pid}" in proc.stdout
+    assert (f"took over the lock of pid {dead.pid} on host {socket.gethostname()}, started then: "
+            "its process is no longer running") in proc.stdout
     assert "removed 1 unfinished save(s) of earlier runs: iter_0000002.partial-x" in proc.stdout
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", TRACKER]
 

@@ -60,3 +60,23 @@ def train(argv, nproc=1, timeout=600, check=True):
 def read_metrics(path):
     rows = [json.loads(line) for line in open(path)]
     return [r for r in rows if "lm_loss" in r]
+
+
+def rank_pids(launcher_pid):
+    """{RANK: pid} of the worker processes torchrun started."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            pids[int(env[b"RANK"])] = int(entry)
+    return pids

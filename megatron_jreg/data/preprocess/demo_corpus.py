@@ -22,7 +22,8 @@ import tokenize
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from megatron_jreg.atomic_write import check_output_path, output_lock, temp_marker
+from megatron_jreg.atomic_write import check_output_path, temp_marker
+from megatron_jreg.writer_lock import output_lock
 from megatron_jreg.errors import InputError
 
 # Directories whose docstrings are test scaffolding or vendored code, not prose.

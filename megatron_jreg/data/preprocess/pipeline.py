@@ -23,7 +23,8 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
-from megatron_jreg.atomic_write import OutputBusy, check_output_dir, output_lock, temp_marker
+from megatron_jreg.atomic_write import check_output_dir, temp_marker
+from megatron_jreg.writer_lock import OutputBusy, output_lock
 from megatron_jreg.data.preprocess.config import (
     _NO_ROOM,
     PreprocessConfig,

@@ -12,10 +12,10 @@ from typing import Iterable, Iterator
 
 from megatron_jreg.atomic_write import (
     check_output_path,
-    output_lock,
     write_atomic,
     write_text_atomic,
 )
+from megatron_jreg.writer_lock import output_lock
 from megatron_jreg.config.values import check_fields
 from megatron_jreg.data.preprocess.sources import resolve_inputs
 from megatron_jreg.errors import InputError

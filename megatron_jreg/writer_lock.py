@@ -1,0 +1,329 @@
+"""One writer per output: a lock file naming its holder, taken over only from a holder that is
+provably gone.
+
+The lock is created with ``O_CREAT | O_EXCL`` (of two processes starting together exactly
+one wins) and holds the holder's host, pid, start time, run id, temporary-name tag
+(:func:`atomic_write.temp_marker`), Slurm job id and restart count, and its lease. While it
+holds the lock, the holder refreshes the file's modification time every
+``lease / 10`` seconds (the heartbeat). A lock is taken over when its holder is gone:
+
+- same host, and the pid is no longer running (a SIGKILL, an OOM kill);
+- the same Slurm job (``SLURM_JOB_ID``) requeued: this process's ``SLURM_RESTART_COUNT``
+  is higher than the holder's (Slurm requeues a job after its processes ended, wherever
+  the new allocation lands);
+- another host, and the heartbeat is older than the lease (:data:`LEASE_S`, 600 s, or
+  ``MEGATRON_JREG_LOCK_LEASE_S``): the node died or lost the file system.
+
+A live holder keeps its lock: on the same host its pid runs, on another its heartbeat is
+fresh. A lock of an earlier version (no lease) on another host cannot be judged and holds.
+Each takeover prints one line naming the holder and the rule that applied. A holder whose
+lock was taken over (its lease lapsed while it was stopped, say) learns it from
+:meth:`WriterLock.still_held` and writes nothing more (the trainer checks before each save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Dict, Iterator, List, Optional, Sequence
+
+from megatron_jreg.atomic_write import check_output_dir, temp_marker, writer_tag
+from megatron_jreg.errors import InputError
+
+LEASE_S = 600.0  # the heartbeat's age after which a holder on another host counts as gone
+LEASE_ENV = "MEGATRON_JREG_LOCK_LEASE_S"
+
+
+def lease_seconds() -> float:
+    """The lease this process's locks carry: :data:`LEASE_S`, or ``MEGATRON_JREG_LOCK_LEASE_S``
+    (a shorter lease takes over a dead node's lock sooner; it must outlast any stall of a
+    live holder, such as a long collective on a slow file system)."""
+    raw = os.environ.get(LEASE_ENV)
+    if raw is None:
+        return LEASE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 1.0:  # also NaN
+        raise InputError(f"{LEASE_ENV}={raw!r}: give the lease in seconds, at least 1 "
+                         f"(default {LEASE_S:.0f})")
+    return value
+
+
+def _slurm_job() -> Dict:
+    """This process's Slurm job id and restart count (None and 0 outside Slurm)."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return {"slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
+            "slurm_restart_count": int(restart) if restart.isdigit() else 0}
+
+
+class OutputBusy(InputError):
+    """Another live process holds the lock of an output."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _read_record(path: str) -> Optional[Dict]:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # torn or garbage: treated as a lock of unknown holder
+    return record if isinstance(record, dict) else {}
+
+
+def _heartbeat_age(path: str) -> Optional[float]:
+    """Seconds since the holder last refreshed ``path`` (None when it is gone)."""
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
+
+
+def describe_holder(holder: Dict) -> str:
+    if not holder:
+        return "an unknown process (unreadable lock)"
+    job = holder.get("slurm_job_id")
+    slurm = f", Slurm job {job} restart {holder.get('slurm_restart_count', 0)}" if job else ""
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}{slurm}, started "
+            f"{holder.get('start_time')}")
+
+
+def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict) -> Optional[str]:
+    """Why ``holder`` (a lock record whose heartbeat is ``age`` seconds old) is gone, seen
+    from a process on ``host`` in Slurm ``job``; None when it may be alive."""
+    pid = holder.get("pid")
+    if holder.get("host") == host:
+        if isinstance(pid, int) and not _pid_alive(pid):
+            return "its process is no longer running"
+        return None  # the same host's live pid (or an unreadable record): alive
+    theirs, restart = holder.get("slurm_job_id"), holder.get("slurm_restart_count")
+    if (theirs and theirs == job["slurm_job_id"] and isinstance(restart, int)
+            and job["slurm_restart_count"] > restart):
+        return (f"Slurm requeued job {theirs} (this is restart {job['slurm_restart_count']}, "
+                f"the holder ran as restart {restart})")
+    lease = holder.get("lease_s")
+    if isinstance(lease, (int, float)) and age is not None and age > lease:
+        return (f"its last heartbeat is {_seconds(age)} s old, past its lease of "
+                f"{_seconds(lease)} s")
+    return None
+
+
+def _liveness(holder: Dict, age: Optional[float], host: str) -> str:
+    """Why a holder counts as alive, for the refusal."""
+    if holder.get("host") == host:
+        return "its process is running on this host"
+    lease = holder.get("lease_s")
+    if isinstance(lease, (int, float)) and age is not None:
+        return (f"its heartbeat is {_seconds(max(age, 0))} s old, within its lease of "
+                f"{_seconds(lease)} s "
+                "(the lock is taken over once the lease lapses)")
+    return "it runs on another host and its lock has no lease (an earlier version's) to judge"
+
+
+class WriterLock:
+    """The lock file ``path`` (see the module's docstring). :meth:`acquire` returns None
+    when it took the lock, a warning line when it took over a gone holder's, and raises
+    :meth:`busy`'s error when a live process holds it. The record's ``temp_tag`` names the
+    holder's temporaries; :meth:`remove_leftovers` removes a gone holder's at takeover."""
+
+    label = ""  # what the takeover line names before "took over"
+
+    def __init__(self, path: str):
+        self.path = path
+        self.run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.held = False
+        self.lease = lease_seconds()
+        self._stop = threading.Event()
+        self._beat: Optional[threading.Thread] = None
+
+    def remove_leftovers(self, holder: Dict) -> List[str]:
+        """Remove the temporaries the gone ``holder`` left; returns their names."""
+        return []
+
+    def busy(self, holder: Dict, why: str) -> Exception:
+        return OutputBusy(f"{self.path} is held by {describe_holder(holder)} ({why})")
+
+    def _create(self) -> bool:
+        record = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "start_time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run_id": self.run_id,
+                  "temp_tag": writer_tag(), "lease_s": self.lease, **_slurm_job()}
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        self.held = True
+        self._start_heartbeat()
+        return True
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        self._beat = threading.Thread(target=self._heartbeat, name="jreg-lock-heartbeat",
+                                      daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.lease / 10):
+            if not self.still_held():
+                return  # taken over: the file is another holder's now
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # gone meanwhile, or the file system is away: still_held() tells
+
+    def still_held(self) -> bool:
+        """True while the lock file is this holder's (no one took it over)."""
+        record = _read_record(self.path)
+        return bool(self.held and record and record.get("run_id") == self.run_id)
+
+    def _move_aside(self, holder: Dict) -> bool:
+        """Remove the judged ``holder``'s lock file, and only it: it is renamed to a unique
+        name first (of two processes taking it over at once, one rename succeeds), and a
+        file that turns out to be another's (replaced since it was judged) goes back."""
+        aside = f"{self.path}.stale-{self.run_id}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return True  # already removed: the O_EXCL create decides
+        moved = _read_record(aside)
+        if moved is not None and moved.get("run_id") != holder.get("run_id"):
+            try:
+                os.link(aside, self.path)  # back, unless a new lock appeared meanwhile
+            except FileExistsError:
+                pass
+            os.remove(aside)
+            return False
+        os.remove(aside)
+        return True
+
+    def acquire(self) -> Optional[str]:
+        if self._create():
+            return None
+        host, job = socket.gethostname(), _slurm_job()
+        holder = _read_record(self.path)
+        if holder is None and self._create():  # released between the two calls
+            return None
+        holder = holder or {}
+        age = _heartbeat_age(self.path)
+        reason = takeover_reason(holder, age, host, job)
+        if reason and self._move_aside(holder) and self._create():
+            # ours now: no writer of this output can start meanwhile
+            removed = self.remove_leftovers(holder)
+            gone = f"; removed its temporaries {', '.join(removed)}" if removed else ""
+            return (f"warning: {self.label}took over the lock of {describe_holder(holder)}: "
+                    f"{reason}{gone}")
+        if reason:  # another process took it first
+            holder, age = _read_record(self.path) or {}, _heartbeat_age(self.path)
+        raise self.busy(holder, _liveness(holder, age, host))
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self._stop.set()
+        if self._beat is not None and self._beat is not threading.current_thread():
+            self._beat.join(timeout=5)
+        mine = self.still_held()
+        self.held = False
+        if mine:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def lock_path(path: str) -> str:
+    """The lock file of output ``path`` (a file, a directory or a dataset prefix): a hidden
+    ``.NAME.lock`` beside it."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(os.path.normpath(path))}.lock")
+
+
+class _OutputLock(WriterLock):
+    def __init__(self, output: str, flag: str, fix: Optional[str]):
+        super().__init__(lock_path(output))
+        self.output = os.path.abspath(output)
+        self.shown = f"{flag} {output}" if flag else output
+        self.label = f"{self.shown}: "
+        self.fix = fix or "wait for it to end or choose another output"
+
+    def remove_leftovers(self, holder: Dict) -> List[str]:
+        """Names beside the output that start with its name (``.NAME`` for hidden ones) and
+        carry the gone holder's :func:`temp_marker`: its .tmp files, spill files, staging
+        directories."""
+        tag = holder.get("temp_tag")
+        if not isinstance(tag, str) or not tag:
+            return []  # a lock of an older version: its temporaries cannot be told apart
+        directory, name = os.path.split(os.path.normpath(self.output))
+        marker, removed = temp_marker(tag), []
+        for entry in sorted(os.listdir(directory)):
+            if marker not in entry or not (entry.startswith(name) or entry.startswith(f".{name}")):
+                continue
+            path = os.path.join(directory, entry)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            removed.append(entry)
+        return removed
+
+    def busy(self, holder: Dict, why: str) -> Exception:
+        return OutputBusy(f"{self.shown}: another process ({describe_holder(holder)}) is "
+                          f"writing it, {why}; {self.fix} (if that process is gone, delete "
+                          f"{self.path})")
+
+
+@contextlib.contextmanager
+def output_lock(path: str, flag: str = "", fix: Optional[str] = None) -> Iterator[None]:
+    """Hold the lock of output ``path`` for the block: OutputBusy (an InputError: one line,
+    exit 2) naming ``flag``/``path`` when another process writes it. Take it before looking
+    whether ``path`` exists, so that check and the write are one writer's. The directory
+    of ``path`` is made and checked first (:func:`atomic_write.check_output_dir`)."""
+    check_output_dir(os.path.dirname(os.path.abspath(path)), flag, path)
+    lock = _OutputLock(path, flag, fix)
+    warning = lock.acquire()
+    if warning:
+        print(warning, file=sys.stderr)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def output_locks(outputs: Sequence[tuple], fix: Optional[str] = None) -> Iterator[None]:
+    """:func:`output_lock` of every ``(flag, path)`` whose path is set; a path given twice is
+    locked once."""
+    seen = set()
+    with contextlib.ExitStack() as stack:
+        for flag, path in outputs:
+            if path and lock_path(path) not in seen:
+                seen.add(lock_path(path))
+                stack.enter_context(output_lock(path, flag, fix))
+        yield

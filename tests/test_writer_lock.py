@@ -1,0 +1,160 @@
+"""The writer lock across hosts: a requeued Slurm job or a lapsed lease takes over a gone
+holder's lock with one line naming it; a live holder (fresh heartbeat) keeps it; a holder
+whose lock was taken over knows it and leaves the new holder's file alone.
+
+Another host's holder is a lock record written by hand (its host is not this one); a live
+holder is a WriterLock of this process, whose heartbeat thread refreshes the file."""
+
+import json
+import os
+import re
+import socket
+import time
+
+import pytest
+
+from megatron_jreg.checkpoint.save_lock import SaveDirectoryBusy, SaveLock
+from megatron_jreg.errors import InputError
+from megatron_jreg.writer_lock import LEASE_ENV, OutputBusy, WriterLock, lease_seconds
+
+
+def write_record(path, age_s=0.0, **fields):
+    record = {"host": "node-a", "pid": 4321, "start_time": "then", "run_id": "4321-gone",
+              "temp_tag": "4321-gone", "lease_s": 600.0, "slurm_job_id": None,
+              "slurm_restart_count": 0}
+    record.update(fields)
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in record.items() if v is not ...}, f)
+    now = time.time()
+    os.utime(path, (now - age_s, now - age_s))
+
+
+@pytest.fixture
+def slurm(monkeypatch):
+    def set_job(job_id=None, restart=None):
+        for key, value in (("SLURM_JOB_ID", job_id), ("SLURM_RESTART_COUNT", restart)):
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, str(value))
+    set_job()
+    monkeypatch.delenv(LEASE_ENV, raising=False)
+    return set_job
+
+
+def test_requeued_slurm_job_takes_over_its_own_lock_on_another_host(tmp_path, slurm):
+    slurm(job_id=4242, restart=1)
+    write_record(tmp_path / "jreg_writer.lock", slurm_job_id="4242", slurm_restart_count=0)
+    lock = SaveLock(str(tmp_path))
+    warning = lock.acquire()
+    assert warning == ("warning: took over the lock of pid 4321 on host node-a, Slurm job 4242 "
+                       "restart 0, started then: Slurm requeued job 4242 (this is restart 1, the "
+                       f"holder ran as restart 0) (in {tmp_path})")
+    record = json.load(open(tmp_path / "jreg_writer.lock"))
+    assert (record["host"], record["pid"], record["slurm_job_id"], record["slurm_restart_count"]) == (
+        socket.gethostname(), os.getpid(), "4242", 1)
+    lock.release()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("job_id,restart,theirs", [
+    (4242, 0, "4242"),  # a second job step of the same allocation: may be live
+    (4243, 1, "4242"),  # another job
+    (None, None, "4242"),  # not under Slurm
+    (4242, 1, None),  # the holder was not under Slurm
+], ids=["same-restart", "other-job", "no-slurm-here", "no-slurm-there"])
+def test_a_fresh_heartbeat_on_another_host_keeps_the_lock(tmp_path, slurm, job_id, restart, theirs):
+    slurm(job_id=job_id, restart=restart)
+    path = tmp_path / "jreg_writer.lock"
+    write_record(path, age_s=30, slurm_job_id=theirs, slurm_restart_count=0)
+    before = path.read_bytes()
+    with pytest.raises(SaveDirectoryBusy) as err:
+        SaveLock(str(tmp_path)).acquire()
+    message = str(err.value)
+    assert message.startswith(f"--save {tmp_path} is in use by pid 4321 on host node-a"), message
+    assert "its heartbeat is 30 s old, within its lease of 600 s (the lock is taken over once the " \
+           "lease lapses)" in message, message
+    assert path.read_bytes() == before
+
+
+def test_a_lapsed_lease_on_another_host_is_taken_over(tmp_path, slurm):
+    path = tmp_path / "jreg_writer.lock"
+    write_record(path, age_s=700)
+    lock = SaveLock(str(tmp_path))
+    warning = lock.acquire()
+    assert warning.startswith("warning: took over the lock of pid 4321 on host node-a, started "
+                              "then: its last heartbeat is 700 s old, past its lease of 600 s"), warning
+    assert json.load(open(path))["run_id"] == lock.run_id
+    lock.release()
+
+
+def test_an_earlier_versions_lock_on_another_host_holds(tmp_path, slurm):
+    """No lease recorded: its holder does not refresh the file, so its age says nothing."""
+    path = tmp_path / "jreg_writer.lock"
+    write_record(path, age_s=10 ** 6, lease_s=..., slurm_job_id=..., slurm_restart_count=...)
+    with pytest.raises(SaveDirectoryBusy, match="it runs on another host and its lock has no "
+                                                "lease .an earlier version's. to judge"):
+        SaveLock(str(tmp_path)).acquire()
+
+
+def test_a_live_holders_heartbeat_keeps_its_lock_and_a_stalled_one_loses_it(tmp_path, slurm,
+                                                                            monkeypatch):
+    monkeypatch.setenv(LEASE_ENV, "1")
+    path = str(tmp_path / "out.lock")
+    holder = WriterLock(path)
+    assert holder.acquire() is None
+    os.utime(path, (time.time() - 50, time.time() - 50))
+    time.sleep(0.5)  # five heartbeats at lease/10
+    assert time.time() - os.stat(path).st_mtime < 1.0  # refreshed
+    import megatron_jreg.writer_lock as writer_lock
+    here = socket.gethostname()
+    monkeypatch.setattr(writer_lock.socket, "gethostname", lambda: "node-b")
+    with pytest.raises(OutputBusy, match=r"within its lease of 1\.0 s"):
+        WriterLock(path).acquire()
+    # the holder stalls (a stopped process): its heartbeat stops and the lease lapses
+    holder._stop.set()
+    holder._beat.join()
+    time.sleep(1.3)
+    other = WriterLock(path)
+    warning = other.acquire()
+    assert f"pid {os.getpid()} on host {here}" in warning, warning
+    assert re.search(r"its last heartbeat is 1\.\d s old, past its lease of 1\.0 s$", warning), warning
+    assert not holder.still_held() and other.still_held()
+    holder.release()  # the stalled holder leaves the new holder's file alone
+    assert os.path.exists(path) and other.still_held()
+    other.release()
+    assert not os.path.exists(path)
+
+
+def test_save_lock_says_when_it_was_lost(tmp_path, slurm):
+    lock = SaveLock(str(tmp_path))
+    lock.acquire()
+    assert lock.lost() is None
+    write_record(tmp_path / "jreg_writer.lock", run_id="someone-else")
+    assert lock.lost() == (
+        f"--save {tmp_path}: this run no longer holds {tmp_path}/jreg_writer.lock (another run "
+        "took it over after this run's heartbeat lapsed, or the file was removed); stopping "
+        "without saving so that two runs never write one directory")
+    lock.release()
+    assert json.load(open(tmp_path / "jreg_writer.lock"))["run_id"] == "someone-else"
+
+
+def test_a_lock_replaced_after_it_was_judged_goes_back(tmp_path, slurm):
+    """Two processes take over one gone holder's lock: the slower one, finding a new holder's
+    file where the gone one's was, puts it back and is refused."""
+    path = tmp_path / "jreg_writer.lock"
+    write_record(path, age_s=700)
+    gone = json.load(open(path))
+    write_record(path, host="node-c", run_id="new-holder")  # the faster one took it meanwhile
+    slower = SaveLock(str(tmp_path))
+    assert slower._move_aside(gone) is False
+    assert json.load(open(path))["run_id"] == "new-holder"
+    assert sorted(os.listdir(tmp_path)) == ["jreg_writer.lock"]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "nan", "-5"])
+def test_lease_setting_is_checked(monkeypatch, value):
+    monkeypatch.setenv(LEASE_ENV, value)
+    with pytest.raises(InputError, match=f"{LEASE_ENV}={value!r}: give the lease in seconds, at "
+                                         "least 1 .default 600."):
+        lease_seconds()
