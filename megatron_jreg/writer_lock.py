@@ -8,7 +8,7 @@ holds the lock, the holder refreshes the file's modification time every
 ``lease / 10`` seconds (the heartbeat). A lock is taken over when its holder is gone:
 
 - same host, and the pid is no longer running (a SIGKILL, an OOM kill);
-- the same Slurm job (``SLURM_JOB_ID``) requeued: this process's ``SLURM_RESTART_COUNT``
+- the same Slurm job (``SLURM_JOB_ID``) requeued, on any host: this process's ``SLURM_RESTART_COUNT``
   is higher than the holder's (Slurm requeues a job after its processes ended, wherever
   the new allocation lands);
 - another host, and the heartbeat is older than the lease (:data:`LEASE_S`, 600 s, or
@@ -115,15 +115,16 @@ def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict) ->
     """Why ``holder`` (a lock record whose heartbeat is ``age`` seconds old) is gone, seen
     from a process on ``host`` in Slurm ``job``; None when it may be alive."""
     pid = holder.get("pid")
+    theirs, restart = holder.get("slurm_job_id"), holder.get("slurm_restart_count")
+    if (theirs and theirs == job["slurm_job_id"] and isinstance(restart, int)
+            and job["slurm_restart_count"] > restart):
+        # on any host: a pid there may since belong to another process
+        return (f"Slurm requeued job {theirs} (this is restart {job['slurm_restart_count']}, "
+                f"the holder ran as restart {restart})")
     if holder.get("host") == host:
         if isinstance(pid, int) and not _pid_alive(pid):
             return "its process is no longer running"
         return None  # the same host's live pid (or an unreadable record): alive
-    theirs, restart = holder.get("slurm_job_id"), holder.get("slurm_restart_count")
-    if (theirs and theirs == job["slurm_job_id"] and isinstance(restart, int)
-            and job["slurm_restart_count"] > restart):
-        return (f"Slurm requeued job {theirs} (this is restart {job['slurm_restart_count']}, "
-                f"the holder ran as restart {restart})")
     lease = holder.get("lease_s")
     if isinstance(lease, (int, float)) and age is not None and age > lease:
         return (f"its last heartbeat is {_seconds(age)} s old, past its lease of "

@@ -158,3 +158,18 @@ def test_lease_setting_is_checked(monkeypatch, value):
     with pytest.raises(InputError, match=f"{LEASE_ENV}={value!r}: give the lease in seconds, at "
                                          "least 1 .default 600."):
         lease_seconds()
+
+
+def test_a_requeue_on_the_same_host_is_not_fooled_by_a_reused_pid(tmp_path, slurm):
+    """The holder's pid now belongs to another live process (this one): the restart count
+    still says the holder is gone."""
+    slurm(job_id=4242, restart=2)
+    write_record(tmp_path / "jreg_writer.lock", host=socket.gethostname(), pid=os.getpid(),
+                 slurm_job_id="4242", slurm_restart_count=1)
+    lock = SaveLock(str(tmp_path))
+    assert "Slurm requeued job 4242 (this is restart 2, the holder ran as restart 1)" in lock.acquire()
+    lock.release()
+    write_record(tmp_path / "jreg_writer.lock", host=socket.gethostname(), pid=os.getpid(),
+                 slurm_job_id="4242", slurm_restart_count=2)
+    with pytest.raises(SaveDirectoryBusy, match="its process is running on this host"):
+        SaveLock(str(tmp_path)).acquire()
