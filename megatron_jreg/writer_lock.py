@@ -8,9 +8,9 @@ holds the lock, the holder refreshes the file's modification time every
 ``lease / 10`` seconds (the heartbeat). A lock is taken over when its holder is gone:
 
 - same host, and the pid is no longer running (a SIGKILL, an OOM kill);
-- the same Slurm job (``SLURM_JOB_ID``) requeued, on any host: this process's ``SLURM_RESTART_COUNT``
-  is higher than the holder's (Slurm requeues a job after its processes ended, wherever
-  the new allocation lands);
+- the same Slurm job (``SLURM_JOB_ID``) requeued, on any host: this process's
+  ``SLURM_RESTART_COUNT`` is higher than the holder's (Slurm requeues a job after its
+  processes ended, wherever the new allocation lands);
 - another host, and the heartbeat is older than the lease (:data:`LEASE_S`, 600 s, or
   ``MEGATRON_JREG_LOCK_LEASE_S``): the node died or lost the file system.
 

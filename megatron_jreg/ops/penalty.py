@@ -24,14 +24,21 @@ class _PenaltyCarrier(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         (penalty,) = ctx.saved_tensors
-        return grad_h, torch.full_like(penalty, ctx.scale), None
+        scale = ctx.scale
+        if isinstance(scale, torch.Tensor):  # a loss scale on the device: no wait for it
+            return grad_h, scale.to(penalty.dtype).expand_as(penalty).clone(), None
+        return grad_h, torch.full_like(penalty, scale), None
 
 
-def attach_penalty(h: torch.Tensor, penalty: torch.Tensor, scale: float) -> torch.Tensor:
+def attach_penalty(h: torch.Tensor, penalty: torch.Tensor, scale) -> torch.Tensor:
     """``h`` unchanged, carrying ``penalty``'s gradient ``scale`` into backward.
 
     ``scale`` must be the main loss's own backward scale: with megatron's schedules, the
     optimizer's loss scale divided by the number of micro-batches (the schedule divides the
-    LM loss by it). The result is a view of ``h`` (a custom Function returning its input).
+    LM loss by it): a number, or a 0-dim tensor (the optimizer's scale where it lives, read
+    without waiting for the device). The result is a view of ``h`` (a custom Function
+    returning its input).
     """
+    if isinstance(scale, torch.Tensor):
+        return _PenaltyCarrier.apply(h, penalty, scale.detach().reshape(()))
     return _PenaltyCarrier.apply(h, penalty, float(scale))
