@@ -106,13 +106,30 @@ def default_cuda_arch_list(torch, nvcc):
     return ";".join(archs) + "+PTX"
 
 
-def _cached(build_ext, nvcc):
-    """``build_ext`` that keeps each built extension in ``build/kernel-cache/<key>/``: a
-    second install from this checkout (other extras, a fresh environment over the same
-    torch) copies it instead of compiling again (about 20 s). The key hashes everything the
+def cuda_arch_targets():
+    """The GPU code a CUDA build of the kernel holds: torch's own nvcc flags
+    (``-gencode=arch=compute_90,code=sm_90`` ...), from TORCH_CUDA_ARCH_LIST or, unset or
+    ``native``, the GPUs visible to this build (one install on an A100 node, the next on an
+    H100 node: two kernels)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension._get_cuda_arch_flags()
+    except AttributeError:  # a torch without it: the same two sources, read here
+        listed = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+        if listed and listed != "native":
+            return listed
+        return sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+                       for i in range(torch.cuda.device_count())})
+
+
+def kernel_cache_key(ext, nvcc):
+    """The name of ``ext``'s entry in ``build/kernel-cache/``: a hash of everything the
     binary depends on: every file in csrc/, the sources, macros and flags, torch's version
-    and CUDA version, the Python ABI, the C++ compiler's and nvcc's version lines and
-    TORCH_CUDA_ARCH_LIST. Delete build/ to force a rebuild."""
+    and CUDA version, the Python ABI, the C++ compiler's and nvcc's version lines, and for a
+    CUDA build the GPU architectures it is compiled for (:func:`cuda_arch_targets`; a
+    kernel without code for the GPU it runs on fails at its first launch)."""
     import hashlib
     import subprocess
     import sys
@@ -127,21 +144,31 @@ def _cached(build_ext, nvcc):
         except (OSError, subprocess.SubprocessError):
             return ["absent"]
 
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(os.path.join(ROOT, "csrc"))):
+        digest.update(name.encode())
+        with open(os.path.join(ROOT, "csrc", name), "rb") as f:
+            digest.update(f.read())
+    cuda = any(source.endswith(".cu") for source in ext.sources)
+    for part in (ext.sources, ext.define_macros, ext.extra_compile_args,
+                 ext.extra_link_args, torch.__version__, torch.version.cuda,
+                 sys.version, sysconfig.get_config_var("EXT_SUFFIX"),
+                 version_line(os.environ.get("CXX", "c++")), version_line(nvcc),
+                 cuda_arch_targets() if cuda else None):  # a CPU build has no GPU code
+        digest.update(repr(part).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cached(build_ext, nvcc):
+    """``build_ext`` that keeps each built extension in ``build/kernel-cache/<key>/``
+    (:func:`kernel_cache_key`): a second install from this checkout (other extras, a fresh
+    environment over the same torch) copies it instead of compiling again (about 20 s).
+    Delete build/ to force a rebuild."""
+
     class CachedBuildExtension(build_ext):
         def build_extension(self, ext):
-            digest = hashlib.sha256()
-            for name in sorted(os.listdir(os.path.join(ROOT, "csrc"))):
-                digest.update(name.encode())
-                with open(os.path.join(ROOT, "csrc", name), "rb") as f:
-                    digest.update(f.read())
-            for part in (ext.sources, ext.define_macros, ext.extra_compile_args,
-                         ext.extra_link_args, torch.__version__, torch.version.cuda,
-                         sys.version, sysconfig.get_config_var("EXT_SUFFIX"),
-                         version_line(os.environ.get("CXX", "c++")), version_line(nvcc),
-                         os.environ.get("TORCH_CUDA_ARCH_LIST")):
-                digest.update(repr(part).encode())
             target = self.get_ext_fullpath(ext.name)
-            cached = os.path.join(ROOT, "build", "kernel-cache", digest.hexdigest()[:16],
+            cached = os.path.join(ROOT, "build", "kernel-cache", kernel_cache_key(ext, nvcc),
                                   os.path.basename(target))
             if os.path.isfile(cached):
                 print(f"megatron-jreg: the kernel for these sources and this torch is already "

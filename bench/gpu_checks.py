@@ -23,7 +23,9 @@ table at the end has one row per check: status, key figure, seconds.
 Checks, in order (the most telling first, for a run that is cut): the fused kernel's
 largest error against float64 per dtype (bench/kernel_accuracy.py); the GPU-marked tests;
 the trainer saving a checkpoint and resuming from it, lm losses against an uninterrupted
-run (bench/trainer_resume_check.py); the fused op's bandwidth against the GPU's peak;
+run (bench/trainer_resume_check.py); save and load time and size per checkpoint format
+(plain, fully parallel, async; dp_reshardable, fully_reshardable) and the step time while
+an async save is written (bench/checkpoint_formats.py); the fused op's bandwidth against the GPU's peak;
 JREG's step overhead at the 170m preset's dimensions; the 3B script's model flags (bf16,
 selective recompute of layernorm) at 2 layers with the local spec and, when installed,
 Transformer Engine; tokens/s, TFLOP/s and MFU of 1b training steps (seq 2048, bf16) with
@@ -57,20 +59,23 @@ sys.path.insert(0, REPO)  # the preflight imports this checkout's package, as th
 
 # Seconds each check of the CUDA plan may take on one H200 (a ceiling, not its usual
 # time; the model steps take 2 warm-up and 3 timed steps). Their sum leaves 120 s of the
-# 600 s command to preflight and the kernel build.
+# 600 s command to preflight and the kernel build. (The checkpoint formats' 40 s came out of
+# the GPU tests' and the trainer resume's ceilings, 10 s each, and the 1b steps', 5 s each;
+# none of them has been timed on a GPU yet.)
 BUDGET_S = 480
 LIMITS_S = {
     "kernel accuracy": 25,
-    "gpu tests": 60,
-    "trainer resume": 75,
+    "gpu tests": 50,
+    "trainer resume": 65,
+    "checkpoint formats": 40,
     "op bandwidth": 35,
     "JREG step overhead": 55,
     "3b flags x2, local": 35,
     "3b flags x2, TE": 35,
-    "1b sdpa, JREG off": 40,
-    "1b sdpa, JREG on": 40,
-    "1b TE, JREG off": 40,
-    "1b TE, JREG on": 40,
+    "1b sdpa, JREG off": 35,
+    "1b sdpa, JREG on": 35,
+    "1b TE, JREG off": 35,
+    "1b TE, JREG on": 35,
 }
 assert sum(LIMITS_S.values()) <= BUDGET_S, f"the checks' limits add up to {sum(LIMITS_S.values())} s > {BUDGET_S} s"
 CPU_LIMIT_S = 300  # per check of the CPU plan (toy sizes on a shared machine; no budget)
@@ -254,6 +259,7 @@ def checks(device: str, quick: bool):
         accuracy = ["--shape", "64", "2", "128"]
         overhead = ["--layers", "2", "--hidden", "128", "--seq", "64", "--micro-batch", "2",
                     "--vocab", "512", "--timed-steps", "2"]
+        formats = ["--preset", "tiny", "--vocab", "512", "--seq", "64"]
     else:
         # seq 2048 (the presets'), bf16, micro-batch 8
         timed = ["--warmup", "2", "--timed-steps", "3"]
@@ -263,6 +269,10 @@ def checks(device: str, quick: bool):
         accuracy = []
         overhead = ["--layers", "12", "--hidden", "768", "--seq", "2048", "--micro-batch", "8",
                     "--vocab", "32000", "--timed-steps", "7"]
+        # one 1b layer, bf16: 84M parameters, about 1.2 GB a checkpoint, six saves and twelve
+        # loads (the sizes that fit 40 s by estimate: no GPU run has timed it yet)
+        formats = ["--nproc", "1", "--bf16", "--preset", "1b", "--layers", "1", "--vocab", "8000",
+                   "--seq", "2048", "--micro-batch", "1"]
     step = [py, "bench/gpu_model_step.py", "--device", device]
     layernorm = ["--recompute-modules", "layernorm"]
     plan = [("kernel accuracy", [py, "bench/kernel_accuracy.py", "--device", device] + accuracy)]
@@ -273,6 +283,7 @@ def checks(device: str, quick: bool):
                                    "-m", "gpu", "tests/ops"]))
     plan += [
         ("trainer resume", [py, "bench/trainer_resume_check.py", "--device", device]),
+        ("checkpoint formats", [py, "bench/checkpoint_formats.py", "--device", device] + formats),
         ("op bandwidth", [py, "bench/displacement_op.py", "--device", device] + op),
         ("JREG step overhead", [py, "bench/jreg_overhead.py", "--device", device] + overhead),
         ("3b flags x2, local", step + three_b + ["--transformer-impl", "local"] + layernorm),
@@ -378,6 +389,8 @@ def key_figure(name: str, output: str, result) -> str:
         steps = result["steps_compared"]
         return (f"lm loss max abs diff {result['max_abs_diff']:.3g} (rel {result['max_rel_diff']:.3g}), "
                 f"steps {steps[0]}-{steps[-1]} resumed from {result['resumed_from']}, {result['precision']}")
+    if name == "checkpoint formats" and result:
+        return checkpoint_formats_figure(result)
     if name == "op bandwidth":
         found = re.findall(r"fused (forward|backward)\s+([\d.]+) GB/s(?: = ([\d.]+)% of peak)?", output)
         if found:
@@ -398,6 +411,21 @@ def key_figure(name: str, output: str, result) -> str:
         text += f", {result['peak_mem_gib']:.1f} GiB"
     ok = result.get("lm_loss") is not None and result.get("psi_finite")
     return text + ("" if ok else ", NON-FINITE loss/psi")
+
+
+def checkpoint_formats_figure(result) -> str:
+    """Per optimizer format: the plain, fully parallel and async saves (the loop blocked,
+    then whole), the plain load, and the step time while an async save was written."""
+    parts = []
+    for fmt in ("dp_reshardable", "fully_reshardable"):
+        row = {r["save"]: r for r in result["rows"] if r["format"] == fmt}
+        during = row["async"]["step_s_during_write"]
+        parts.append(f"{fmt} {row['plain']['bytes'] / 1e9:.2f} GB: save {row['plain']['whole_s']:.2f}s "
+                     f"plain, {row['fully parallel']['whole_s']:.2f}s fully parallel, async blocks "
+                     f"{row['async']['blocked_s']:.2f}s (whole {row['async']['whole_s']:.2f}s), load "
+                     f"{row['plain']['load_s']:.2f}s; step during the write "
+                     + (f"{during / result['step_s']:.2f}x" if during else "none"))
+    return "; ".join(parts)
 
 
 def overhead_rows(rows):

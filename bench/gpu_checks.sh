@@ -10,7 +10,8 @@
 #                (LIMITS_S there; `python3 bench/gpu_checks.py --help` lists them); a check
 #                past its limit is killed with its whole process group
 # The checks: the fused kernel's error against float64 per dtype, the GPU-marked tests,
-# the trainer's save and resume against an uninterrupted run, the op's bandwidth against
+# the trainer's save and resume against an uninterrupted run, save/load time and size per
+# checkpoint format (plain, fully parallel, async), the op's bandwidth against
 # the GPU's peak, JREG's step overhead at 170m, the 3B script's model flags at 2 layers
 # (local spec and Transformer Engine when installed), tokens/s and MFU at 1b (SDPA and TE
 # attention, JREG off and on).

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # 3.4B Llama with JREG, the paper's main run (paper: 8x H200, 159 h).
-# Ours: 8x H100/H200 as TP=2 with sequence parallelism x DP=4, bf16, distributed optimizer,
+# Ours: 8x H100/H200 as TP=2 with sequence parallelism x DP=4, bf16, distributed optimizer
+# (its communication overlapped with compute),
 # no recompute (add EXTRA_ARGS="--recompute-granularity selective" if memory runs short).
 # The recipe shared with 170m and 1b (batch, schedule, optimizer: ours) is
 # run_paper_recipe in launch_common.sh. Micro-batch and learning rate below are ours too.

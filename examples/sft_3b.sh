@@ -3,7 +3,8 @@
 # the Tulu-v1 SFT mixture, lr 2e-5 with a linear schedule, AdamW (0.9, 0.95), global batch
 # 512, 957 steps. Ours: no warm-up and no weight decay (the paper gives neither), the
 # pretraining layout (TP=2 with sequence parallelism x DP=4 on 8 GPUs), bf16, the
-# distributed optimizer, sequence length 2048. Then the jump of both (Table 7).
+# distributed optimizer with the pretraining recipe's overlap, sequence length 2048. Then the
+# jump of both (Table 7).
 #
 #   SFT_DATA_PATH=/data/tulu_v1_sft_document TOKENIZER_MODEL=/models/llama2/tokenizer.model \
 #   BASELINE_CKPT=runs/3b_lambda0_alpha1.0/checkpoints JREG_CKPT=runs/3b_lambda1.0_alpha1.0/checkpoints \
@@ -31,7 +32,8 @@ for name in baseline jreg; do
     --micro-batch-size "${MICRO_BATCH_SIZE:-4}" --global-batch-size 512 --train-iters 957 \
     --lr 2e-5 --min-lr 0 --lr-warmup-iters 0 --lr-decay-style linear \
     --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0 --clip-grad 1.0 \
-    --bf16 --use-distributed-optimizer --transformer-impl "${TRANSFORMER_IMPL:-auto}" \
+    --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
+    --transformer-impl "${TRANSFORMER_IMPL:-auto}" \
     --data-path "$SFT_DATA_PATH" --split 99,1,0 \
     --tokenizer-type "${TOKENIZER_TYPE:-SentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
     --jreg-lambda "${SFT_JREG_LAMBDA:-0}" \

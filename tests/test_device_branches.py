@@ -10,7 +10,12 @@ conditional expression anywhere in it, or a dict key naming a device or backend 
 Behaviour that differs by device without a branch (a generator created on the parameters'
 device) is not seen here; ``tests/model/test_init_device.py`` pins the one found. The
 device mapping itself (``platform/cpu.py``, ``platform/device.py``) is where the device is
-decided and is not listed."""
+decided and is not listed.
+
+The same for the branches on what is installed (a call to one of megatron-core's probes of
+Transformer Engine, its fused RoPE or apex's kernel, none of which a CPU machine has): each
+is listed in design.md's "Where the code branches on what is installed" with the CPU test
+that sets the probe and takes the arm the package's presence gives."""
 
 import ast
 import os
@@ -98,10 +103,10 @@ def found_branches():
     return found
 
 
-def listed_branches():
+def listed_branches(heading="## Where the code branches on the device"):
     with open(os.path.join(REPO, "docs", "design.md")) as f:
         text = f.read()
-    section = text.split("## Where the code branches on the device", 1)[1].split("\n## ", 1)[0]
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     return {(m["path"], m["function"]): m for m in map(ROW.match, section.splitlines()) if m}
 
 
@@ -114,6 +119,52 @@ def test_every_device_branch_is_listed_with_a_gpu_arm_test():
         f"list them in docs/design.md with a CPU test of their GPU arm: {sorted(unlisted)}")
     stale = set(listed) - set(found)
     assert not stale, f"docs/design.md lists device branches that are gone: {sorted(stale)}"
+    for row in listed.values():
+        with open(os.path.join(REPO, row["test"])) as f:
+            assert f"def {row['test_name']}(" in f.read(), row["test"] + "::" + row["test_name"]
+
+
+# ---- branches on what is installed --------------------------------------------------------
+# megatron-core's probes of its optional packages (Transformer Engine, TE's fused RoPE, apex's
+# fused weight-gradient kernel). A CPU machine has none of them: a function that asks one is
+# listed in docs/design.md with the CPU test that sets the probe and takes the other arm.
+PROBES = {"transformer_engine_available", "fused_rope_available", "fused_wgrad_available"}
+
+
+def probe_calls(source):
+    """{enclosing function's dotted name: [line, ...]} of the calls to a probe in ``source``."""
+    found = {}
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            inner = scope
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = scope + [child.name]
+            if isinstance(child, ast.Call) and set(_chain(child.func)[-1:]) & PROBES:
+                found.setdefault(".".join(scope) or "<module>", []).append(child.lineno)
+            visit(child, inner)
+
+    visit(ast.parse(source), [])
+    return found
+
+
+def test_every_branch_on_what_is_installed_is_listed_with_a_test_of_its_other_arm():
+    found = {}
+    for top in SCANNED:
+        for base, _, files in os.walk(os.path.join(REPO, top)):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(base, name)
+                with open(path) as f:
+                    for function, lines in probe_calls(f.read()).items():
+                        found[(os.path.relpath(path, REPO).replace(os.sep, "/"), function)] = lines
+    listed = listed_branches("## Where the code branches on what is installed")
+    unlisted = sorted(f"{path} {function} (lines {lines})"
+                      for (path, function), lines in found.items()
+                      if (path, function) not in listed)
+    assert not unlisted, ("new branches on what is installed: list them in docs/design.md with a "
+                          f"CPU test that sets the probe: {unlisted}")
+    stale = set(listed) - set(found)
+    assert not stale, f"docs/design.md lists branches on what is installed, gone: {sorted(stale)}"
     for row in listed.values():
         with open(os.path.join(REPO, row["test"])) as f:
             assert f"def {row['test_name']}(" in f.read(), row["test"] + "::" + row["test_name"]
@@ -150,3 +201,15 @@ def m(d):
             return 1
 '''
     assert sorted(branches(source)) == ["a", "b", "c", "d", "e", "f", "h", "i", "j", "k", "m"]
+
+
+def test_the_installed_scanner_sees_a_call_to_each_probe():
+    source = '''
+def a():
+    return transformer_engine_available()
+def b(layers):
+    return layers.fused_wgrad_available() or fused_rope_available()
+def c():
+    return fused_rope_available  # named, not asked
+'''
+    assert probe_calls(source) == {"a": [3], "b": [5, 5]}

@@ -17,7 +17,11 @@ optimizer is saved ``dp_reshardable`` (Megatron-LM's default) or, with
 which, and a load reads it from there.
 
 A save goes to ``iter_XXXXXXX.partial-RUNID`` and is renamed once every rank has written;
-the tracker file is replaced atomically after that. An iteration directory of ours without
+the tracker file is replaced atomically after that. The tensors are written before
+``save_checkpoint`` returns, or in the background (``--async-save``, async_save.py), when
+the rest waits for the finalize that follows every rank's writes. The tensors that
+data-parallel ranks hold alike are written by the first of them, or spread over them all
+(``--ckpt-fully-parallel-save``); either way the checkpoint holds the same. An iteration directory of ours without
 the completion marker is torn and is refused at load with a message naming the earlier
 whole ones. One that holds none of our files was saved by another megatron-core program
 (Megatron-LM): dist-checkpointing writes its ``metadata.json`` last, after every rank's
@@ -33,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -242,19 +246,43 @@ def nonfinite_anywhere(model_chunks) -> Optional[str]:
     return f"({', '.join(bad)})" if bad else "on another rank"
 
 
+def save_strategy(fully_parallel: bool):
+    """The sharded save strategy: megatron-core's default, or with ``fully_parallel`` that
+    strategy spreading the tensors data-parallel ranks hold alike over those ranks
+    (Megatron-LM's --ckpt-fully-parallel-save, over the same group)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    strategy = get_default_save_sharded_strategy()
+    if not fully_parallel:
+        return strategy
+    return FullyParallelSaveStrategyWrapper(
+        strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
                     run_config_yaml: str, train_state: Dict, run_id: str = "0",
                     extra_files: Optional[Dict[str, str]] = None,
                     tokenizer_dir: Optional[str] = None, common: Optional[Dict] = None,
-                    fully_reshardable: bool = False) -> str:
-    """Write iteration ``iteration`` under ``root``; collective over all ranks.
+                    fully_reshardable: bool = False, fully_parallel: bool = False,
+                    background=None, before_complete: Optional[Callable[[], None]] = None) -> str:
+    """Write iteration ``iteration`` under ``root``; collective over all ranks. Returns the
+    iteration directory it becomes.
 
     ``run_id`` (the same on every rank) names the temporary directory and tracker file,
     so no two runs share one. ``extra_files`` (name -> text) go beside the run config, and
     ``tokenizer_dir``'s Hugging Face tokenizer files are copied into ``tokenizer/``
     (:func:`carry_tokenizer`). ``common`` adds entries to the common state (Megatron-LM's
     ``args``, ``checkpoint_version``, FLOPs so far); ``fully_reshardable`` picks the
-    distributed optimizer's format (:func:`sharding_metadata`).
+    distributed optimizer's format (:func:`sharding_metadata`), ``fully_parallel`` the
+    save strategy (:func:`save_strategy`). With ``background`` (an ``async_save.AsyncSaver``
+    with no save pending) the tensors are written in the background and the directory is
+    completed by its ``finalize``; without it, before this returns. ``before_complete``
+    (collective; raising stops the save unmarked) runs on every rank before the directory
+    is completed: the trainer checks there that it still holds ``--save``'s lock.
     Raises CheckpointError, having written nothing, when any parameter is non-finite."""
     from megatron.core import dist_checkpointing
 
@@ -282,7 +310,32 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     state["iteration"] = iteration
     state["train_state"] = train_state
     state["rng_state"] = sharded_rng_state()
-    dist_checkpointing.save(state, partial, content_metadata=metadata)
+    if background is not None:
+        background.start()
+    written = dist_checkpointing.save(state, partial, save_strategy(fully_parallel),
+                                      async_sharded_save=background is not None,
+                                      content_metadata=metadata)
+
+    def complete():  # once every rank's tensors are on disk
+        if before_complete is not None:
+            before_complete()
+        _complete(root, iteration, partial, run_config_yaml, extra_files, tokenizer_dir, run_id)
+
+    if background is None:
+        complete()
+    else:  # megatron-core's functions (.metadata, metadata.json) run first
+        written.add_finalize_fn(complete)
+        background.schedule(written, final, partial)
+    return final
+
+
+def _complete(root: str, iteration: int, partial: str, run_config_yaml: str,
+              extra_files: Optional[Dict[str, str]], tokenizer_dir: Optional[str],
+              run_id: str) -> None:
+    """Our files, the manifest over every written file, the completion marker, then the
+    rename and the tracker: collective, after every rank's shards are written."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final = iteration_dir(root, iteration)
     _barrier()
     if rank == 0:
         for name, text in {RUN_CONFIG: run_config_yaml, **(extra_files or {})}.items():
@@ -309,7 +362,6 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
             f.write(str(iteration))
         os.replace(tmp, os.path.join(root, TRACKER))
     _barrier()
-    return final
 
 
 def carry_tokenizer(source: str, target: str) -> None:

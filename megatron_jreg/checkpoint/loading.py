@@ -7,7 +7,9 @@ named; Transformer Engine's ``_extra_state`` entries present on one side only ar
 out and said once. The distributed optimizer's format comes from the checkpoint's content
 metadata. The schedule, the samples consumed, the FLOPs so far and the random state are
 read under whichever names the checkpoint holds them (ours, Megatron-LM's, an earlier
-version's); a checkpoint without a random state says so in one line.
+version's); a checkpoint without a random state says so in one line. A fully parallel load
+(``--ckpt-fully-parallel-load``) reads each tensor several data-parallel ranks need once
+and sends it to the others.
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def _layout_here() -> Tuple[int, int]:
     return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
 
 
-def _optimizer_metadata(path: str, common: Dict, optimizer) -> Dict:
+def _optimizer_metadata(path: str, common: Dict, optimizer, fully_parallel: bool = False) -> Dict:
     """The content metadata the optimizer was saved with; for a distributed optimizer, its
-    format checked against this layout."""
+    format checked against this layout (and against ``fully_parallel`` loading)."""
     from megatron.core.dist_checkpointing import load_content_metadata
 
     metadata = dict(load_content_metadata(preloaded_state_dict=common) or {})
@@ -75,6 +77,11 @@ def _optimizer_metadata(path: str, common: Dict, optimizer) -> Dict:
                         "fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", False)
                         else "dp_zero_gather_scatter")
     kind = metadata["distrib_optim_sharding_type"]
+    if fully_parallel and kind == "dp_zero_gather_scatter":  # Megatron-LM refuses it too
+        raise CheckpointError(
+            f"checkpoint {path} holds the distributed optimizer's state as {kind} (Megatron-LM "
+            "before megatron-core 0.13), which a fully parallel load cannot read: drop "
+            "--ckpt-fully-parallel-load")
     saved, here = saved_layout(common), _layout_here()
     if saved and saved != here and kind not in ckpt.FULLY_RESHARDABLE:
         raise CheckpointError(
@@ -156,15 +163,33 @@ def train_state_of(loaded: Dict) -> Dict:
     return state
 
 
+def load_strategy(path: str, fully_parallel: bool):
+    """None (megatron-core's default for ``path``), or with ``fully_parallel`` that strategy
+    with each tensor needed by several data-parallel ranks read by one of them and sent to
+    the others (Megatron-LM's --ckpt-fully-parallel-load, over the same group)."""
+    if not fully_parallel:
+        return None
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    return FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(path),
+        parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
 def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer=None,
                     scheduler=None, step_flag: str = "--ckpt-step", verify: bool = True,
                     scheduler_mode: str = "strict", samples_per_iter: int = 1,
-                    load_rng: bool = True) -> Tuple[int, Dict]:
+                    load_rng: bool = True, fully_parallel: bool = False) -> Tuple[int, Dict]:
     """Load weights (and optimizer, schedule, RNG when given); returns (iteration, train
     state: consumed_samples, consumed_tokens, flops_so_far).
 
     ``verify`` checks the manifest's checksums first (a save without one is not checked);
-    ``scheduler_mode`` is load_scheduler's. Collective when distributed."""
+    ``scheduler_mode`` is load_scheduler's; ``fully_parallel`` spreads the reading over
+    the data-parallel ranks (:func:`load_strategy`). Collective when distributed."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -190,12 +215,13 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     state = drop_requests(state, comparison.extra_missing)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=True, metadata=_optimizer_metadata(path, common, optimizer))
+            state, is_loading=True,
+            metadata=_optimizer_metadata(path, common, optimizer, fully_parallel))
     rng_request = _rng_request(path, sharded_metadata) if optimizer is not None and load_rng else None
     if rng_request is not None:
         state["rng_state"] = rng_request
     try:
-        loaded = dist_checkpointing.load(state, path)
+        loaded = dist_checkpointing.load(state, path, load_strategy(path, fully_parallel))
     # dist-ckpt raises many types for damaged files; torch's CheckpointException is a
     # BaseException, not an Exception
     except (Exception, CheckpointException) as err:

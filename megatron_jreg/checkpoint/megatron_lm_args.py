@@ -48,7 +48,6 @@ _FIXED = {
     "moe_latent_size": None, "mamba_state_dim": 128, "mamba_head_dim": 64,
     "mamba_num_groups": 8, "mamba_num_heads": None, "tiktoken_pattern": None,
     "ckpt_format": "torch_dist", "use_dist_ckpt": True, "auto_detect_ckpt_format": False,
-    "ckpt_fully_parallel_save": False,
     "no_save_optim": False, "no_save_rng": False, "data_parallel_random_init": False,
     "skipped_train_samples": 0, "consumed_valid_samples": 0, "phase_transition_iterations": None,
 }

@@ -142,8 +142,9 @@ def add_fields(container: Any, cls: Type, title: str | None = None, *,
                                   .replace("%", "%%")}  # argparse formats it
         for switch, const in meta.get("switches", {}).items():
             # another flag that stores one value (Megatron-LM's older spellings)
+            same = (flag if const else "--no-" + flag[2:]) if kind is bool else f"{flag} {const}"
             target.add_argument(switch, dest=dest, action="store_const", const=const,
-                                help=f"same as {flag} {const}")
+                                help=f"same as {same}")
         if "metavar" in meta:
             kwargs["metavar"] = meta["metavar"]
         if "action" in meta:

@@ -50,11 +50,13 @@ TABLE = [
         "bias with GeLU (Transformer Engine's is the same math)"),
     Row("--no-bias-dropout-fusion", ACCEPTED, "the local implementation never fuses "
         "bias-dropout-add (Transformer Engine's is the same math)"),
-    Row("--no-rope-fusion", ACCEPTED, "RoPE is never fused here"),
+    Row("--no-rope-fusion", ACCEPTED, "as in Megatron-LM: RoPE is otherwise fused where "
+        "Transformer Engine builds the layers (its kernel; the start-up line says which)"),
     Row("--no-persist-layer-norm", ACCEPTED, "the persistent layer-norm kernel is never used"),
     Row("--no-gradient-accumulation-fusion", ACCEPTED,
-        "as in Megatron-LM: weight gradients are otherwise accumulated inside the GEMM where "
-        "apex's fused_weight_gradient_mlp_cuda imports (never on CPUs)"),
+        "as in Megatron-LM: weight gradients are otherwise accumulated inside the GEMM, by "
+        "Transformer Engine's linears themselves and by megatron-core's where apex's "
+        "fused_weight_gradient_mlp_cuda imports (never on CPUs)"),
     Row("--no-position-embedding", ACCEPTED, "RoPE models have no position embedding (with "
         "learned absolute positions the flag is refused: such a model has no positions)"),
     Row("--use-flash-attn", NOTED, "ignored, as Megatron-LM 0.16 ignores it for megatron-core "
@@ -134,7 +136,6 @@ TABLE = [
     Row("--empty-unused-memory-level", NOTED, "PyTorch's cached memory is not emptied between "
         "steps", int, 0, (0, 1, 2), (0,)),
     # ---- checkpoints ----------------------------------------------------------------------
-    Row("--async-save", NOTED, "checkpoints are saved synchronously"),
     Row("--exit-on-missing-checkpoint", ACCEPTED, "always so here: a --load that holds no "
         "checkpoint stops the run before any work (unless --pretrained-checkpoint is given)"),
 ]
@@ -165,7 +166,8 @@ SECTION_FLAGS: Dict[str, List[str]] = {
                  "--exit-duration-in-mins", "--eval-iters"],
     "data": ["--dataloader-type", "--tokenizer-type", "--vocab-file", "--merge-file",
              "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"],
-    "checkpoint": ["--save-interval", "--use-checkpoint-args"],
+    "checkpoint": ["--save-interval", "--use-checkpoint-args", "--no-ckpt-fully-parallel-save",
+                   "--ckpt-fully-parallel-load", "--async-save", "--use-persistent-ckpt-worker"],
 }
 
 
@@ -206,6 +208,23 @@ MegatronLMConfig = dataclasses.make_dataclass(
 MegatronLMConfig.__module__ = __name__
 
 
+# megatron-core recomputes a layer's input_layernorm and pre_mlp_layernorm only where they
+# are modules of their own (transformer_layer.py: not IdentityOp). Transformer Engine's spec
+# fuses each into the next linear (TELayerNormColumnParallelLinear, which keeps the norm's
+# output for its backward): the dense layer has no norm left to recompute, the MoE layer its
+# pre-MLP TENorm. megatron-core accepts the setting silently; the run says so.
+_LAYERNORM_FIX = ("--transformer-impl local recomputes the norms; or recompute mlp or "
+                  "core_attn instead")
+LAYERNORM_RECOMPUTE = (
+    "--recompute-modules layernorm: no effect with Transformer Engine (as in Megatron-LM): "
+    "its layers fuse each norm into the next linear, which keeps the norm's output for "
+    f"backward; {_LAYERNORM_FIX}")
+LAYERNORM_RECOMPUTE_MOE = (
+    "--recompute-modules layernorm: with Transformer Engine only the MoE layers' pre-MLP norms "
+    "are recomputed (as in Megatron-LM): the input norm is fused into the QKV linear, which "
+    f"keeps its output for backward; {_LAYERNORM_FIX}")
+
+
 def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: str) -> List[str]:
     """The lines the trainer prints for this run's Megatron-LM flags.
 
@@ -227,10 +246,17 @@ def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: s
     if given.get("parallel", {}).get("sequence_parallel") and parallel.tensor_model_parallel_size == 1:
         out.append("--sequence-parallel: turned off at --tensor-model-parallel-size 1, as in "
                    "Megatron-LM")
+    saving = given.get("checkpoint", {})
+    if saving.get("async_save") and not experiment.checkpoint.use_persistent_ckpt_worker:
+        out.append("--async-save: off without --use-persistent-ckpt-worker, as in Megatron-LM: "
+                   "checkpoints are saved synchronously (add --use-persistent-ckpt-worker)")
     groups = given.get("model", {}).get("num_query_groups")
     if groups and not model.group_query_attention and groups != model.num_attention_heads:
         out.append(f"--num-query-groups {groups}: ignored without --group-query-attention, as in "
                    f"Megatron-LM: the attention has {model.num_attention_heads} groups, one per head")
+    if (impl == "transformer_engine" and parallel.recompute_granularity == "selective"
+            and "layernorm" in (parallel.recompute_modules or [])):
+        out.append(LAYERNORM_RECOMPUTE_MOE if model.num_experts else LAYERNORM_RECOMPUTE)
     if impl == "local" and model.moe_grouped_gemm:
         out.append("--moe-grouped-gemm: the local implementation runs the experts one by one "
                    "(the same math; Transformer Engine has the grouped GEMM)")

@@ -309,8 +309,9 @@ class ParallelConfig:
     recompute_num_layers: Optional[int] = field(default=None, metadata=option(
         "--recompute-num-layers", "layers per recompute unit (full recompute); default 1", min=1))
     recompute_modules: Optional[list] = field(default=None, metadata=option(
-        "--recompute-modules", "selective recompute modules, e.g. core_attn mlp layernorm",
-        nargs="+"))
+        "--recompute-modules", "selective recompute modules, e.g. core_attn mlp layernorm "
+        "(layernorm: the local implementation's norms; Transformer Engine fuses them into its "
+        "linears, where it has no effect, as the start-up line says)", nargs="+"))
     recompute_activations: bool = field(default=False, metadata=option(
         "--recompute-activations", "= --recompute-granularity selective (as in Megatron-LM)",
         const=True))

@@ -280,6 +280,29 @@ class CheckpointConfig:
         "fully_reshardable (loads at any TP/PP layout; an all-gather of the optimizer state at "
         "each save) instead of Megatron-LM's default dp_reshardable (loads at the same TP/PP, "
         "any DP)"))
+    ckpt_fully_parallel_save: bool = field(default=True, metadata=option(
+        "--ckpt-fully-parallel-save", "spread the writing of the tensors every data-parallel "
+        "rank holds alike (the weights) over those ranks (megatron-core's "
+        "FullyParallelSaveStrategyWrapper over the data-parallel group) instead of the first "
+        "one writing them all; the checkpoint is the same. On by default, as in Megatron-LM: "
+        "--no-ckpt-fully-parallel-save (or --disable-ckpt-fully-parallel-save) turns it off",
+        switches={"--disable-ckpt-fully-parallel-save": False}))
+    ckpt_fully_parallel_load: bool = field(default=False, metadata=option(
+        "--ckpt-fully-parallel-load", "on --load, each data-parallel rank reads a share of the "
+        "tensors they all need and they exchange them (megatron-core's "
+        "FullyParallelLoadStrategyWrapper) instead of every rank reading all it needs; any "
+        "checkpoint but a pre-0.13 Megatron-LM one (dp_zero_gather_scatter)"))
+    async_save: bool = field(default=False, metadata=option(
+        "--async-save", "write the checkpoint's tensors in a background process per rank "
+        "while training goes on; the iteration is marked whole (tracker, iter_ directory, "
+        "jreg_complete.json) once every rank's files are on disk, at a later step or before "
+        "the run exits. As in Megatron-LM it needs --use-persistent-ckpt-worker and is off "
+        "without it (a line says so); the host copy of the state it writes takes memory "
+        "while it is written"))
+    use_persistent_ckpt_worker: bool = field(default=False, metadata=option(
+        "--use-persistent-ckpt-worker", "with --async-save: one background process per rank, "
+        "started at the first save, writes every checkpoint (Megatron-LM takes --async-save "
+        "only with it)"))
     no_load_rng: bool = field(default=False, metadata=option(
         "--no-load-rng", "on --load, do not restore the saved random state"))
     no_verify_checkpoint: bool = field(default=False, metadata=option(
@@ -295,7 +318,13 @@ class CheckpointConfig:
     def __post_init__(self):
         config_values.check_fields(self)
         if self.ckpt_format != "torch_dist":
-            raise ConfigError(f"--ckpt-format {self.ckpt_format!r}: only torch_dist is supported")
+            raise ConfigError(f"--ckpt-format {self.ckpt_format!r}: only torch_dist is supported"
+                              + (" (also the only format --async-save writes)"
+                                 if self.async_save else ""))
+        if self.async_save and not self.use_persistent_ckpt_worker:
+            # Megatron-LM's rule (its validate_args): --async-save is dropped without the
+            # persistent worker; the trainer prints a line (config.megatron_lm.notes)
+            _normalize(self, async_save=False)
 
 
 @dataclass(kw_only=True, frozen=True)

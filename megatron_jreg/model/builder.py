@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_jreg.model.attention import SDPAttention, resolve_attention_backend
 from megatron_jreg.config.model import ModelConfig, ParallelConfig, resolve_transformer_impl
+from megatron_jreg.model.fusions import Fusions, decide as decide_fusions
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
 from megatron_jreg.model.norm import norm_class
 from megatron_jreg.platform import mcore_fixes
@@ -48,31 +49,13 @@ def core_attention(model: ModelConfig) -> tuple:
     return resolve_attention_backend(model.attention_backend, _impl(model))
 
 
-def fused_wgrad_available() -> bool:
-    """Whether megatron-core's linear layers found the fused weight-gradient kernel
-    (apex's ``fused_weight_gradient_mlp_cuda``, built only with CUDA): megatron's own probe,
-    made when ``megatron.core.tensor_parallel.layers`` is imported."""
-    from megatron.core.tensor_parallel import layers
-
-    return layers._grad_accum_fusion_available
-
-
-def use_gradient_accumulation_fusion(fused_wgrad: bool, disabled: bool = False) -> bool:
-    """Whether weight gradients are accumulated into the fp32 main gradients inside the
-    GEMM (Megatron-LM's default; ``--no-gradient-accumulation-fusion`` turns it off).
-
-    fused_wgrad: :func:`fused_wgrad_available`. Transformer Engine's linears have their own
-    fused path, but the model's output layer is megatron's ColumnParallelLinear under every
-    implementation, and it refuses the setting without the kernel: so the kernel decides,
-    whatever the implementation. The weights need ``main_grad``, which megatron's
-    DistributedDataParallel gives them (the trainer always wraps the model in it)."""
-    return fused_wgrad and not disabled
-
-
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
-                       no_gradient_accumulation_fusion: bool = False) -> TransformerConfig:
-    """megatron's TransformerConfig for the model under the given split
-    (``no_gradient_accumulation_fusion``: Megatron-LM's flag of that name)."""
+                       fusions: Optional[Fusions] = None) -> TransformerConfig:
+    """megatron's TransformerConfig for the model under the given split, with ``fusions``
+    (default: :func:`megatron_jreg.model.fusions.decide` without Megatron-LM's flags that
+    turn them off). Its gradient-accumulation fusion is the output layer's: build the model
+    with the same ``fusions`` (:func:`build_model`) for the decoder layers' own."""
+    fusions = fusions or decide_fusions(model)
     vp = parallel.virtual_stages(model.num_layers)
     dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
     te = _impl(model) == "transformer_engine"
@@ -123,12 +106,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         recompute_method=parallel.recompute_method,
         recompute_num_layers=parallel.recompute_num_layers,
         recompute_modules=parallel.recompute_modules,
-        gradient_accumulation_fusion=use_gradient_accumulation_fusion(
-            fused_wgrad_available(), no_gradient_accumulation_fusion),
+        gradient_accumulation_fusion=fusions.wgrad_output,
         masked_softmax_fusion=False,
         bias_activation_fusion=te,
         bias_dropout_fusion=te,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fusions.rope,
         persist_layer_norm=False,
         # Free each pipeline stage's output activations once sent (Megatron-LM's default
         # with PP); needs viewless stage outputs, which the JREG layer guarantees.
@@ -136,21 +118,28 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
     )
 
 
-def jreg_layer_spec(base: ModuleSpec, tracker: Optional[JregTracker]) -> ModuleSpec:
+def jreg_layer_spec(base: ModuleSpec, tracker: Optional[JregTracker],
+                    wgrad_fusion: Optional[bool] = None) -> ModuleSpec:
     """``base`` (a TransformerLayer spec, dense or MoE) with its layer swapped for the JREG one.
 
     Refuses a layer that is not megatron's TransformerLayer (JREG measures its input and
     output); the layer's submodules, an MoE MLP included, are kept as they are.
+    ``wgrad_fusion``: the layers' gradient-accumulation fusion where it is not the model's
+    (:class:`megatron_jreg.model.fusions.Fusions`); None keeps the model's.
     """
     if not (isinstance(base.module, type) and issubclass(base.module, TransformerLayer)):
         raise ValueError(f"JREG wraps megatron's TransformerLayer; the spec builds {base.module!r}")
-    return ModuleSpec(module=JregTransformerLayer, submodules=base.submodules,
-                      params=dict(base.params or {}, jreg_tracker=tracker))
+    params = dict(base.params or {}, jreg_tracker=tracker)
+    if wgrad_fusion is not None:
+        params["gradient_accumulation_fusion"] = wgrad_fusion
+    return ModuleSpec(module=JregTransformerLayer, submodules=base.submodules, params=params)
 
 
-def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec:
+def layer_spec(model: ModelConfig, tracker: Optional[JregTracker],
+               wgrad_fusion: Optional[bool] = None) -> ModuleSpec:
     """The family's megatron layer spec with its TransformerLayer swapped for the JREG one
-    (and its core attention for SDPA when --attention-backend resolves to it)."""
+    (and its core attention for SDPA when --attention-backend resolves to it);
+    ``wgrad_fusion`` as :func:`jreg_layer_spec` takes it."""
     sdpa = core_attention(model)[0] == "sdpa"
     if _impl(model) == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(
@@ -158,7 +147,7 @@ def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec
             qk_layernorm=model.qk_layernorm)
         if sdpa:
             spec.submodules.self_attention.submodules.core_attention = SDPAttention
-        return jreg_layer_spec(spec, tracker)
+        return jreg_layer_spec(spec, tracker, wgrad_fusion)
     spec = get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=model.qk_layernorm,
                                     normalization=model.normalization)
@@ -172,11 +161,12 @@ def layer_spec(model: ModelConfig, tracker: Optional[JregTracker]) -> ModuleSpec
         attention.k_layernorm = norm
     if sdpa:
         attention.core_attention = SDPAttention
-    return jreg_layer_spec(spec, tracker)
+    return jreg_layer_spec(spec, tracker, wgrad_fusion)
 
 
 def block_spec(model: ModelConfig, config: TransformerConfig, tracker: Optional[JregTracker],
-               vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+               vp_stage: Optional[int] = None,
+               wgrad_fusion: Optional[bool] = None) -> TransformerBlockSubmodules:
     """This stage's layers and final norm. Given explicitly because megatron's default final
     norm for a layer spec is Apex's FusedLayerNorm when Apex is installed (no RMSNorm) and
     WrappedTorchNorm otherwise (no sequence parallelism)."""
@@ -185,8 +175,8 @@ def block_spec(model: ModelConfig, config: TransformerConfig, tracker: Optional[
     else:
         final_norm = norm_class(model.normalization)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(model, tracker)] * layers,
-                                      layer_norm=final_norm)
+    spec = layer_spec(model, tracker, wgrad_fusion)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=final_norm)
 
 
 def build_model(
@@ -194,13 +184,20 @@ def build_model(
     parallel: ParallelConfig,
     tracker: Optional[JregTracker],
     config: Optional[TransformerConfig] = None,
+    fusions: Optional[Fusions] = None,
 ) -> List[GPTModel]:
     """This rank's model chunks: one GPTModel, or one per virtual stage when interleaved.
 
-    parallel_state must already be initialised with the same TP/PP/VPP sizes.
+    parallel_state must already be initialised with the same TP/PP/VPP sizes. ``fusions``:
+    those ``config`` was made with (:func:`transformer_config`), for the decoder layers'
+    gradient-accumulation fusion; without them the layers take ``config``'s. Without
+    ``config`` both come from :func:`megatron_jreg.model.fusions.decide`.
     """
     mcore_fixes.apply()
-    config = config or transformer_config(model, parallel)
+    if config is None:
+        fusions = fusions or decide_fusions(model)
+        config = transformer_config(model, parallel, fusions)
+    wgrad_fusion = fusions.wgrad_layers if fusions is not None else None
     vocab = model.padded_vocab_size()
     tp = parallel.tensor_model_parallel_size
     if vocab % tp:
@@ -213,7 +210,7 @@ def build_model(
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=block_spec(model, config, tracker, stage),
+                transformer_layer_spec=block_spec(model, config, tracker, stage, wgrad_fusion),
                 vocab_size=vocab,
                 max_sequence_length=model.max_positions,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

@@ -15,6 +15,7 @@ values are a :class:`megatron_jreg.ops.psi_accumulator.PsiAccumulator`, eval_jum
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict, deque
 from typing import Deque, Dict, List, Optional
 
@@ -67,8 +68,13 @@ class JregTracker:
         self._recompute_masks: Dict[int, Deque[tuple]] = defaultdict(deque)
 
     # ---- per step -------------------------------------------------------------------------
-    def set_loss_scale(self, loss_scale: float, num_microbatches: int) -> None:
-        self.loss_scale = float(loss_scale) / num_microbatches
+    def set_loss_scale(self, loss_scale, num_microbatches: int) -> None:
+        """The main loss's backward scale (a number, or a 0-dim tensor on the device: the
+        step then never waits for it) over the micro-batches."""
+        if isinstance(loss_scale, torch.Tensor):
+            self.loss_scale = loss_scale.detach().reshape(()) / num_microbatches
+        else:
+            self.loss_scale = float(loss_scale) / num_microbatches
 
     def set_token_mask(self, mask: Optional[torch.Tensor]) -> None:
         """[b, s] bool, True = counted, for the next forward; None counts every token."""
@@ -152,17 +158,38 @@ class JregTracker:
         floats], "R": float, "penalty": float, "microbatches": [this rank's micro-batch
         count per layer, 0 for layers on other stages]}.
         """
-        groups = []
-        if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-            groups = [parallel_state.get_tensor_model_parallel_group(),
+        values = self.values(psi_means(reduce_stats(self.local_stats())).tolist())
+        values["microbatches"] = list(self._microbatches)
+        return values
+
+    def local_stats(self) -> torch.Tensor:
+        """[2, L] this rank's sums of Psi_l and their counts (a copy, on the run's device; zeros
+        where no layer of this step ran here): what :func:`reduce_stats` adds over ranks. Read
+        without waiting for the device, so a trainer can reduce many steps at once."""
+        return self._psi.reduce([], device=current_device())._stats
+
+    def values(self, psi: List[float]) -> Dict[str, object]:
+        """{"psi", "R", "penalty"} of one step's Psi_1..Psi_L (:func:`psi_means`)."""
+        r = regularizer(psi, self._weights_list)
+        return {"psi": psi, "R": r, "penalty": self.config.lam * r}
+
+
+def psi_means(stats: torch.Tensor) -> torch.Tensor:
+    """[..., L] Psi_l of reduced stats [..., 2, L] (sums over counts; a layer counted nowhere
+    gives 0), on the device."""
+    return stats[..., 0, :] / stats[..., 1, :].clamp(min=1.0)
+
+
+def reduce_stats(stats: torch.Tensor) -> torch.Tensor:
+    """:meth:`JregTracker.local_stats` (of one step, [2, L], or of several, [n, 2, L]) added
+    over the TP, PP and DP ranks: one all-reduce per group, whatever the number of steps.
+    Collective: every rank calls it."""
+    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        for group in (parallel_state.get_tensor_model_parallel_group(),
                       parallel_state.get_pipeline_model_parallel_group(),
-                      parallel_state.get_data_parallel_group()]
-        # a rank that recorded nothing (no layer of this step ran here) adds zeros on the
-        # run's device
-        values: List[float] = self._psi.reduce(groups, device=current_device()).means().tolist()
-        r = regularizer(values, self._weights_list)
-        return {"psi": values, "R": r, "penalty": self.config.lam * r,
-                "microbatches": list(self._microbatches)}
+                      parallel_state.get_data_parallel_group()):
+            dist.all_reduce(stats, group=group)
+    return stats
 
 
 class JregTransformerLayer(TransformerLayer):
@@ -172,8 +199,17 @@ class JregTransformerLayer(TransformerLayer):
     params={"jreg_tracker": tracker})``); all of the layer's own computation is megatron's.
     """
 
-    def __init__(self, *args, jreg_tracker: Optional[JregTracker] = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, jreg_tracker: Optional[JregTracker] = None,
+                 gradient_accumulation_fusion: Optional[bool] = None, **kwargs):
+        if (gradient_accumulation_fusion is not None
+                and gradient_accumulation_fusion != config.gradient_accumulation_fusion):
+            # Transformer Engine's linears fuse the weight-gradient accumulation themselves,
+            # while the model's output layer (megatron-core's own linear, built from the
+            # model's config) needs apex for it: this layer is built from a copy holding its
+            # own setting, as megatron-core builds heterogeneous layers from per-layer configs
+            config = copy.copy(config)
+            config.gradient_accumulation_fusion = gradient_accumulation_fusion
+        super().__init__(config, *args, **kwargs)
         if self.config.context_parallel_size != 1:
             raise ConfigError(CONTEXT_PARALLEL_UNSUPPORTED)
         self.jreg_tracker = jreg_tracker

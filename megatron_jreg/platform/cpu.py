@@ -21,8 +21,9 @@ import torch
 
 _ACTIVE = False
 
-# torch factories that megatron calls with device="cuda" or device=torch.cuda.current_device().
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+# torch factories that megatron calls with device="cuda" or device=torch.cuda.current_device()
+# (empty_like: dist_checkpointing/exchange_utils.py, the fully parallel load's buffers).
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "empty_like")
 
 
 def is_active() -> bool:
@@ -167,6 +168,24 @@ def _patch_rng() -> None:
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
+def _patch_sharded_tensor() -> None:
+    # dist_checkpointing/exchange_utils.py (the fully parallel load) makes the buffers it
+    # exchanges with ShardedTensor.init_data("cuda"), whose init_fn defaults to torch.empty
+    # as it was when mapping.py was imported (not the factory wrapped above).
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    init_data = ShardedTensor.init_data
+    if getattr(init_data, "_megatron_jreg_cpu", False):
+        return
+
+    @functools.wraps(init_data)
+    def cpu_init_data(self, device, init_fn=torch.empty):
+        return init_data(self, "cpu" if _names_cuda(device) else device, init_fn)
+
+    cpu_init_data._megatron_jreg_cpu = True
+    ShardedTensor.init_data = cpu_init_data
+
+
 def _patch_moe_dispatcher() -> None:
     # transformer/moe/token_dispatcher.py (the alltoall dispatcher) copies its split sizes
     # to the host as numpy arrays through moe_utils.maybe_move_tensor_to_cpu, which leaves a
@@ -198,5 +217,6 @@ def activate() -> None:
         return
     _patch_torch_devices()
     _patch_rng()
+    _patch_sharded_tensor()
     _patch_moe_dispatcher()
     _ACTIVE = True

@@ -54,8 +54,9 @@ def fix_checkpoint_writer_queue() -> None:
     ``Manager().Queue()`` (``dist_checkpointing/strategies/filesystem_async.py:54``), which
     starts a server process that re-imports ``__main__`` (a second copy of the training
     script's imports, and a failure for ``python -c`` or stdin). Our saves are synchronous:
-    the writer runs in this process, so an in-process queue carries the results. (Async
-    saves, which would need the cross-process queue, are not offered.)"""
+    the writer runs in this process, so an in-process queue carries the results. (An async
+    save, whose writer is another process, puts megatron-core's kind of queue back for its
+    run: ``checkpoint.async_save``.)"""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not isinstance(filesystem_async._results_queue, queue.Queue):

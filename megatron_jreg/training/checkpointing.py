@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
+from megatron_jreg.checkpoint.async_save import AsyncSaver
 from megatron_jreg.checkpoint.dist_checkpoint import (
     TRACKER,
     complete_iterations,
@@ -23,7 +25,7 @@ from megatron_jreg.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatr
 from megatron_jreg.checkpoint.scheduler_state import saved_schedule
 from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.distributed.setup import print_rank_0
-from megatron_jreg.errors import ConfigError, InputError
+from megatron_jreg.errors import CheckpointError, ConfigError, InputError
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer, read_run_configs
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
@@ -68,6 +70,8 @@ class Checkpointer:
         self.save_lock: Optional[SaveLock] = None
         self.run_id = "0"
         self.extra_files: Dict[str, str] = {}  # written into every saved iteration
+        # --async-save: the shards of a save are written while training goes on
+        self.background = AsyncSaver() if self.cfg.async_save else None
 
     def take_save_lock(self) -> None:
         """One writer per --save (rank 0 holds the lock for the job); every rank learns the
@@ -92,6 +96,8 @@ class Checkpointer:
         if outcome[1]:
             print_rank_0(outcome[1])
         self.run_id = outcome[2]
+        if self.background is not None:  # its results queue's process: before training
+            self.background.start()
 
     def _clear_stale_saves(self) -> Optional[str]:
         """Holding the lock, no other run writes here: temporary save directories and
@@ -159,7 +165,8 @@ class Checkpointer:
             root, step, model,
             optimizer if load_optim else None, scheduler if load_optim else None,
             verify=not self.cfg.no_verify_checkpoint, scheduler_mode=mode,
-            samples_per_iter=g, load_rng=not self.cfg.no_load_rng)
+            samples_per_iter=g, load_rng=not self.cfg.no_load_rng,
+            fully_parallel=self.cfg.ckpt_fully_parallel_load)
         resumed = None
         if load_optim:
             resumed = iteration, state
@@ -222,6 +229,8 @@ class Checkpointer:
              consumed_tokens: Optional[int] = None, flops_so_far: float = 0.0) -> None:
         if not self.cfg.save:
             return
+        self.finish_background()  # one save in flight: the one before is completed first
+        self.check_lock_held()
         fully = self.cfg.dist_ckpt_optim_fully_reshardable
         # Megatron-LM's fields: it resumes, converts and reads --use-checkpoint-args from them
         common = {"args": megatron_lm_args(self.experiment, world_size=dist.get_world_size(),
@@ -236,9 +245,50 @@ class Checkpointer:
                                self.experiment.to_yaml(), {"consumed_samples": consumed_samples,
                                                            "consumed_tokens": consumed_tokens},
                                run_id=self.run_id, extra_files=self.extra_files,
-                               tokenizer_dir=carried, common=common, fully_reshardable=fully)
-        print_rank_0(f"saved checkpoint {path} in {time.time() - t0:.1f}s")
+                               tokenizer_dir=carried, common=common, fully_reshardable=fully,
+                               fully_parallel=self.cfg.ckpt_fully_parallel_save,
+                               background=self.background,
+                               before_complete=self.check_lock_held)
+        if self.background is None:
+            print_rank_0(f"saved checkpoint {path} in {time.time() - t0:.1f}s")
+        else:
+            print_rank_0(f"saving checkpoint {path} in the background (the loop waited "
+                         f"{time.time() - t0:.1f}s)")
+
+    def finish_background(self, wait: bool = True, after_error: bool = False) -> None:
+        """Complete the save being written in the background once every rank's files are
+        written (``wait``: wait for them); collective while one is pending. Raises
+        CheckpointError when the writing failed; ``after_error`` (the run is stopping on
+        an error already): prints it instead."""
+        saves = self.background
+        if saves is None or saves.pending is None:
+            return
+        t0, path = time.time(), saves.pending.path
+        try:
+            done = saves.finalize(blocking=False)
+            if done is None and wait:
+                done = saves.finalize(blocking=True)
+                print_rank_0(f"waited {time.time() - t0:.1f}s for the background save of {path}")
+        except CheckpointError as err:
+            if not after_error:
+                raise
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return
+        if done is not None:
+            print_rank_0(f"saved checkpoint {path} (written in the background in {done[1]:.1f}s)")
+
+    def check_lock_held(self) -> None:
+        """Collective: stop every rank (CheckpointError) when this run lost --save's lock to
+        another run, before it writes anything there."""
+        lost = [self.save_lock.lost() if self.save_lock is not None else None]
+        dist.broadcast_object_list(lost, src=0)
+        if lost[0]:  # release() at exit leaves the other run's file alone
+            raise CheckpointError(lost[0])
 
     def close(self) -> None:
+        if self.background is not None:  # before the lock: a worker may still write there
+            abandoned = self.background.close()
+            if abandoned:
+                print_rank_0(abandoned)
         if self.save_lock is not None:
             self.save_lock.release()

@@ -61,6 +61,11 @@ METRICS: Dict[str, Sequence[Metric]] = {
         Metric("tflops_per_gpu", console="TFLOP/s/GPU {:.1f}"),
         Metric("memory_gib", jsonl="memory_gib", tensorboard="memory/GiB", console="mem {:.2f} GiB"),
         Metric("skipped", console="skipped {}"),
+        # seconds of the window spent evaluating and saving: not in tokens/s
+        Metric("eval_seconds", jsonl="eval_seconds", tensorboard="time/eval_seconds",
+               console="eval {:.1f}s"),
+        Metric("save_seconds", jsonl="save_seconds", tensorboard="time/save_seconds",
+               console="save {:.1f}s"),
     ),
     VALIDATION: (
         Metric("lm_loss", jsonl="validation_lm_loss", tensorboard="validation/lm loss",
@@ -69,6 +74,8 @@ METRICS: Dict[str, Sequence[Metric]] = {
         Metric("psi", jsonl="validation_psi"),
         Metric("zeta_L", jsonl="validation_zeta_L", tensorboard="validation/zeta_L",
                console="zeta_L {:.3f}"),
+        Metric("seconds", jsonl="validation_seconds", tensorboard="time/validation_seconds",
+               console="{:.1f}s"),
     ),
 }
 

@@ -11,6 +11,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_jreg.model.builder import causal_attention_mask
 from megatron_jreg.model.jreg_layer import JregTracker
+from megatron_jreg.platform.device import current_device
 
 # A batch is a dict of [b, s] tensors: tokens, labels, loss_mask, position_ids; optionally
 # token_mask (bool, True = counted by JREG; default every token).
@@ -61,6 +62,8 @@ def forward_backward(
     tracker: Optional[JregTracker],
     forward_only: bool = False,
     per_token_loss: bool = False,
+    count_loss_tokens: bool = True,
+    reduce_metrics: bool = True,
 ) -> Dict[str, object]:
     """Run one step's micro-batches (forward, and backward unless ``forward_only``).
 
@@ -74,9 +77,16 @@ def forward_backward(
     A global batch without a loss token (SFT samples whose replies are all cut) has no LM
     loss: a mean over it is 0/0. Nothing runs and every rank (they share the count) gets
     ``no_loss_tokens`` True and None for the loss and the JREG metrics; the caller skips it.
+    ``count_loss_tokens`` False (data whose every sample has loss tokens, without
+    ``per_token_loss``) skips that count and its wait for the device.
+
+    ``reduce_metrics`` False: nothing waits for the device or communicates after the
+    schedule; ``lm_loss`` is then this rank's 0-dim float64 tensor (zeros off the last
+    stage) and ``jreg_stats`` the tracker's :meth:`JregTracker.local_stats`, for the caller
+    to reduce with other steps' (``jreg_layer.reduce_stats``).
     """
     num_microbatches = len(batches)
-    loss_tokens = global_loss_tokens(batches)
+    loss_tokens = global_loss_tokens(batches) if count_loss_tokens or per_token_loss else None
     if loss_tokens == 0:
         return {"lm_loss": None, "no_loss_tokens": True, "penalty": None, "R": None, "psi": None}
     per_token_scale = None
@@ -89,7 +99,8 @@ def forward_backward(
         scale = 1.0
         if config.grad_scale_func is not None and not forward_only:
             device = next(model[0].parameters()).device
-            scale = float(config.grad_scale_func(torch.ones(1, device=device)).item())
+            # the optimizer's loss scale where it lives: the penalty's backward reads it there
+            scale = config.grad_scale_func(torch.ones(1, device=device))
         tracker.set_loss_scale(scale, num_microbatches)
     # one iterator per model chunk: each chunk reads every micro-batch once
     iterators: List[Iterator] = [iter(batches) for _ in model]
@@ -104,8 +115,14 @@ def forward_backward(
     )
     lm_loss = None
     if losses:
-        lm_loss = float(torch.stack([x["lm loss"] for x in losses]).mean())
-    result: Dict[str, object] = {"lm_loss": lm_loss, "no_loss_tokens": False}
+        lm_loss = torch.stack([x["lm loss"] for x in losses]).mean().double()
+    if not reduce_metrics:
+        if lm_loss is None:
+            lm_loss = torch.zeros((), dtype=torch.float64, device=current_device())
+        return {"lm_loss": lm_loss, "no_loss_tokens": False,
+                "jreg_stats": tracker.local_stats() if tracker is not None else None}
+    result: Dict[str, object] = {"lm_loss": None if lm_loss is None else float(lm_loss),
+                                 "no_loss_tokens": False}
     if tracker is not None:
         result.update(tracker.reduce())
     return result

@@ -20,7 +20,6 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
-from megatron_jreg.atomic_write import check_output_dir, check_output_path
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE
 from megatron_jreg.config.resolve import NULL_TOKENIZER, RunFacts, model_vocab, resolve
 from megatron_jreg.data.datasets.batches import rank_microbatches
@@ -36,7 +35,7 @@ from megatron_jreg.distributed.setup import (
     seed_everything,
     teardown,
 )
-from megatron_jreg.model.builder import build_model, transformer_config
+from megatron_jreg.model.builder import build_model, decide_fusions, transformer_config
 from megatron_jreg.model.attention import resolve_attention_backend
 from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_build
 from megatron_jreg.platform import device as platform_device
@@ -60,8 +59,10 @@ from megatron_jreg.config.megatron_lm import notes
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
 from megatron_jreg.data.datasets.sample_order import CyclicOrder
 from megatron_jreg.training.signals import SignalFlag
-from megatron_jreg.errors import ConfigError, InputError, UserError
+from megatron_jreg.errors import ConfigError, UserError
+from megatron_jreg.training.outputs import check_outputs
 from megatron_jreg.training.step import forward_backward
+from megatron_jreg.training.window import reduce_window
 
 
 class Trainer:
@@ -91,7 +92,7 @@ class Trainer:
         self.checkpoints.experiment = cfg  # each save records the resolved run
         initialize_distributed(cfg.parallel.distributed_timeout_minutes)
         self.device = platform_device.current_device()
-        self._check_outputs()
+        check_outputs(self.cfg.outputs())
         check_data_against_run(cfg.data_prefixes(), self.tokenizer.vocab_size, cfg.data.data_cache_path,
                                (cfg.data.split, cfg.model.seq_length) if cfg.data.sft else None)
         if cfg.jreg.impl == "fused" and not fused_available(self.device):
@@ -105,6 +106,8 @@ class Trainer:
         print_rank_0(f"transformer implementation: {impl} ({impl_why})")
         attention, why = resolve_attention_backend(cfg.model.attention_backend, impl)
         print_rank_0(f"core attention: {attention} ({why})")
+        self.fusions = decide_fusions(cfg.model, cfg.megatron_lm)  # "rope fusion: on (why)", ...
+        print_rank_0("\n".join(self.fusions.lines()))
         # the Megatron-LM flags, with the padding the settings asked for (a checkpoint's own
         # rows have a line of their own)
         asked = dataclasses.replace(cfg, model=dataclasses.replace(
@@ -117,12 +120,16 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         t = self.train_cfg
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        # whether a global batch can lack loss tokens (then each step counts them first)
+        self._count_loss_tokens = cfg.data.sft or cfg.data.eod_mask_loss
         seed_everything(self.train_cfg.seed)
         self._build_model_and_optimizer()
         self._build_data()
         if self.checkpoints.source():
             resumed = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
-            if resumed is not None:
+            if resumed is None:  # weights only: the fp32 main params still hold the pre-load weights
+                self.optimizer.reload_model_params()  # (as Megatron-LM does after such a load)
+            else:
                 self.iteration, state = resumed
                 self.consumed_samples = state["consumed_samples"]
                 tokens, flops = state["consumed_tokens"], state["flops_so_far"]  # None: not saved
@@ -147,46 +154,16 @@ class Trainer:
                                            tokenizer.vocab_size)
         return tokenizer
 
-    def _check_outputs(self) -> None:
-        """Before any work: rank 0 makes the missing output directories, then every rank
-        proves it can write what it writes. The first problem anywhere stops every rank
-        with the same one-line error (no rank is left waiting in a collective)."""
-        outputs = self.cfg.outputs()
-        rank, world = dist.get_rank(), dist.get_world_size()
-
-        def check(create: bool) -> Optional[str]:
-            for flag, path, is_dir, every_rank in outputs:
-                if not (create or every_rank):
-                    continue
-                try:
-                    if is_dir:
-                        check_output_dir(path, flag, create=create)
-                    else:
-                        check_output_path(path, flag, create=create)
-                except InputError as err:
-                    return str(err)
-            return None
-
-        for create in (True, False):
-            problem = check(create) if (rank == 0) == create else None
-            found: List[Optional[str]] = [None] * world
-            dist.all_gather_object(found, problem)
-            first = next((p for p in found if p), None)
-            if first:
-                raise InputError(first)
-
     def _build_model_and_optimizer(self) -> None:
         cfg = self.cfg
-        config = transformer_config(
-            cfg.model, cfg.parallel,
-            no_gradient_accumulation_fusion=cfg.megatron_lm.no_gradient_accumulation_fusion)
+        config = transformer_config(cfg.model, cfg.parallel, self.fusions)
         self.tracker = JregTracker(cfg.jreg, cfg.model.num_layers,
                                    sequence_parallel=cfg.parallel.sequence_parallel)
-        chunks = build_model(cfg.model, cfg.parallel, self.tracker, config)
+        chunks = build_model(cfg.model, cfg.parallel, self.tracker, config, self.fusions)
         for chunk in chunks:
             chunk.to(self.device)
-        # the same weights under every TP/PP layout of one seed (loads overwrite them)
-        layout_invariant_init(chunks, self.train_cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
+        if not self.checkpoints.source():  # unless a load overwrites every weight (a 20-30 s draw at 3B)
+            layout_invariant_init(chunks, self.train_cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
         if cfg.model.bf16 or cfg.model.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
         self.model = data_parallel.wrap(chunks, config, cfg)
@@ -231,29 +208,32 @@ class Trainer:
                                  self.num_microbatches, self.dp_rank, self.dp_size, self.device)
 
     # ---- steps ----------------------------------------------------------------------------
-    def _global_mean(self, value: Optional[float]) -> float:
-        """The last stage's value, averaged over DP ranks, on every rank."""
-        t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
-        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return float(t.item()) / self.dp_size
-
-    def train_step(self) -> Dict[str, float]:
+    def train_step(self) -> Dict[str, object]:
+        """One step. Nothing in it waits for the device but the gradient norm (clipping and
+        the skip of a non-finite step need it): the LM loss and the JREG sums stay on the
+        device until the window they belong to is logged (``window.reduce_window``), except
+        when a step is not applied, whose loss and penalty are then read to name why."""
         t = self.train_cfg
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         batches = self._batches(self.train_ds, self.consumed_samples)
         out = forward_backward(self.model, batches, self.cfg.model.seq_length, t.micro_batch_size,
-                               self.tracker, per_token_loss=self.cfg.per_token_loss())
+                               self.tracker, per_token_loss=self.cfg.per_token_loss(),
+                               count_loss_tokens=self._count_loss_tokens, reduce_metrics=False)
         empty = out["no_loss_tokens"]  # no loss token in the global batch: nothing ran, no update
-        loss = None if empty else self._global_mean(out["lm_loss"])
-        bad = [f"{name} is {value}" for name, value in (("LM loss", loss), ("JREG penalty", out["penalty"]))
-               if value is not None and not math.isfinite(value)]
-        grad_norm = None  # no step taken: no gradient norm (never a NaN shown as a number)
-        success = False
-        if not bad and not empty:
+        step = {"lm_loss": out["lm_loss"], "jreg_stats": out.get("jreg_stats"), "grad_norm": None,
+                "skipped": True, "no_loss_tokens": empty, "penalty": None, "R": None, "psi": None}
+        success, bad = False, []
+        if not empty:
             success, grad_norm, bad = optimizer_step(self.optimizer)
+            if success:
+                step["grad_norm"] = grad_norm  # never a NaN shown as a number
+            else:  # every rank takes this branch: the norm and the loss scaler's check are global
+                reduce_window([step], self.tracker, self.dp_size)
+                bad = [f"{name} is {value}" for name, value in (
+                    ("LM loss", step["lm_loss"]), ("JREG penalty", step["penalty"]))
+                    if not math.isfinite(value)] or bad
         if bad:
             if t.exit_on_nan:
                 raise FloatingPointError(
@@ -269,8 +249,8 @@ class Trainer:
         self.flops_so_far += t.global_batch_size * self.cfg.model.seq_length * self._flops_per_token()
         self.skipped_steps += not success
         self.no_loss_token_steps += empty
-        return {"lm_loss": loss, "penalty": out["penalty"], "R": out["R"], "psi": out["psi"],
-                "grad_norm": grad_norm, "skipped": not success, "no_loss_tokens": empty}
+        step["skipped"] = not success
+        return step
 
     def evaluate(self) -> Optional[Dict[str, object]]:
         """Validation LM loss and Psi over the fixed eval_iters batches (collective)."""
@@ -280,24 +260,29 @@ class Trainer:
         data_parallel.sync_params(self.model)
         for chunk in self.model:
             chunk.eval()
-        losses, psis = [], []
+        batches_read = []  # a batch without a loss token has no loss (0/0): left out
         with torch.no_grad():
             for i in range(t.eval_iters):
                 batches = self._batches(self.valid_ds, i * t.global_batch_size)
                 out = forward_backward(self.model, batches, self.cfg.model.seq_length,
                                        t.micro_batch_size, self.tracker, forward_only=True,
-                                       per_token_loss=self.cfg.per_token_loss())
-                if not out["no_loss_tokens"]:  # a batch without one has no loss (0/0)
-                    losses.append(self._global_mean(out["lm_loss"]))
-                    psis.append(out["psi"])
+                                       per_token_loss=self.cfg.per_token_loss(), reduce_metrics=False)
+                if not out["no_loss_tokens"]:
+                    batches_read.append(dict(out))
         for chunk in self.model:
             chunk.train()
-        psi = [sum(col) / len(col) for col in zip(*psis)]
+        reduce_window(batches_read, self.tracker, self.dp_size)  # one read for every batch
+        losses = [b["lm_loss"] for b in batches_read]
+        psi = [sum(col) / len(col) for col in zip(*(b["psi"] for b in batches_read))]
         return validation_summary(sum(losses) / len(losses) if losses else None, psi,
                                   self.cfg.model.num_layers)
 
-    def _log_window(self, window: List[Dict], elapsed: float) -> None:
+    def _log_window(self, window: List[Dict], elapsed: float, outside: Dict[str, float]) -> None:
+        """Log the steps of ``window``: ``elapsed`` seconds of training steps (tokens/s counts
+        these only); ``outside``: the seconds of evaluation and saving within the window,
+        logged apart."""
         cfg = self.cfg
+        reduce_window(window, self.tracker, self.dp_size)
         values = jreg_summary(window, cfg.model.num_layers, cfg.jreg.lam)
         tps = len(window) * self.train_cfg.global_batch_size * cfg.model.seq_length / max(elapsed, 1e-9)
         tflops = self._flops_per_token() * tps / dist.get_world_size() / 1e12
@@ -307,7 +292,8 @@ class Trainer:
                       lr=self.optimizer.param_groups[0]["lr"], grad_norm=window[-1]["grad_norm"],
                       tokens_per_s=tps, tflops_per_gpu=tflops,
                       memory_gib=platform_device.peak_memory_gib(self.device),
-                      skipped=skipped or None)
+                      skipped=skipped or None, eval_seconds=outside.get("eval") or None,
+                      save_seconds=outside.get("save") or None)
         self.metrics.log(TRAIN, self.iteration, values)
 
     def _flops_per_token(self) -> float:
@@ -327,22 +313,35 @@ class Trainer:
             f"{cfg.parallel.pipeline_model_parallel_size}, DP {self.dp_size}), "
             f"{self.num_microbatches} micro-batches per step, JREG lambda {cfg.jreg.lam}")
         window: List[Dict] = []
+        # the window's wall time less its evaluations and saves (``outside``, logged apart)
+        # is what tokens/s divides by
         start, t_start, first = time.time(), time.time(), self.iteration
+        outside = {"eval": 0.0, "save": 0.0}
         last_saved = self.iteration if self.iteration else None
         last = None
         while self.iteration < t.train_iters:
+            saves = self.checkpoints.background
+            if saves is not None and saves.pending is not None:
+                t0 = time.time()
+                self.checkpoints.finish_background(wait=False)  # a background save written by now
+                outside["save"] += time.time() - t0
             last = self.train_step()
             window.append(last)
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
-                self._log_window(window, time.time() - start)
-                window, start = [], time.time()
+                self._log_window(window, time.time() - start - sum(outside.values()), outside)
+                window, start, outside = [], time.time(), {"eval": 0.0, "save": 0.0}
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0:
+                t0 = time.time()
                 result = self.evaluate()
                 if result:
+                    result["seconds"] = time.time() - t0
                     self.metrics.log(VALIDATION, self.iteration, result)
+                outside["eval"] += time.time() - t0
             interval = cfg.checkpoint.save_interval
             if interval and self.iteration % interval == 0:
+                t0 = time.time()
                 self.save()
+                outside["save"] += time.time() - t0
                 last_saved = self.iteration
             reason = self.signals.stop_reason(self.device, self.iteration, self._time_is_up(),
                                               at_save=last_saved == self.iteration)
@@ -383,11 +382,13 @@ def run(experiment: ExperimentConfig) -> int:
     try:
         trainer.setup()
         code = trainer.train()
+        trainer.checkpoints.finish_background()  # the last save is whole before the exit
     except (UserError, FileNotFoundError) as err:  # anything else keeps its traceback
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
+        trainer.checkpoints.finish_background(after_error=True)  # its steps before were fine
         return 3
     finally:
         trainer.close()

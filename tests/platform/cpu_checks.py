@@ -28,6 +28,14 @@ obs["factories"] = [
                        ("arange", (3,)), ("tensor", ([1.0],)))
     for dev in ("cuda", 0, torch.device("cuda", 0))
 ]
+obs["empty_like"] = [torch.empty_like(torch.ones(2), device=dev).device.type
+                     for dev in ("cuda", 0, torch.device("cuda", 0))]
+from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+
+sharded = ShardedTensor.from_rank_offsets("x", torch.ones(2))
+sharded.data = None
+sharded.init_data("cuda")  # the fully parallel load's exchange buffers
+obs["sharded_init_data"] = sharded.data.device.type
 obs["current_device"] = str(torch.cuda.current_device())
 obs["synchronize"] = torch.cuda.synchronize() is None
 t = torch.ones(3)

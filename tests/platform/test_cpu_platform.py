@@ -24,6 +24,7 @@ def test_cuda_device_requests_land_on_cpu(checks):
     # before activate(): an error (CPU build of torch) or a GPU tensor, never a CPU one
     assert checks["before"]["zeros_cuda"] in ("error", "cuda")
     assert checks["factories"] == ["cpu"] * 18
+    assert checks["empty_like"] == ["cpu"] * 3 and checks["sharded_init_data"] == "cpu"
     assert checks["current_device"] == "cpu"
     assert checks["synchronize"] and checks["tensor_cuda_identity"]
 

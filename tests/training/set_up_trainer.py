@@ -59,11 +59,15 @@ NEGATIONS = {
     "--no-calculate-per-token-loss": ("training", "calculate_per_token_loss"),
     "--no-sft": ("data", "sft"), "--no-finetune": ("checkpoint", "finetune"),
     "--no-dist-ckpt-optim-fully-reshardable": ("checkpoint", "dist_ckpt_optim_fully_reshardable"),
+    "--no-ckpt-fully-parallel-load": ("checkpoint", "ckpt_fully_parallel_load"),
+    "--no-async-save": ("checkpoint", "async_save"),
+    "--no-use-persistent-ckpt-worker": ("checkpoint", "use_persistent_ckpt_worker"),
     "--no-allow-tokenizer-change": ("checkpoint", "allow_tokenizer_change"),
     "--no-overwrite-checkpoints": ("checkpoint", "overwrite_checkpoints"),
 }
 RESTORED = {"--exit-on-nan": ("training", "exit_on_nan"),
-            "--exit-signal-handler": ("training", "exit_signal_handler")}
+            "--exit-signal-handler": ("training", "exit_signal_handler"),
+            "--ckpt-fully-parallel-save": ("checkpoint", "ckpt_fully_parallel_save")}
 
 
 def negated_config(path):

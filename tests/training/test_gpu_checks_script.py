@@ -54,6 +54,12 @@ def test_gpu_checks_quick_on_cpu(tmp_path):
     assert resume["steps_compared"] == [5, 6, 7, 8] and resume["precision"] == "fp32"
     assert isinstance(resume["max_abs_diff"], float) and resume["max_abs_diff"] == 0.0  # bit-exact
 
+    formats = by_name["checkpoint formats"]["result"]
+    assert {(r["save"], r["format"]) for r in formats["rows"]} == {
+        (save, fmt) for save in ("plain", "fully parallel", "async")
+        for fmt in ("dp_reshardable", "fully_reshardable")}
+    assert "async blocks" in by_name["checkpoint formats"]["figure"]
+
     errors = by_name["kernel accuracy"]["result"]["errors"]
     for dtype, limit in (("fp32", 1e-5), ("bf16", 1e-2)):
         for kind in ("psi", "grad_a", "grad_b"):
@@ -66,7 +72,7 @@ def test_cuda_plan_fits_the_budget():
     total = gpu_checks.plan_limit_s("cuda", quick=False)
     assert total == sum(gpu_checks.LIMITS_S.values()) <= gpu_checks.BUDGET_S <= 480
     names = [name for name, _, _ in gpu_checks.checks("cuda", False)]
-    assert {"gpu tests", "trainer resume", "kernel accuracy"} <= set(names)
+    assert {"gpu tests", "trainer resume", "kernel accuracy", "checkpoint formats"} <= set(names)
 
 
 def _live_members(pgid):

@@ -65,6 +65,10 @@ def test_gpu_scripts_launch_a_valid_8_gpu_run(preset, tp, demo_data, tmp_path, m
     assert model.hidden_size == PRESETS[preset]["hidden_size"]
     assert par.tensor_model_parallel_size == tp and par.sequence_parallel == (tp > 1)
     assert model.bf16 and c["optim"].use_distributed_optimizer
+    # Megatron-LM's DDP flags with the distributed optimizer (its Llama 3 and Mixtral
+    # examples), at every size: under pure data parallelism (170m, 1b) this is all the
+    # communication there is
+    assert par.overlap_grad_reduce and par.overlap_param_gather
     assert model.seq_length == 2048 and train.train_iters == 200_000
     dp = 8 // (tp * par.pipeline_model_parallel_size)
     assert train.global_batch_size % (train.micro_batch_size * dp) == 0
@@ -163,6 +167,7 @@ def test_sft_3b_script_runs_the_papers_recipe_on_both_checkpoints(sft_data, tmp_
         assert (o.adam_beta1, o.adam_beta2) == (0.9, 0.95)
         assert (t.global_batch_size, t.train_iters) == (512, 957)
         assert r["model"].model_preset == "3b" and r["model"].seq_length == 2048
+        assert r["parallel"].overlap_grad_reduce and r["parallel"].overlap_param_gather
 
 
 @pytest.mark.parametrize("script, preset, layout", [
@@ -172,8 +177,8 @@ def test_sft_3b_script_runs_the_papers_recipe_on_both_checkpoints(sft_data, tmp_
 ])
 def test_gpu_scripts_train_as_written_at_tiny_sizes(script, preset, layout, demo_sp_data, tmp_path):
     """The script itself (real torchrun, 2 CPU processes): its layout (data parallel for
-    170m and 1b, TP2 + sequence parallelism for 3b), bf16, the distributed optimizer and
-    the paper's schedule flags train; only the sizes and step counts come from EXTRA_ARGS,
+    170m and 1b, TP2 + sequence parallelism for 3b), bf16, the distributed optimizer with
+    its overlapped communication and the paper's schedule flags train; only the sizes and step counts come from EXTRA_ARGS,
     as a user shrinks it. A baseline script trains with lambda 0, the others with 1."""
     from trainer_runs import run_env
 
@@ -199,5 +204,6 @@ def test_gpu_scripts_train_as_written_at_tiny_sizes(script, preset, layout, demo
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     config = (run_dir / "checkpoints" / "iter_0000003" / "run_config.yaml").read_text()
     for setting in (f"model_preset: {preset}", *layout, "bf16: true",
-                    "use_distributed_optimizer: true", "weighting: softmax"):
+                    "use_distributed_optimizer: true", "overlap_grad_reduce: true",
+                    "overlap_param_gather: true", "weighting: softmax"):
         assert setting in config, setting

@@ -227,8 +227,10 @@ def test_noted_flags_print_their_line_once_and_accepted_ones_nothing(measured):
 
 
 def test_accepted_flags_say_what_the_built_run_does(measured):
-    """The fusions the ACCEPTED rows say are never used are off in the trainer's
-    TransformerConfig, and the dataset builder got --num-dataset-builder-threads."""
+    """The fusions the ACCEPTED rows name are off in the trainer's TransformerConfig of a
+    local-implementation run (RoPE fusion is Transformer Engine's: on only where TE builds the
+    layers, tests/model/test_fusions.py), and the dataset builder got
+    --num-dataset-builder-threads."""
     config = measured.trainer.model[0].config
     assert not (config.bias_activation_fusion or config.bias_dropout_fusion
                 or config.apply_rope_fusion or config.persist_layer_norm

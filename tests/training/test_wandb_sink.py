@@ -66,6 +66,8 @@ def expected_train_log(row):
            "grad-norm": row["grad_norm"], "throughput/tokens_per_s": row["tokens_per_s"],
            "memory/GiB": row["memory_gib"]}
     out.update({f"jreg/psi/layer_{layer:02d}": psi for layer, psi in enumerate(row["psi"], 1)})
+    # the seconds of an evaluation or a save in the row's window, when there was one
+    out.update({f"time/{key}": row[key] for key in ("eval_seconds", "save_seconds") if key in row})
     return out
 
 
@@ -96,8 +98,10 @@ def test_each_logged_step_is_the_jsonl_record_of_that_step(wandb_run):
             want.append((row["iteration"], expected_train_log(row)))
         else:
             want.append((row["iteration"], {"validation/lm loss": row["validation_lm_loss"],
-                                            "validation/zeta_L": row["validation_zeta_L"]}))
+                                            "validation/zeta_L": row["validation_zeta_L"],
+                                            "time/validation_seconds": row["validation_seconds"]}))
     assert [it for it, _ in want] == [1, 2, 2, 3]  # a validation record at step 2
+    assert "time/eval_seconds" in want[3][1]  # step 3's window held step 2's evaluation
     assert len(want[0][1]) == 10 + LAYERS
     logs = [(c["step"], c["data"]) for c in calls if c["call"] == "log"]
     assert logs == want
