@@ -39,6 +39,8 @@ from megatron_jreg.errors import InputError
 
 LEASE_S = 600.0  # the heartbeat's age after which a holder on another host counts as gone
 LEASE_ENV = "MEGATRON_JREG_LOCK_LEASE_S"
+MAX_LEASE_S = 1e6  # about 11 days: longer is no lease at all
+RECORD_BYTES = 65536  # a lock record is a few hundred bytes: more is not one of ours
 
 
 def lease_seconds() -> float:
@@ -52,10 +54,16 @@ def lease_seconds() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value >= 1.0:  # also NaN
-        raise InputError(f"{LEASE_ENV}={raw!r}: give the lease in seconds, at least 1 "
-                         f"(default {LEASE_S:.0f})")
+    if not 1.0 <= value <= MAX_LEASE_S:  # also NaN
+        raise InputError(f"{LEASE_ENV}={raw!r}: give the lease in seconds, from 1 to "
+                         f"{MAX_LEASE_S:.0f} (default {LEASE_S:.0f})")
     return value
+
+
+def _valid_lease(value) -> bool:
+    """A lease a record may carry: a number of seconds in the range a holder can set."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 1.0 <= value <= MAX_LEASE_S)
 
 
 def _slurm_job() -> Dict:
@@ -82,10 +90,10 @@ def _pid_alive(pid: int) -> bool:
 def _read_record(path: str) -> Optional[Dict]:
     try:
         with open(path) as f:
-            record = json.load(f)
+            record = json.loads(f.read(RECORD_BYTES))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}  # torn or garbage: treated as a lock of unknown holder
     return record if isinstance(record, dict) else {}
 
@@ -126,7 +134,7 @@ def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict) ->
             return "its process is no longer running"
         return None  # the same host's live pid (or an unreadable record): alive
     lease = holder.get("lease_s")
-    if isinstance(lease, (int, float)) and age is not None and age > lease:
+    if _valid_lease(lease) and age is not None and age > lease:
         return (f"its last heartbeat is {_seconds(age)} s old, past its lease of "
                 f"{_seconds(lease)} s")
     return None
@@ -134,14 +142,18 @@ def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict) ->
 
 def _liveness(holder: Dict, age: Optional[float], host: str) -> str:
     """Why a holder counts as alive, for the refusal."""
+    if not holder:
+        return ("its lock file is empty or unreadable (torn by a full disk or a crash, or not "
+                "this program's), so its holder cannot be judged")
     if holder.get("host") == host:
         return "its process is running on this host"
     lease = holder.get("lease_s")
-    if isinstance(lease, (int, float)) and age is not None:
+    if _valid_lease(lease) and age is not None:
         return (f"its heartbeat is {_seconds(max(age, 0))} s old, within its lease of "
                 f"{_seconds(lease)} s "
                 "(the lock is taken over once the lease lapses)")
-    return "it runs on another host and its lock has no lease (an earlier version's) to judge"
+    return ("it runs on another host and its lock has no lease (an earlier version's, or an "
+            "invalid one) to judge")
 
 
 class WriterLock:
@@ -175,8 +187,12 @@ class WriterLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+        except BaseException:  # a full disk, say: no empty lock may stay to block later runs
+            os.remove(self.path)
+            raise
         self.held = True
         self._start_heartbeat()
         return True

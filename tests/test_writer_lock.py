@@ -93,7 +93,8 @@ def test_an_earlier_versions_lock_on_another_host_holds(tmp_path, slurm):
     path = tmp_path / "jreg_writer.lock"
     write_record(path, age_s=10 ** 6, lease_s=..., slurm_job_id=..., slurm_restart_count=...)
     with pytest.raises(SaveDirectoryBusy, match="it runs on another host and its lock has no "
-                                                "lease .an earlier version's. to judge"):
+                                                "lease .an earlier version's, or an invalid one. "
+                                                "to judge"):
         SaveLock(str(tmp_path)).acquire()
 
 
@@ -152,11 +153,11 @@ def test_a_lock_replaced_after_it_was_judged_goes_back(tmp_path, slurm):
     assert sorted(os.listdir(tmp_path)) == ["jreg_writer.lock"]
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "nan", "-5"])
+@pytest.mark.parametrize("value", ["abc", "0", "nan", "-5", "inf", "1e400", "1e300"])
 def test_lease_setting_is_checked(monkeypatch, value):
     monkeypatch.setenv(LEASE_ENV, value)
-    with pytest.raises(InputError, match=f"{LEASE_ENV}={value!r}: give the lease in seconds, at "
-                                         "least 1 .default 600."):
+    with pytest.raises(InputError, match=f"{LEASE_ENV}={value!r}: give the lease in seconds, from "
+                                         "1 to 1000000 .default 600."):
         lease_seconds()
 
 
@@ -173,3 +174,35 @@ def test_a_requeue_on_the_same_host_is_not_fooled_by_a_reused_pid(tmp_path, slur
                  slurm_job_id="4242", slurm_restart_count=2)
     with pytest.raises(SaveDirectoryBusy, match="its process is running on this host"):
         SaveLock(str(tmp_path)).acquire()
+
+
+@pytest.mark.parametrize("lease", [-5, 0.5, True, float("nan"), 1e999, "5"])
+def test_a_lease_a_holder_cannot_have_is_no_lease(tmp_path, slurm, lease):
+    """Negative, below a second, a boolean, NaN, infinite or a string: the record cannot be
+    judged by its age, so an old one on another host holds."""
+    path = tmp_path / "jreg_writer.lock"
+    write_record(path, age_s=7200, lease_s=lease)
+    with pytest.raises(SaveDirectoryBusy, match="its lock has no lease .an earlier version's, "
+                                                "or an invalid one. to judge"):
+        SaveLock(str(tmp_path)).acquire()
+
+
+@pytest.mark.parametrize("content", [b"", b"[" * 3000 + b"]" * 3000, b"{" + b" " * 200000 + b"}"],
+                         ids=["empty", "deep", "huge"])
+def test_an_unreadable_lock_is_named_as_such(tmp_path, slurm, content):
+    (tmp_path / "jreg_writer.lock").write_bytes(content)
+    with pytest.raises(SaveDirectoryBusy, match="its lock file is empty or unreadable"):
+        SaveLock(str(tmp_path)).acquire()
+
+
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, slurm, monkeypatch):
+    """A full disk between the create and the record: no empty lock stays to block later runs."""
+    import megatron_jreg.writer_lock as writer_lock
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_lock.json, "dump", full)
+    with pytest.raises(OSError, match="No space left"):
+        SaveLock(str(tmp_path)).acquire()
+    assert os.listdir(tmp_path) == []

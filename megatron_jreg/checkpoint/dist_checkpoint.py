@@ -318,7 +318,12 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
 
     def complete():  # once every rank's tensors are on disk
         if before_complete is not None:
-            before_complete()
+            try:
+                before_complete()
+            except BaseException:  # this save's own directory: no one else writes it
+                if rank == 0:
+                    shutil.rmtree(partial, ignore_errors=True)
+                raise
         _complete(root, iteration, partial, run_config_yaml, extra_files, tokenizer_dir, run_id)
 
     if background is None:

@@ -359,9 +359,13 @@ class Trainer:
                     self.save()
                 return 0
         if last_saved != self.iteration:
+            t0 = time.time()
             self.save()
+            outside["save"] += time.time() - t0
+        after = ", ".join(f"{kind} {seconds:.1f}s" for kind, seconds in outside.items() if seconds)
         print_rank_0(run_summary(self.iteration - first, time.time() - t_start, self.skipped_steps,
-                                 self.no_loss_token_steps, last))
+                                 self.no_loss_token_steps, last)
+                     + (f" (after the last logged step: {after})" if after else ""))
         return 0
 
     def _time_is_up(self) -> bool:

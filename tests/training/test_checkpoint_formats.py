@@ -331,6 +331,8 @@ def test_a_failed_background_write_stops_the_run_in_one_line(demo_data, tmp_path
             "saving so that two runs never write one directory")
         assert open(ckpt / TRACKER).read() == "2"
         assert not os.path.exists(iteration_dir(str(ckpt), 4))
+        # its own unfinished directory does not stay in the other run's --save
+        assert not [n for n in os.listdir(ckpt) if ".partial" in n], os.listdir(ckpt)
         return
     if failure == "write":
         import shutil
