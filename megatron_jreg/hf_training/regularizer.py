@@ -1,0 +1,85 @@
+"""JREG's penalty on any Hugging Face causal LM: forward hooks on its decoder layers.
+
+Layer ``l``'s input is ``h_{l-1}`` and its output ``h_l`` (before the final norm); each
+forward of the model records the pairs, and :meth:`HFJreg.penalty` turns them into
+``lambda * sum_l w_l(alpha) Psi_l`` with ``Psi_l`` the mean of ``psi_l`` over the batch's
+real tokens (``attention_mask``), as the trainer computes it per micro-batch. The penalty
+keeps its graph: add it to the LM loss before ``backward``.
+
+Gradient checkpointing runs a layer's forward again during backward: that second pass is
+not recorded (the pairs of the first keep their graph through the checkpoint).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from megatron_jreg.hf_training.layers import decoder_layers
+from megatron_jreg.jreg import jump_rates, layer_weights, masked_mean
+from megatron_jreg.ops.displacement import token_displacement
+
+
+def _hidden(output: object) -> torch.Tensor:
+    # transformers >= 5 returns the hidden states; earlier versions a tuple starting with them
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class HFJreg:
+    """The JREG penalty of ``model`` (a transformers causal LM, or a PEFT wrapper of one).
+
+    ``lam``, ``alpha``, ``weighting``: the trainer's --jreg-lambda, --jreg-alpha and
+    --jreg-weighting; ``impl``: the displacement op's implementation (auto, fused, torch).
+    """
+
+    def __init__(self, model: torch.nn.Module, lam: float = 1.0, alpha: float = 1.0,
+                 weighting: str = "softmax", impl: str = "auto"):
+        self.path, self.layers = decoder_layers(model)
+        self.num_layers = len(self.layers)
+        self.lam, self.impl = float(lam), impl
+        self.weights = layer_weights(self.num_layers, alpha, weighting)
+        self._pairs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._handles = [layer.register_forward_hook(self._hook(number), with_kwargs=True)
+                         for number, layer in enumerate(self.layers, start=1)]
+
+    def _hook(self, number: int):
+        def hook(module, args, kwargs, output):
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recompute inside backward (gradient checkpointing)
+            h_in = args[0] if args else kwargs["hidden_states"]
+            self._pairs[number] = (h_in, _hidden(output))
+        return hook
+
+    def penalty(self, attention_mask: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        """{"penalty": lambda * R (with its graph), "R", "psi" ([L], detached)} of the last
+        forward; ``attention_mask`` [b, s] (1 = a real token) picks the tokens counted.
+        Clears the recorded pairs."""
+        if len(self._pairs) != self.num_layers:
+            raise RuntimeError(f"HFJreg.penalty: {len(self._pairs)} of {self.num_layers} layers "
+                               "were recorded; call it after a forward of the model")
+        psi = []
+        for number in range(1, self.num_layers + 1):
+            h_prev, h_next = self._pairs[number]
+            h_prev = h_prev.to(h_next.device)  # a model spread over devices
+            mask = None if attention_mask is None else attention_mask.to(h_next.device).bool()
+            per_token = token_displacement(h_prev, h_next, impl=self.impl, mask=mask)  # [b, s]
+            psi.append(masked_mean(per_token, mask).float())
+        self._pairs.clear()
+        device = psi[-1].device
+        psi_all = torch.stack([p.to(device) for p in psi])  # [L] fp32
+        r = (self.weights.to(device=device, dtype=psi_all.dtype) * psi_all).sum()
+        return {"penalty": self.lam * r, "R": r.detach(), "psi": psi_all.detach()}
+
+    def rates(self, psi: torch.Tensor) -> Dict[str, float]:
+        """zeta_L, zeta_{L-1}, zeta_{L-2} of ``psi`` (per-layer displacement)."""
+        rates = jump_rates(psi.tolist())
+        L = self.num_layers
+        return {"zeta_L": rates.get(L, 0.0), "zeta_L-1": rates.get(L - 1, 0.0),
+                "zeta_L-2": rates.get(L - 2, 0.0)}
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
