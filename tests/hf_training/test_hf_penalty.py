@@ -19,8 +19,9 @@ ARCHS = {
     "llama": (lambda: transformers.LlamaConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2), "model.norm"),
-    "gpt2": (lambda: transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4),
-             "transformer.ln_f"),
+    "gpt2": (lambda: transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             "transformer.ln_f"),  # no dropout: a training step is then deterministic
     "gemma3": (lambda: transformers.Gemma3TextConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8), "model.norm"),

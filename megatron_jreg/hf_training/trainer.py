@@ -1,0 +1,74 @@
+"""JREG in ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer`` among them).
+
+    class JregTrainer(JregTrainerMixin, transformers.Trainer): ...
+    trainer = JregTrainer(model=model, args=args, train_dataset=data, jreg_lambda=1.0)
+
+Each training batch's penalty (:class:`HFJreg`) is added to the loss the Trainer computes,
+scaled as the Trainer scales that loss over gradient-accumulation steps (so each
+micro-batch counts ``1 / steps`` of it, as in this project's trainer). Each training log
+gains the window's mean LM loss, penalty, zeta_L, zeta_{L-1}, zeta_{L-2} and per-layer Psi
+(``jreg/psi/layer_XX``), which reach the reporters the user configured (TensorBoard, W&B).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from megatron_jreg.hf_training.regularizer import HFJreg
+
+
+class JregTrainerMixin:
+    """Put it before the Trainer class in the bases; its keyword arguments are the JREG
+    settings (``jreg_lambda``, ``jreg_alpha``, ``jreg_weighting``, ``jreg_impl``)."""
+
+    def __init__(self, *args, jreg_lambda: float = 1.0, jreg_alpha: float = 1.0,
+                 jreg_weighting: str = "softmax", jreg_impl: str = "auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.jreg = HFJreg(self.model, lam=jreg_lambda, alpha=jreg_alpha,
+                           weighting=jreg_weighting, impl=jreg_impl)
+        self._jreg_window: Dict[str, object] = {}
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False,
+                     num_items_in_batch: Optional[int] = None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        values = self.jreg.penalty(inputs.get("attention_mask"))
+        penalty = values["penalty"]
+        if self._loss_is_scaled_for_ga(num_items_in_batch):
+            # the Trainer will not divide this loss by the accumulation steps: do it here
+            penalty = penalty / self.current_gradient_accumulation_steps
+        if model.training:
+            self._add_to_window(loss.detach(), values)
+        total = loss + penalty.to(loss.dtype)
+        return (total, outputs) if return_outputs else total
+
+    def _loss_is_scaled_for_ga(self, num_items_in_batch) -> bool:
+        """The Trainer's own rule (Trainer.training_step) for a loss it leaves undivided."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return bool(scaled)
+        return bool((getattr(self, "model_accepts_loss_kwargs", False)
+                     and num_items_in_batch is not None)
+                    or getattr(self, "compute_loss_func", None) is not None)
+
+    def _add_to_window(self, lm_loss: torch.Tensor, values: Dict[str, torch.Tensor]) -> None:
+        w = self._jreg_window
+        w["n"] = w.get("n", 0) + 1
+        for key, value in (("lm_loss", lm_loss.float()), ("penalty", values["penalty"].detach()),
+                           ("psi", values["psi"])):
+            w[key] = w[key] + value if key in w else value.clone()
+
+    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
+        w = self._jreg_window
+        if "loss" in logs and w.get("n"):  # a training log: the window's JREG values
+            n = w["n"]
+            psi = (w["psi"] / n).tolist()
+            logs["lm_loss"] = float(w["lm_loss"]) / n
+            logs["jreg_penalty"] = float(w["penalty"]) / n
+            logs.update(self.jreg.rates(torch.tensor(psi)))
+            logs.update({f"jreg/psi/layer_{layer:02d}": value
+                         for layer, value in enumerate(psi, start=1)})
+            self._jreg_window = {}
+        super().log(logs, *args, **kwargs)
