@@ -136,3 +136,31 @@ def test_a_real_checkpoint_smollm2(smollm2_hf):
     torch.testing.assert_close(got["psi"], psi.float(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got["penalty"], want.float(), rtol=1e-5, atol=1e-7)
     assert len(psi) == 30 and jreg.rates(got["psi"])["zeta_L"] > 1.0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_gradient_checkpointing_gives_the_same_penalty_and_gradient(arch, reentrant):
+    """The layers' forwards run again inside backward: those passes are not recorded, and the
+    recorded pairs carry the gradient through the checkpoint."""
+    import copy
+
+    model, _ = model_of(arch)
+    ids, mask = batch()
+    results = []
+    for checkpointing in (False, True):
+        m = copy.deepcopy(model).train()
+        if checkpointing:
+            m.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        jreg = HFJreg(m, impl="torch")
+        m(input_ids=ids, attention_mask=mask)
+        penalty = jreg.penalty(mask)["penalty"]
+        penalty.backward()
+        results.append((penalty.detach(), {n: p.grad for n, p in m.named_parameters()
+                                           if p.grad is not None}))
+    (plain, plain_grads), (checkpointed, checkpointed_grads) = results
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-6, atol=0)
+    assert plain_grads and set(checkpointed_grads) == set(plain_grads)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
