@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from trainer_runs import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import REPO, base_args, read_metrics, read_until, run_env, start_trainer, step_of, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 
@@ -200,26 +200,6 @@ def test_fully_parallel_load_refuses_what_megatron_lm_refuses(monkeypatch):
 
 # ---- the async save's guarantees, one process, its writer stopped ----------------------------
 
-def _start(argv):
-    return subprocess.Popen([sys.executable, "-m", "megatron_jreg.train"] + [str(a) for a in argv],
-                            cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _read_until(proc, predicate, lines, what):
-    deadline = time.time() + 300
-    for line in proc.stdout:
-        lines.append(line)
-        if predicate(line):
-            return line
-        assert time.time() < deadline, "".join(lines[-20:])
-    raise AssertionError(f"the run ended before {what}:\n{''.join(lines[-30:])}")
-
-
-def _step(line):
-    return int(line.split()[1].split("/")[0]) if line.startswith("iteration") else 0
-
-
 def _children(pid):
     """{child pid: its name} of process ``pid``."""
     found = {}
@@ -255,15 +235,15 @@ def _stalled_save(demo_data, tmp_path, **flags):
     lines, save dir, writer pid, iteration 4's partial directory) once the run has trained
     on to step 6 with iteration 4's save pending (its save of 6 waits for it)."""
     ckpt = tmp_path / "ckpt"
-    proc = _start(base_args(demo_data, train_iters=10000, save=ckpt, save_interval=2,
+    proc = start_trainer(base_args(demo_data, train_iters=10000, save=ckpt, save_interval=2,
                             seq_length=32, metrics_file=tmp_path / "killed.jsonl", **ASYNC, **flags))
     lines = []
-    _read_until(proc, lambda l: l.startswith(f"saved checkpoint {iteration_dir(str(ckpt), 2)} "
+    read_until(proc, lambda l: l.startswith(f"saved checkpoint {iteration_dir(str(ckpt), 2)} "
                                              "(written in the background"), lines, "save 2")
     writer = _writer(proc.pid)
     os.kill(writer, signal.SIGSTOP)
     # training goes on to step 6, whose save waits for 4's
-    _read_until(proc, lambda l: _step(l) >= 6, lines, "step 6")
+    read_until(proc, lambda l: step_of(l) >= 6, lines, "step 6")
     [partial] = [n for n in os.listdir(ckpt) if n.startswith("iter_0000004.partial-")]
     return proc, lines, ckpt, writer, ckpt / partial
 
@@ -287,10 +267,10 @@ def test_a_killed_async_save_leaves_only_its_partial_and_the_next_run_resumes(de
         sorted(["iter_0000002", partial.name, TRACKER])
     killed = read_metrics(tmp_path / "killed.jsonl")
     # the next run removes the partial, resumes 2, and a SIGTERM finishes its own save
-    resumed = _start(base_args(demo_data, train_iters=10000, save=ckpt, load=ckpt, save_interval=2,
+    resumed = start_trainer(base_args(demo_data, train_iters=10000, save=ckpt, load=ckpt, save_interval=2,
                                seq_length=32, metrics_file=tmp_path / "resumed.jsonl", **ASYNC))
     lines = []
-    _read_until(resumed, lambda l: _step(l) >= 5, lines, "step 5")
+    read_until(resumed, lambda l: step_of(l) >= 5, lines, "step 5")
     resumed.send_signal(signal.SIGTERM)
     rest, _ = resumed.communicate(timeout=300)
     text = "".join(lines) + rest

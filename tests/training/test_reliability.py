@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from trainer_runs import REPO, base_args, rank_pids, read_metrics, run_env, train
+from trainer_runs import (REPO, base_args, rank_pids, read_metrics, read_until, run_env,
+                          start_trainer, step_of, train)
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 
@@ -173,28 +174,10 @@ def test_config_errors_fail_before_work(demo_data, overrides, message, capsys):
     assert message in err, err
 
 
-def _start(argv, nproc=1):
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return subprocess.Popen(launcher + ["-m", "megatron_jreg.train"] + argv, cwd=REPO,
-                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for_step(proc, step, lines):
-    deadline = time.time() + 300
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("iteration") and int(line.split()[1].split("/")[0]) >= step:
-            return
-        assert time.time() < deadline, "".join(lines[-20:])
-    raise AssertionError("the run ended before step %d:\n%s" % (step, "".join(lines[-30:])))
-
-
 def test_sigint_saves_and_exits_cleanly(demo_data, tmp_path):
-    proc = _start(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32))
+    proc = start_trainer(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32))
     lines = []
-    _wait_for_step(proc, 2, lines)
+    read_until(proc, lambda l: step_of(l) >= 2, lines, f"step {2}")
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, rest[-3000:]
@@ -204,10 +187,10 @@ def test_sigint_saves_and_exits_cleanly(demo_data, tmp_path):
 
 
 def test_without_the_exit_signal_handler_sigterm_kills_without_saving(demo_data, tmp_path):
-    proc = _start(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32,
+    proc = start_trainer(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32,
                             save_interval=100000, no_exit_signal_handler=True))
     lines = []
-    _wait_for_step(proc, 2, lines)
+    read_until(proc, lambda l: step_of(l) >= 2, lines, f"step {2}")
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGTERM, rest[-3000:]  # the default action: killed
@@ -219,10 +202,10 @@ def test_a_signal_on_one_of_two_ranks_stops_both_at_one_saved_step(demo_data, tm
     """Slurm may signal one task: the ranks agree at the end of the step, both save the same
     iteration and exit 0 (none hangs in a collective the other left)."""
     ckpt = tmp_path / "ckpt"
-    proc = _start(base_args(demo_data, train_iters=10000, save=ckpt, seq_length=32,
+    proc = start_trainer(base_args(demo_data, train_iters=10000, save=ckpt, seq_length=32,
                             save_interval=100000), nproc=2)
     lines = []
-    _wait_for_step(proc, 2, lines)
+    read_until(proc, lambda l: step_of(l) >= 2, lines, f"step {2}")
     pids = rank_pids(proc.pid)
     assert set(pids) == {0, 1}, pids
     os.kill(pids[1], signal.SIGTERM)  # rank 1 only: rank 0 prints, rank 1 got the signal

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 
-from trainer_runs import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import (REPO, base_args, read_metrics, read_until, run_env, start_trainer,
+                          step_of, train)
 
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
 
@@ -105,14 +106,9 @@ def test_requeue_on_another_host_takes_over_the_lock_and_resumes_exactly(demo_da
 def test_a_run_that_lost_its_lock_stops_before_saving(demo_data, tmp_path):
     ckpt = tmp_path / "ckpt"
     argv = base_args(demo_data, train_iters=100000, save=ckpt, save_interval=3, seq_length=32)
-    run = subprocess.Popen([sys.executable, "-m", "megatron_jreg.train"] + argv, cwd=REPO,
-                           env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = start_trainer(argv, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 300
-        for line in run.stdout:
-            if line.startswith("iteration"):
-                break
-            assert time.time() < deadline
+        read_until(run, lambda line: step_of(line) >= 1, [], "step 1")
         # another run took the lock over (this one's heartbeat lapsed while it was stopped)
         lock = ckpt / "jreg_writer.lock"
         record = dict(json.load(open(lock)), host="node-c", pid=99, run_id="99-other")

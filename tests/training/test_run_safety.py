@@ -9,12 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from trainer_runs import REPO, base_args, read_metrics, run_env, train
+from trainer_runs import (REPO, base_args, read_metrics, read_until, run_env, start_trainer,
+                          step_of, train)
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 
@@ -179,14 +179,9 @@ def test_both_schedule_flags_contradict(demo_data):
 def test_second_run_on_the_same_save_is_refused(demo_data, tmp_path):
     ckpt = tmp_path / "ckpt"
     argv = base_args(demo_data, train_iters=100000, save=ckpt, save_interval=100000, seq_length=32)
-    first = subprocess.Popen([sys.executable, "-m", "megatron_jreg.train"] + argv, cwd=REPO,
-                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = start_trainer(argv)
     try:
-        deadline = time.time() + 300
-        for line in first.stdout:
-            if line.startswith("iteration"):
-                break
-            assert time.time() < deadline
+        read_until(first, lambda line: step_of(line) >= 1, [], "step 1")
         second = train(argv, check=False)
         assert second.returncode == 2, second.stderr[-2000:]
         err = second.stderr.strip().splitlines()[-1]

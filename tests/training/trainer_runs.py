@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import forked_trainer
 
@@ -55,6 +56,34 @@ def train(argv, nproc=1, timeout=600, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def start_trainer(argv, nproc=1, **popen):
+    """``python -m megatron_jreg.train`` (under torchrun for ``nproc`` > 1) left running, its
+    output read line by line (stderr into stdout unless ``popen`` says otherwise)."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
+    return subprocess.Popen(launcher + ["-m", "megatron_jreg.train"] + [str(a) for a in argv],
+                            cwd=REPO, env=run_env(), **popen)
+
+
+def read_until(proc, predicate, lines, what):
+    """Read ``proc``'s output into ``lines`` up to the first line ``predicate`` accepts (which
+    is returned); fails naming ``what`` when the run ends first, or after 300 s."""
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        if predicate(line):
+            return line
+        assert time.time() < deadline, "".join(lines[-20:])
+    raise AssertionError(f"the run ended before {what}:\n{''.join(lines[-30:])}")
+
+
+def step_of(line):
+    """The iteration a log line reports (0 for any other line)."""
+    return int(line.split()[1].split("/")[0]) if line.startswith("iteration") else 0
 
 
 def read_metrics(path):
