@@ -17,6 +17,10 @@ In a plain PyTorch loop::
 A model wrapped for data parallelism (DDP, FSDP, accelerate's wrapper) is reached through
 its ``.module``; the hooks sit on the layers themselves, so they fire inside any wrapper.
 
+A forward under ``no_grad`` after a training forward (a trainer recomputing logits for a
+metric) does not replace the training forward's pairs; the next forward with autograd on
+does.
+
 Gradient checkpointing runs a layer's forward again during backward: that second pass is
 not recorded (the pairs of the first keep their graph through the checkpoint).
 """
@@ -60,6 +64,7 @@ class HFJreg:
         self.lam, self.impl = float(lam), impl
         self.weights = layer_weights(self.num_layers, alpha, weighting)
         self._pairs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._with_graph = False  # the recorded pairs come from a forward with autograd on
         self._handles = [layer.register_forward_hook(self._hook(number), with_kwargs=True)
                          for number, layer in enumerate(self.layers, start=1)]
 
@@ -67,6 +72,10 @@ class HFJreg:
         def hook(module, args, kwargs, output):
             if torch._C._current_graph_task_id() != -1:
                 return  # a recompute inside backward (gradient checkpointing)
+            if not torch.is_grad_enabled() and self._with_graph:
+                return  # a forward under no_grad (a logit recompute) keeps the graph's pairs
+            if number == 1:
+                self._with_graph = torch.is_grad_enabled()
             h_in = args[0] if args else kwargs["hidden_states"]
             self._pairs[number] = (h_in, _hidden(output))
         return hook
@@ -85,7 +94,7 @@ class HFJreg:
             mask = None if attention_mask is None else attention_mask.to(h_next.device).bool()
             per_token = token_displacement(h_prev, h_next, impl=self.impl, mask=mask)  # [b, s]
             psi.append(masked_mean(per_token, mask).float())
-        self._pairs.clear()
+        self.clear()
         device = psi[-1].device
         psi_all = torch.stack([p.to(device) for p in psi])  # [L] fp32
         r = (self.weights.to(device=device, dtype=psi_all.dtype) * psi_all).sum()
@@ -108,10 +117,11 @@ class HFJreg:
     def clear(self) -> None:
         """Drop the recorded pairs (a forward whose penalty is not wanted, e.g. evaluation)."""
         self._pairs.clear()
+        self._with_graph = False
 
     def remove(self) -> None:
         """Take the hooks off the model."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._pairs.clear()
+        self.clear()

@@ -164,3 +164,32 @@ def test_gradient_checkpointing_gives_the_same_penalty_and_gradient(arch, reentr
     assert plain_grads and set(checkpointed_grads) == set(plain_grads)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_no_grad_forward_between_keeps_the_training_forwards_pairs():
+    """A trainer that recomputes logits under no_grad after the training forward (TRL did,
+    before the penalty was read) must not replace the pairs that carry the graph."""
+    model, norm = model_of("llama")
+    ids, mask = batch()
+    jreg = HFJreg(model, lam=0.7, impl="torch")
+    model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        model(input_ids=(ids + 3) % 97, attention_mask=mask)  # other tokens, no graph
+    got = jreg.penalty(mask)
+    got["penalty"].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    jreg.remove()
+    want, psi = reference_penalty(model, norm, ids, mask, 0.7, 1.0)
+    want.backward()
+    torch.testing.assert_close(got["psi"], psi.detach().float(), rtol=1e-5, atol=1e-7)
+    assert grads and set(grads) == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, param in model.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+    # after the penalty is read, a no_grad forward is recorded (evaluation)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        jreg2 = HFJreg(model, lam=0.7, impl="torch")
+        model(input_ids=ids, attention_mask=mask)
+        torch.testing.assert_close(jreg2.penalty(mask)["psi"], psi.float(), rtol=1e-5, atol=1e-7)
