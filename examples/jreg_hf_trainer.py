@@ -11,8 +11,8 @@ Each model is trained ``--steps`` steps on the built-in English corpus twice fro
 weights, seed and batches: the baseline (``jreg_lambda=0``) and JREG (``--jreg-lambda``).
 Then ``tools/eval_jump.py --hf-model`` measures the start, the baseline and JREG on held-out
 text (documents the training never saw), and the held-out LM loss comes from
-``Trainer.evaluate``. The last lines are the table: zeta_L at the start, after the baseline
-and after JREG, and the LM losses.
+``Trainer.evaluate``. The last lines are the tables: zeta_L at the start, after the baseline
+and after JREG with the LM losses, and the last layer's displacement Psi_L.
 
     python examples/jreg_hf_trainer.py --out runs/hf_trainer --steps 40
 
@@ -168,7 +168,7 @@ def train(name: str, start: str, run: str, lam: float, args, train_rows, eval_ro
 
 
 def measure(name: str, out: str, args) -> dict:
-    """eval_jump on the start, the baseline and JREG: {label: zeta_L}."""
+    """eval_jump on the start, the baseline and JREG: ({label: zeta_L}, {label: Psi_L})."""
     base = os.path.join(out, name)
     report = os.path.join(base, "jump.json")
     subprocess.run([sys.executable, os.path.join(REPO, "tools", "eval_jump.py"), "--hf-model",
@@ -178,7 +178,9 @@ def measure(name: str, out: str, args) -> dict:
                     "--seq-length", str(args.seq_length), "--max-tokens", str(args.eval_tokens),
                     "--batch-size", "8", "--json", report, "--csv", os.path.join(base, "jump.csv"),
                     "--plot", os.path.join(base, "jump.png"), "--no-progress"], check=True)
-    return {r["model"]: r["jump_rate"]["L"] for r in json.load(open(report))}
+    reports = json.load(open(report))
+    return ({r["model"]: r["jump_rate"]["L"] for r in reports},
+            {r["model"]: r["displacement"][-1] for r in reports})
 
 
 def main(argv=None) -> int:
@@ -204,8 +206,8 @@ def main(argv=None) -> int:
             print(f"   {label}: {args.steps} steps, lambda={lam}", flush=True)
             runs[label] = train(name, start, os.path.join(out, name, label), lam, args,
                                 train_rows, eval_rows)
-        zeta = measure(name, out, args)
-        summary[name] = {"zeta_L": zeta, "runs": runs}
+        zeta, psi_last = measure(name, out, args)
+        summary[name] = {"zeta_L": zeta, "Psi_L": psi_last, "runs": runs}
     with open(os.path.join(out, "summary.json.tmp"), "w") as f:
         json.dump(summary, f, indent=2)
     os.replace(os.path.join(out, "summary.json.tmp"), os.path.join(out, "summary.json"))
@@ -218,6 +220,12 @@ def main(argv=None) -> int:
         print(f"{name:9s} {z['start']:12.4f} {z['baseline']:9.4f} {z['jreg']:9.4f} | "
               f"{r['baseline']['start_held_out_lm_loss']:10.4f} "
               f"{r['baseline']['held_out_lm_loss']:9.4f} {r['jreg']['held_out_lm_loss']:9.4f}")
+    # a model without a jump (zeta_L 0: no layer's displacement rises above the one below)
+    # still shows JREG in its last layer's displacement
+    print(f"{'model':9s} {'Psi_L start':>12s} {'baseline':>9s} {'JREG':>9s}")
+    for name, s in summary.items():
+        p = s["Psi_L"]
+        print(f"{name:9s} {p['start']:12.5f} {p['baseline']:9.5f} {p['jreg']:9.5f}")
     print(f"done in {time.monotonic() - began:.0f}s: {out}/summary.json, "
           f"<model>/jump.{{json,csv,png}} per model")
     return 0

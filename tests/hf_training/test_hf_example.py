@@ -45,6 +45,9 @@ def test_hf_trainer_example_runs_as_written(tmp_path):
         assert all(r["num_layers"] == layers and r["tokens"] >= 1000 for r in report)
         # the summary's zeta_L is eval_jump's, and its table prints them
         assert summary[name]["zeta_L"] == {r["model"]: r["jump_rate"]["L"] for r in report}
+        assert summary[name]["Psi_L"] == {r["model"]: r["displacement"][-1] for r in report}
+        p = summary[name]["Psi_L"]
+        assert f"{name:9s} {p['start']:12.5f} {p['baseline']:9.5f} {p['jreg']:9.5f}" in proc.stdout
         z = summary[name]["zeta_L"]
         assert f"{name:9s} {z['start']:12.4f} {z['baseline']:9.4f} {z['jreg']:9.4f}" in proc.stdout
         runs = summary[name]["runs"]
