@@ -241,6 +241,28 @@ def load_gguf(path: str, dtype=None, flag: str = "--hf-model", device_map: Optio
     return model, tokenizer
 
 
+def gguf_architecture(path: str, flag: str = "--hf-model") -> str:
+    """The ``general.architecture`` of GGUF file ``path``, read from its header alone:
+    GGUFReader memory-maps the file and parses the metadata and tensor index, no tensor
+    data, so a tool can refuse a family in seconds before transformers dequantizes it."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise InputError(
+            f"{flag} {path}: reading a GGUF file needs the gguf package; install it with "
+            "`pip install gguf` (it comes with the hf extra)") from None
+    try:
+        field = GGUFReader(path).fields.get("general.architecture")
+        value = bytes(field.parts[field.data[0]]).decode("utf-8") if field else None
+    except (OSError, ValueError, IndexError, UnicodeDecodeError) as err:
+        raise InputError(f"{flag} {path}: not a readable GGUF file ({brief(err)}); check "
+                         "the file") from None
+    if not value:
+        raise InputError(f"{flag} {path}: the GGUF header has no general.architecture; it "
+                         "is not a model file llama.cpp or transformers read")
+    return value
+
+
 def plain_model(model):
     """The same weights in a model that is not marked as quantized: transformers keeps a
     GGUF-loaded model's quantizer attached, which refuses ``save_pretrained``."""

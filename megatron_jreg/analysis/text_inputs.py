@@ -2,19 +2,47 @@
 
 Each reader checks its path when called (so a bad path fails before any model loads)
 and returns a lazy iterator, so ``--max-tokens`` stops reading a large file early.
-A document is a ``str`` (tokenized by the model's tokenizer) or a list of token ids
-(an indexed dataset is already tokenized).
+A document is a ``str`` (tokenized by the model's tokenizer), a list of token ids, or an
+:class:`IndexedDocument` (an indexed dataset is already tokenized). Only the tokens a
+document contributes (``--seq-length``, what ``--max-tokens`` still needs) are made: a
+long text is tokenized a prefix at a time (:func:`first_tokens`), an indexed document is
+read only as far as needed; the ids are exactly those of the whole document, cut.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
 
 from megatron_jreg.data.preprocess.sources import BadLineError, jsonl_records, utf8_lines
 from megatron_jreg.errors import InputError
 
-Document = Union[str, Sequence[int]]
+
+class IndexedDocument:
+    """One document of a Megatron indexed dataset, read only as far as :meth:`head` asks:
+    a document of millions of tokens costs what --seq-length and --max-tokens take of it."""
+
+    def __init__(self, dataset, first: int, end: int) -> None:
+        # a document may span several sequences (sentence splitting): first..end-1
+        self._dataset, self._first, self._end = dataset, first, end
+
+    def __len__(self) -> int:
+        return int(self._dataset.sequence_lengths[self._first : self._end].sum())
+
+    def head(self, n: int) -> List[int]:
+        """The document's first ``n`` tokens (all of them when it is shorter)."""
+        tokens: List[int] = []
+        lengths = self._dataset.sequence_lengths
+        for s in range(self._first, self._end):
+            if len(tokens) >= n:
+                break
+            count = min(n - len(tokens), int(lengths[s]))
+            tokens.extend(self._dataset.get(s, offset=0, length=count).tolist())
+        return tokens
+
+
+Document = Union[str, Sequence[int], IndexedDocument]
 
 
 def _check_file(path: str, flag: str) -> None:
@@ -83,7 +111,7 @@ def read_jsonl(path: str, key: str) -> Iterator[str]:
     return documents()
 
 
-def read_indexed_dataset(prefix: str) -> Iterator[List[int]]:
+def read_indexed_dataset(prefix: str) -> Iterator[IndexedDocument]:
     """The documents of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx) as token ids."""
     missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.isfile(p)]
     if missing:
@@ -98,15 +126,12 @@ def read_indexed_dataset(prefix: str) -> Iterator[List[int]]:
     except Exception as e:  # a corrupt or foreign file; megatron raises bare assertions
         raise InputError(f"--data-path {prefix}: not a readable indexed dataset ({e!r})")
 
-    def documents() -> Iterator[List[int]]:
-        # A document may span several sequences (sentence splitting): join them.
+    def documents() -> Iterator[IndexedDocument]:
         bounds = dataset.document_indices
         for d in range(len(bounds) - 1):
-            tokens: List[int] = []
-            for s in range(int(bounds[d]), int(bounds[d + 1])):
-                tokens.extend(int(t) for t in dataset[s])
-            if tokens:
-                yield tokens
+            document = IndexedDocument(dataset, int(bounds[d]), int(bounds[d + 1]))
+            if len(document):
+                yield document
 
     return documents()
 
@@ -140,6 +165,44 @@ def read_documents(
     return read_indexed_dataset(data_path)
 
 
+# Tokens tokenized past the ones kept when a text is cut (see first_tokens).
+MARGIN_TOKENS = 32
+# The first prefix's characters per token needed: above most tokenizers' ratio (English BPE
+# about 4, bytes 1), so one prefix is usually enough; a short one grows (see first_tokens).
+FIRST_CHARS_PER_TOKEN = 8
+# Where a text may be cut: a single space between two word characters.
+_CUT = re.compile(r"(?<=\w) (?=\w)")
+
+
+def first_tokens(tokenize: Callable[[str], List[int]], text: str, n: int) -> List[int]:
+    """``tokenize(text)[:n]``, tokenizing only a prefix of ``text`` when it is long.
+
+    The prefix ends at a single space between two word characters, at or after a length
+    in proportion to the ``n + MARGIN_TOKENS`` tokens needed. Why the ids are those of the
+    whole text: tokenizers split text into words before merging (the BPE pre-tokenizers of
+    GPT-2, Llama 3, SmolLM; SentencePiece's whitespace split), and such a space is a word
+    boundary in every one of them (the space goes with the next word: GPT-2's ``" ?\\p{L}+"``
+    and Llama 3's ``"[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"``), so no token before the cut sees what
+    follows it. What the cut can change is at its end (an end-of-text token a post-processor
+    adds, a piece spanning words in a SentencePiece model without the whitespace split), so
+    the last MARGIN_TOKENS tokens of the prefix are never kept: a prefix that gives fewer than
+    ``n + MARGIN_TOKENS`` grows to the length that, at its own characters per token, gives
+    them with a quarter to spare (at least doubled), and is tokenized again. A text with no
+    such space past the length (one long word, text without spaces) is tokenized whole, as
+    every text was before.
+    """
+    chars = (n + MARGIN_TOKENS) * FIRST_CHARS_PER_TOKEN
+    while True:
+        cut = _CUT.search(text, chars) if chars < len(text) else None
+        if cut is None:
+            return tokenize(text)[:n]
+        ids = tokenize(text[: cut.start()])
+        if len(ids) >= n + MARGIN_TOKENS:
+            return ids[:n]
+        per_token = cut.start() / max(len(ids), 1)
+        chars = max(2 * cut.start(), int(per_token * (n + MARGIN_TOKENS) * 1.25) + 1)
+
+
 def token_sequences(
     documents: Iterable[Document],
     tokenize: Callable[[str], List[int]],
@@ -158,10 +221,13 @@ def token_sequences(
         raise InputError(f"--max-tokens must be >= 1, got {max_tokens}")
     total = 0
     for doc in documents:
-        ids = tokenize(doc) if isinstance(doc, str) else list(doc)
-        ids = ids[:seq_length]
-        if max_tokens is not None:
-            ids = ids[: max_tokens - total]
+        need = seq_length if max_tokens is None else min(seq_length, max_tokens - total)
+        if isinstance(doc, str):
+            ids = first_tokens(tokenize, doc, need)
+        elif isinstance(doc, IndexedDocument):
+            ids = doc.head(need)
+        else:
+            ids = list(doc[:need])
         if not ids:
             continue
         if vocab_size is not None:

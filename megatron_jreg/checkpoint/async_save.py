@@ -48,7 +48,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
 from torch import multiprocessing as mp
 
 from megatron_jreg.checkpoint.dist_checkpoint import complete_iterations
-from megatron_jreg.errors import CheckpointError
+from megatron_jreg.errors import CheckpointError, write_error_line
+from megatron_jreg.platform.checkpoint_writers import fix_writers_die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ def _die_with(parent: int, name: bytes) -> None:
 def _worker_main(parent: int, rank: int, queue, preload_q, comp_q, log_level: int) -> None:
     """A worker process: megatron-core's loop, bound to its trainer's life."""
     _die_with(parent, WORKER_NAME)
+    # the files are written by processes this one forks (megatron-core's writer): they die
+    # with it as the trainer's own do (build_model applied this fix there, not here)
+    fix_writers_die_with_parent()
     # The loop starts with torch.cuda.set_device(rank % torch.cuda.device_count()). The
     # requests it gets hold host copies only (no preload_fn), so this process never needs
     # a device: it creates no CUDA context on a GPU machine, and on a machine without a
@@ -248,7 +252,7 @@ class AsyncSaver:
     def _failure(self, pending: PendingSave, err: BaseException) -> str:
         ended = self._calls.persistent_caller.ended
         why = (f"this rank's writer process ended ({_exit_text(ended)}) before it wrote its "
-               "files" if ended is not None else failure_detail(err))
+               "files" if ended is not None else write_error_line(err) or failure_detail(err))
         whole = complete_iterations(os.path.dirname(pending.path))
         newest = f"iteration {whole[-1]}" if whole else "none"
         return (f"the background save of {pending.path} failed ({why}); it was not marked "

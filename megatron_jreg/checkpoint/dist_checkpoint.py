@@ -42,13 +42,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_jreg.checkpoint.interrupted import COMPLETE, left_whole
 from megatron_jreg.checkpoint.manifest import MANIFEST, write_manifest
 from megatron_jreg.checkpoint.rng_state import sharded_rng_state
+from megatron_jreg.checkpoint.safe_pickle import check_metadata
 from megatron_jreg.checkpoint.scheduler_state import SCHEDULE_KEYS, scheduler_state
 from megatron_jreg.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
-COMPLETE = "jreg_complete.json"
 RUN_CONFIG = "run_config.yaml"
 CHAT_TEMPLATE = "chat_template.jinja"  # an SFT run's chat template, for the HF export
 TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer's files, carried (see carry_tokenizer)
@@ -89,6 +90,15 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def iteration_path(root: str, iteration: int) -> str:
+    """Where to read ``iteration``: iter_N, or the whole copy a save killed in its renames
+    left under a temporary name (interrupted.py; the next run holding the lock renames it)."""
+    path, left = iteration_dir(root, iteration), None
+    if not os.path.isdir(path):
+        left = left_whole(root).get(iteration)
+    return os.path.join(root, left) if left else path
+
+
 def is_own(path: str) -> bool:
     """An iteration directory written by this project (whole or not)."""
     return any(os.path.exists(os.path.join(path, name)) for name in OWN_FILES)
@@ -124,7 +134,7 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
     name the caller's flags (``step_flag`` picks an iteration, ``root_flag`` the directory)."""
     if not os.path.isdir(root):
         raise CheckpointError(f"checkpoint directory {root!r} does not exist; check {root_flag}")
-    whole = complete_iterations(root)
+    whole = sorted(set(complete_iterations(root)) | set(left_whole(root)))
     if iteration is None:
         tracker = os.path.join(root, TRACKER)
         if not os.path.exists(tracker):
@@ -141,7 +151,7 @@ def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str
             report_once(f"{root}: no {TRACKER}; using the newest whole iteration {whole[-1]}")
             return whole[-1]
         iteration = read_tracker(tracker, step_flag)
-    path = iteration_dir(root, iteration)
+    path = iteration_path(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(
             f"iteration {iteration} is not under {root!r}; whole iterations: {whole or 'none'}")
@@ -188,6 +198,7 @@ def saved_embedding_rows(path: str, step_flag: str = "--ckpt-step") -> int:
     the run was built with (from the dist-checkpoint metadata; no tensor is read)."""
     from megatron.core import dist_checkpointing
 
+    check_metadata(path, step_flag)  # torch unpickles it with no restriction
     try:
         metadata = dist_checkpointing.load_tensors_metadata(path)
     except Exception as err:
@@ -355,7 +366,8 @@ def _complete(root: str, iteration: int, partial: str, run_config_yaml: str,
             json.dump({"iteration": iteration,
                        "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
         # Saving an iteration again (a run resumed from an earlier one): move the old copy
-        # aside first, so a crash here leaves one complete copy under some name.
+        # aside first. From the marker on, a kill is finished by the next writer
+        # (interrupted.py): never an iteration without iter_N, nor a whole one removed.
         stale = f"{final}.replaced-{run_id}"
         shutil.rmtree(stale, ignore_errors=True)
         if os.path.exists(final):

@@ -19,7 +19,11 @@ are recorded as the layout the checkpoint was prepared for.
 What the model families here cannot represent is refused by name, never approximated:
 RoPE scaling (Llama 3.x ``llama3``, ``yarn``, ...), sliding-window attention, biases or
 activations the family does not have, a head dim other than hidden / heads, and model
-types that are not Llama, Qwen3, Mixtral or GPT-2.
+types that are not Llama, Qwen3, Mixtral or GPT-2. The output layer is what transformers
+builds from the same files: a distinct ``lm_head.weight`` is imported untied, whatever
+``tie_word_embeddings`` says (:func:`untied_output_layer`). The config (a GGUF file's
+architecture first, from its header), its values and ``--save`` are checked before any
+weight is read; non-finite weights are refused by tensor name before anything is written.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
 from megatron_jreg.checkpoint.hf_families import megatron_state_dict
+from megatron_jreg.checkpoint.hf_inputs import check_finite_weights, config_before_weights
 from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.config.yaml_settings import to_yaml
 from megatron_jreg.errors import InputError
@@ -43,7 +48,7 @@ from megatron_jreg.checkpoint.model_loader import init_world
 from megatron_jreg.checkpoint.run_configs import launched_world_size
 from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity
 from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
-from megatron_jreg.hf_models import CHECKPOINT_DTYPES, brief, load_causal_lm, resolve_hf_model, torch_dtype
+from megatron_jreg.hf_models import CHECKPOINT_DTYPES, load_causal_lm, resolve_hf_model, torch_dtype
 from megatron_jreg.model.builder import build_model
 from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
@@ -150,8 +155,25 @@ def _gpt2_values(config) -> Dict[str, object]:
         padded_vocab=config.vocab_size, norm_epsilon=float(config.layer_norm_epsilon),
         init_method_std=float(config.initializer_range), swiglu=False,
         normalization="LayerNorm", position_embedding_type="learned_absolute",
-        untie_embeddings_and_output_weights=False, add_bias_linear=True, add_qkv_bias=False,
-        qk_layernorm=False)
+        untie_embeddings_and_output_weights=not bool(getattr(config, "tie_word_embeddings", True)),
+        add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False)
+
+
+def untied_output_layer(hf, config_untied: bool, hf_model: str, progress=print) -> bool:
+    """Whether the loaded model's output layer is a tensor of its own. transformers (5.x)
+    loads a distinct ``lm_head.weight`` from the files even where config.json says
+    ``tie_word_embeddings: true`` (it warns and leaves them untied), so the import follows
+    the model transformers built from the directory, never the config alone: a tied import
+    of such a model would give other logits than ``from_pretrained`` of it."""
+    head, embedding = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if config_untied or head is None or head.weight is embedding.weight:
+        return config_untied
+    if torch.equal(head.weight, embedding.weight):
+        return False
+    progress(f"{hf_model}: config.json ties the output layer to the embedding, but the "
+             "weight files hold a distinct lm_head.weight, which transformers loads: "
+             "imported untied (--untie-embeddings-and-output-weights)")
+    return True
 
 
 def check_split(model_cfg, tp: int, pp: int) -> None:
@@ -180,11 +202,13 @@ def check_split(model_cfg, tp: int, pp: int) -> None:
 # ---- the checkpoint -------------------------------------------------------------------------
 
 
-def _check_save(save: str) -> None:
-    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+def _check_save(save: str, final_root: str) -> None:
+    """Everything the final rename needs, before any work: ``final_root`` (``save`` with
+    its symlinks resolved) new or an empty directory, in a directory that takes files."""
+    if os.path.exists(final_root) and (not os.path.isdir(final_root) or os.listdir(final_root)):
         raise InputError(f"--save {save}: already exists and is not an empty directory; "
                          "remove it or choose a new directory")
-    check_output_dir(os.path.dirname(os.path.abspath(save)) or ".", "--save", save)
+    check_output_dir(os.path.dirname(final_root) or ".", "--save", save)
 
 
 def staged_tokenizer_identity(tokenizer_dir: str, rows: int, hf_model: str) -> str:
@@ -224,38 +248,38 @@ def convert(hf_model: str, save: str, tp: int = 1, pp: int = 1, dtype: str = "fl
         raise InputError("convert_from_hf runs on one process (dist-checkpointing reshards at "
                          "load, so one process writes every layout); run it with python, not "
                          "torchrun")
-    with output_lock(save, "--save"):  # after the world check: torchrun ranks would race it
-        return _convert(hf_model, save, tp, pp, dtype, progress)
+    # a symlink (to an empty or a missing directory) is written through: the checkpoint is
+    # staged beside its target and renamed onto it, and the lock is the target's
+    final_root = os.path.realpath(save)
+    with output_lock(final_root, "--save"):  # after the world check: torchrun ranks would race it
+        return _convert(hf_model, save, final_root, tp, pp, dtype, progress)
 
 
-def _convert(hf_model: str, save: str, tp: int, pp: int, dtype: str,
+def _convert(hf_model: str, save: str, final_root: str, tp: int, pp: int, dtype: str,
              progress) -> Dict[str, object]:
     import time
 
     t0 = time.time()
-    _check_save(save)
+    _check_save(save, final_root)
     path = resolve_hf_model(hf_model)
-    import transformers
-
-    if os.path.isdir(path):  # the architecture is checked before any weight is read
-        try:
-            config = transformers.AutoConfig.from_pretrained(path)
-        except Exception as err:
-            raise InputError(f"--hf-model {hf_model}: cannot read config.json ({brief(err)})") from None
-        values = model_values(config)
-        check_split(ModelConfig(**values), tp, pp)
+    # the architecture and the config's values are checked before any weight is read
+    values = model_values(config_before_weights(path, hf_model))
+    check_split(ModelConfig(**values), tp, pp)
     progress(f"reading {hf_model}")
     hf, tokenizer, path = load_causal_lm(hf_model, dtype=torch.float32)
     values = model_values(hf.config)
+    values["untie_embeddings_and_output_weights"] = untied_output_layer(
+        hf, values["untie_embeddings_and_output_weights"], hf_model, progress)
     model_cfg = ModelConfig(**{**values, "transformer_impl": "local"})
     check_split(model_cfg, tp, pp)
     if not getattr(tokenizer, "is_fast", False):
         raise InputError(f"--hf-model {hf_model}: its tokenizer has no tokenizer.json (a slow "
                          "tokenizer only); save it with a fast tokenizer first")
-    state = megatron_state_dict(hf.state_dict(), model_cfg)
-    del hf
+    hf_state = hf.state_dict()
+    check_finite_weights(hf_state, hf_model)
+    state = megatron_state_dict(hf_state, model_cfg)
+    del hf, hf_state
 
-    final_root = os.path.abspath(save)
     tmp_root = temp_dir_beside(final_root)
     try:
         staged_tok = os.path.join(tmp_root, ".tokenizer")

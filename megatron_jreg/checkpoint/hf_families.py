@@ -189,7 +189,8 @@ def hf_config(model_cfg, padded_vocab: int):
         n_positions=model_cfg.max_positions, layer_norm_epsilon=float(model_cfg.norm_epsilon),
         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         initializer_range=float(model_cfg.init_method_std), scale_attn_weights=True,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+        tie_word_embeddings=not model_cfg.untie_embeddings_and_output_weights,
+        bos_token_id=None, eos_token_id=None)
 
 
 def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
@@ -197,7 +198,8 @@ def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.
     family = check_exportable(model_cfg)
     heads, groups, head_dim = model_cfg.num_attention_heads, model_cfg.query_groups, model_cfg.head_dim
     if family == "gpt2":
-        return _gpt2_state_dict(state, model_cfg.num_layers, heads, head_dim)
+        return _gpt2_state_dict(state, model_cfg.num_layers, heads, head_dim,
+                                tied=not model_cfg.untie_embeddings_and_output_weights)
     state = dict(state)
     extra = {}
     for i in range(model_cfg.num_layers):
@@ -222,7 +224,7 @@ def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.
 
 
 def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads: int,
-                     head_dim: int) -> Dict[str, torch.Tensor]:
+                     head_dim: int, tied: bool = True) -> Dict[str, torch.Tensor]:
     take = _StateReader(state)
 
     def qkv_cat(tensor: torch.Tensor) -> torch.Tensor:  # per-head rows -> [q; k; v]
@@ -231,7 +233,7 @@ def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads:
             -1, *tensor.shape[1:])
 
     out = {theirs: take(ours) for ours, theirs in _GPT2_WHOLE}
-    out["lm_head.weight"] = out["transformer.wte.weight"]
+    out["lm_head.weight"] = out["transformer.wte.weight"] if tied else take("output_layer.weight")
     for i in range(num_layers):
         src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
         for ours, theirs in _GPT2_NORMS:
@@ -265,9 +267,23 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
     return grouped.reshape(num_groups * (per_group + 2) * head_dim, *tail).contiguous()
 
 
+def _check_tied(hf_state: Dict[str, torch.Tensor], embedding: str) -> None:
+    """A tied import drops ``lm_head.weight``: only right when it is the embedding."""
+    head, embed = hf_state.get("lm_head.weight"), hf_state.get(embedding)
+    if head is not None and embed is not None and not torch.equal(head, embed):
+        raise InputError("lm_head.weight differs from the embedding " + embedding + ", so the "
+                         "output layer cannot be tied to it; import it untied "
+                         "(--untie-embeddings-and-output-weights)")
+
+
 def megatron_state_dict(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
-    """TP1 GPTModel tensors (megatron-core's local layer spec names) for HF weights."""
+    """TP1 GPTModel tensors (megatron-core's local layer spec names) for HF weights. A tied
+    model (no --untie-embeddings-and-output-weights) must have lm_head equal to the
+    embedding, or none: a distinct one is never dropped."""
     family = model_cfg.family
+    if not model_cfg.untie_embeddings_and_output_weights:
+        _check_tied(hf_state, "transformer.wte.weight" if family == "gpt2"
+                    else "model.embed_tokens.weight")
     if family == "gpt2":
         return _gpt2_megatron(hf_state, model_cfg)
     take = _HFReader(hf_state)
@@ -313,7 +329,10 @@ def _gpt2_megatron(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, to
         q, k, v = flat.chunk(3, dim=0)
         return merge_qkv(q, k, v, heads, heads, d).reshape(-1, *tensor.shape[1:])
 
+    tied = not model_cfg.untie_embeddings_and_output_weights
     out = {ours: take(theirs) for ours, theirs in _GPT2_WHOLE}
+    if not tied:
+        out["output_layer.weight"] = take("lm_head.weight")
     for i in range(model_cfg.num_layers):
         src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
         for ours, theirs in _GPT2_NORMS:
@@ -329,5 +348,5 @@ def _gpt2_megatron(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, to
     # the causal-mask buffers of older transformers versions are not weights
     take.check_all_read("GPT-2", ignore={k for k in hf_state if k.endswith((".attn.bias",
                                                                            ".attn.masked_bias"))}
-                        | {"lm_head.weight"})
+                        | ({"lm_head.weight"} if tied else set()))
     return out

@@ -18,11 +18,10 @@ import json
 import os
 from typing import Dict, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint import rng_state
+from megatron_jreg.checkpoint import rng_state, safe_pickle
 from megatron_jreg.checkpoint.manifest import verify_manifest
 from megatron_jreg.checkpoint.scheduler_state import load_scheduler, saved_schedule
 from megatron_jreg.checkpoint.state_keys import (
@@ -129,8 +128,10 @@ def _load_rng_files(path: str, rank: int) -> None:
                      f"this run has {world}")
         return
     try:
-        state = torch.load(rng_file, weights_only=False)
+        state = safe_pickle.load_torch_file(rng_file, rng_file, "a checkpoint's random state file")
         rng_state.set_rng_state(state, ckpt.report_once, path)
+    except safe_pickle.UnsafeCheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(
             f"cannot read {rng_file} ({type(err).__name__}); the directory is damaged: load "
@@ -194,7 +195,7 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     from torch.distributed.checkpoint.api import CheckpointException
 
     iteration = ckpt.resolve_iteration(root, iteration, step_flag=step_flag)
-    path = ckpt.iteration_dir(root, iteration)
+    path = ckpt.iteration_path(root, iteration)  # iter_N, or a killed save's whole copy
     if verify:
         problem = verify_manifest(path)
         if problem:
@@ -202,6 +203,8 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
                 f"checkpoint {path} fails its checksum: {problem}; load an earlier one with "
                 f"{step_flag}" + (" (or pass --no-verify-checkpoint to load it anyway)"
                                   if step_flag == "--ckpt-step" else ""))
+    # every pickle the load below unpickles, read as data first (safe_pickle.py)
+    safe_pickle.check_iteration(path, step_flag)
     sharded_metadata, common = _read_metadata(path, step_flag)
     state = ckpt.model_sharded_state_dict(model_chunks)
     comparison = compare(requested_entries(state), checkpoint_entries(sharded_metadata))
@@ -213,6 +216,11 @@ def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer
     for note in comparison.notes():
         ckpt.report_once(f"{path}: {note}")
     state = drop_requests(state, comparison.extra_missing)
+    if optimizer is not None and "optimizer" not in common and not any(
+            key.startswith("optimizer.") for key in sharded_metadata):
+        raise CheckpointError(  # a conversion, or Megatron-LM's --no-save-optim
+            f"checkpoint {path} holds weights only, no optimizer state to resume: start from "
+            f"its weights with --pretrained-checkpoint {root} (or pass --no-load-optim)")
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=True,

@@ -101,9 +101,17 @@ def verify_manifest(directory: str) -> Optional[str]:
         return None
     try:
         with open(path) as f:
-            entries = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
         return f"{path} is unreadable ({type(err).__name__})"
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    # every save lists at least its shards and metadata: an empty or absent list would
+    # check nothing and pass
+    if not isinstance(entries, dict) or not entries:
+        return f"{path} lists no files to check (a save's manifest lists every file it wrote)"
+    if not all(isinstance(e, dict) and isinstance(e.get("size"), int)
+               and isinstance(e.get("crc32"), int) for e in entries.values()):
+        return f"{path} has an entry without an integer size and crc32"
     rank, world = _rank_world()
     names = sorted(entries)[rank::world]
     problems = []

@@ -27,11 +27,12 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError, check_common
 from megatron_jreg.config.megatron_lm import REFUSED, TABLE
 from megatron_jreg.config.model import TRANSFORMER_IMPLS, ModelConfig, ParallelConfig
 from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES
-from megatron_jreg.errors import ConfigError, InputError
+from megatron_jreg.errors import CheckpointError, ConfigError, InputError
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's common-state version of torch_dist checkpoints
 COMMON_FILE = "common.pt"  # megatron-core's common (unsharded) state of an iteration
@@ -116,6 +117,12 @@ def read_common_state(path: str) -> Optional[dict]:
     imported only when ours, a SimpleNamespace of plain values, does not do)."""
     file = os.path.join(path, COMMON_FILE)
     if not os.path.isfile(file):
+        return None
+    try:  # a refusal names the file; the fallback below may run without weights_only
+        check_common(path)
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError:  # a damaged file: loading the checkpoint names it
         return None
     try:
         # as megatron-core registers them when it is imported (safe_globals.py); a

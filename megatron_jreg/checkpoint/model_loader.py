@@ -77,11 +77,11 @@ def check_model_split(path: str, model_cfg, vocab_rows: int, parallel) -> None:
             f"save time), not divisible by --tensor-model-parallel-size {tp}; evaluate with a "
             f"TP size that divides {vocab_rows} (e.g. {fits})"
         )
-    for what, value in (
-        ("attention heads", model_cfg.num_attention_heads),
-        ("query groups", model_cfg.query_groups),
-        ("FFN size", model_cfg.ffn_size),
-    ):
+    sizes = [("attention heads", model_cfg.num_attention_heads),
+             ("query groups", model_cfg.query_groups), ("FFN size", model_cfg.ffn_size)]
+    if getattr(model_cfg, "num_experts", None):  # each expert's MLP: over the same TP ranks
+        sizes.append(("expert FFN size", model_cfg.moe_ffn_size))
+    for what, value in sizes:
         if value % tp:
             raise InputError(
                 f"{path}: the model's {value} {what} are not divisible by "

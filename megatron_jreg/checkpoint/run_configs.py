@@ -19,6 +19,7 @@ from megatron_jreg.checkpoint.megatron_lm_args import (
     read_common_state,
     sections_from_args,
 )
+from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError
 from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.config.yaml_settings import from_yaml_text
 from megatron_jreg.data.tokenizers.build import build_tokenizer, describe_tokenizer, tokenizer_identity
@@ -76,7 +77,13 @@ def checkpoint_iterations(
             chosen = [ckpt.resolve_iteration(root, step_flag=ITERATION_FLAG, root_flag=flag)]
         except ckpt.CheckpointError as err:
             raise InputError(f"{flag} {root}: {err}") from None
+    left = ckpt.left_whole(root)  # whole copies a save killed in its renames left
     for it in chosen:
+        if it not in whole and it in left:
+            raise InputError(
+                f"{flag} {root}: a save of iteration {it} was killed while it was renamed "
+                f"into place; its whole copy is {os.path.join(root, left[it])}: rename it to "
+                f"iter_{it:07d} (the next training run with --save {root} does so itself)")
         if it not in whole:
             raise InputError(
                 f"{flag} {root}: iteration {it} is not a complete checkpoint there; "
@@ -126,6 +133,8 @@ def saved_vocab_rows(path: str, model_cfg) -> int:
     """Rows of the saved embedding: the padded vocabulary the run was built with."""
     try:
         rows = ckpt.saved_embedding_rows(path, step_flag=ITERATION_FLAG)
+    except UnsafeCheckpointError:  # its fix is a trusted rebuild, not another iteration
+        raise
     except ckpt.CheckpointError as err:
         message = str(err)
         if ITERATION_FLAG not in message:

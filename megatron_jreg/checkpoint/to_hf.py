@@ -35,7 +35,9 @@ The other families differ from it as follows:
 - GPT-2: Conv1D weights are stored [in, out] (transposed); ``c_attn`` is [q; k; v] over all
   heads (megatron's rows are per head: [q_h; k_h; v_h]), biases likewise; LayerNorm
   weights and biases; ``embedding.position_embeddings`` -> ``wpe``; the output layer is the
-  embedding (tied); megatron's GeLU is the exact one (HF ``gelu``, not ``gelu_new``).
+  embedding (tied) unless the run has ``--untie-embeddings-and-output-weights``
+  (``output_layer.weight`` -> ``lm_head.weight``, ``tie_word_embeddings: false``); megatron's
+  GeLU is the exact one (HF ``gelu``, not ``gelu_new``).
 
 The vocabulary keeps the checkpoint's padded size (the extra rows are never produced by
 the tokenizer), and the embeddings stay tied or untied, as trained.

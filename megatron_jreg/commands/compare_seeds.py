@@ -9,6 +9,11 @@ runs' training seed; see docs/evaluation.md. Prints, per task and for the per-se
 over tasks: mean difference (jreg - baseline), t, df, one-sided p-value and the lower
 bound of the one-sided interval. A value that does not exist (the p-value when every
 difference is 0) prints as nan and is null in the JSON, as is an infinite t.
+
+Scores without a partner (a seed one side has and the other lacks, a task one side of a
+seed lacks, a seed missing a task of the average) are refused in one line naming them;
+``--allow-unpaired`` tests the pairs and names what it left out, on stdout and under the
+JSON's ``left_out`` key.
 """
 
 import os
@@ -25,6 +30,7 @@ from megatron_jreg.stats.seed_stats import (
     BACKENDS,
     compare_seed_scores,
     format_seed_table,
+    left_out_of,
     read_seed_scores,
     resolve_backend,
 )
@@ -47,6 +53,9 @@ class CompareSeedsConfig:
         "help": "t distribution from scipy or the built-in exact code"})
     json: str | None = field(default=None, metadata={
         "metavar": "OUT.json", "help": "also write the results as JSON"})
+    allow_unpaired: bool = field(default=False, metadata={
+        "help": "test the seeds both sides scored when the sides differ (refused without it), "
+        "and name the seeds and tasks left out in the output and the JSON"})
 
 
 def build_parser() -> ArgumentParser:
@@ -81,15 +90,18 @@ def _compare(args) -> int:
     scores = (read_seed_scores(args.csv) if args.csv
               else read_report_scores(args.baseline, args.jreg))
     try:
-        results = compare_seed_scores(scores, args.confidence, args.backend)
-    except InputError as e:  # too few seeds, an overflow: a problem of this file
+        results = compare_seed_scores(scores, args.confidence, args.backend,
+                                      allow_unpaired=args.allow_unpaired)
+    except InputError as e:  # unpaired seeds, too few seeds, an overflow: of this input
         raise InputError(f"{source}: {e}") from None
-    print(format_seed_table(results))
+    left_out = left_out_of(scores)  # empty unless --allow-unpaired accepted it
+    print("\n".join([format_seed_table(results)] + left_out.lines()))
     if args.json:
         # a p-value that does not exist (all differences 0) or an infinite t: null
-        write_text_atomic(
-            args.json, strict_json.dumps({task: r.to_dict() for task, r in results})
-        )
+        payload = {task: r.to_dict() for task, r in results}
+        if left_out:
+            payload["left_out"] = left_out.to_dict()
+        write_text_atomic(args.json, strict_json.dumps(payload))
     return OK
 
 

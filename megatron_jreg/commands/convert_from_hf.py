@@ -49,7 +49,7 @@ def build_parser() -> ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(lambda: _import(args), prefix=f"{PROG}: error")
+    return run_command(lambda: _import(args), prefix=f"{PROG}: error", output=args.save)
 
 
 def _import(args) -> int:

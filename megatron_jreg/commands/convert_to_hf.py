@@ -50,7 +50,7 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(lambda: _export(args), prefix=f"{PROG}: error")
+    return run_command(lambda: _export(args), prefix=f"{PROG}: error", output=args.output)
 
 
 def _export(args) -> int:

@@ -5,6 +5,7 @@ import sys
 from typing import Dict, Optional, Sequence
 
 from megatron_jreg.commands import flags
+from megatron_jreg.commands.exit_codes import run_command
 from megatron_jreg.config.run import BUILDERS, SECTIONS
 from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
 from megatron_jreg.training.experiment import DESCRIPTION, ExperimentConfig
@@ -20,13 +21,14 @@ def from_argv(argv: Optional[Sequence[str]] = None) -> ExperimentConfig:
 
 
 def main(argv=None) -> int:
-    """Parse, set up, train; the exit code (see ``training.trainer.run``)."""
+    """Parse, set up, train; the exit code (see ``training.trainer.run``; an OS error of
+    writing is one line and exit 2, as in every command: ``exit_codes.run_command``)."""
     # the flags first: --help and a bad flag answer before megatron-core is imported
     # (about 3 s of imports per process)
     experiment = from_argv(argv)
     from megatron_jreg.training.trainer import run
 
-    return run(experiment)
+    return run_command(lambda: run(experiment))
 
 
 if __name__ == "__main__":

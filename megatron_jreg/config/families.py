@@ -19,9 +19,11 @@ def family_of(model) -> str:
             mixtral = not model.qk_layernorm and not model.moe_router_pre_softmax
             return "mixtral" if mixtral else "other"
         return "qwen3" if model.qk_layernorm else "llama"
+    # GPT-2 ties them by default; GPT2LMHeadModel holds a separate lm_head when its config
+    # says tie_word_embeddings: false, so an untied GPT-2 form is GPT-2 too
     gpt2 = (not model.swiglu and model.normalization == "LayerNorm"
             and model.position_embedding_type == "learned_absolute" and model.add_bias_linear
-            and not model.untie_embeddings_and_output_weights and not model.qk_layernorm
+            and not model.qk_layernorm
             and not model.num_experts and model.query_groups == model.num_attention_heads)
     return "gpt2" if gpt2 else "other"
 

@@ -18,6 +18,7 @@ from megatron_jreg.errors import ConfigError
 from megatron_jreg.jreg import WEIGHTINGS
 from megatron_jreg.config.families import check_experts, family_of
 from megatron_jreg.config.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
+from megatron_jreg.config.shapes import check_head_size
 
 # --attention-backend: Megatron-LM's values, and sdpa (PyTorch's fused attention)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
@@ -188,9 +189,7 @@ class ModelConfig:
         if self.rotary_percent != 1.0:
             raise ConfigError(f"--rotary-percent {self.rotary_percent}: not supported yet (RoPE "
                              "rotates the whole head); pass --rotary-percent 1.0")
-        if self.kv_channels not in (None, self.head_dim):
-            raise ConfigError(f"--kv-channels {self.kv_channels}: not supported yet; the head dim "
-                             f"is --hidden-size / --num-attention-heads = {self.head_dim}")
+        check_head_size(self)  # --kv-channels, and an even head size under RoPE
         if self.attention_backend == "local" and self.transformer_impl == "transformer_engine":
             raise ConfigError("--attention-backend local needs --transformer-impl local "
                              "(as in Megatron-LM)")

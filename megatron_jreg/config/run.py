@@ -312,8 +312,10 @@ class CheckpointConfig:
         "with a tokenizer other than the one it was trained with (its vocabulary must fit the "
         "saved embedding)"))
     overwrite_checkpoints: bool = field(default=False, metadata=option(
-        "--overwrite-checkpoints", "let a run without --load write into a --save that holds "
-        "checkpoints (it replaces the iterations it reaches)"))
+        "--overwrite-checkpoints", "let a run that does not continue the latest checkpoint of "
+        "--save write into it when it holds checkpoints: a run without --load of it, one that "
+        "restarts at iteration 0 from it (--finetune, --no-load-optim), or one resumed from an "
+        "earlier iteration (--ckpt-step); it replaces the iterations it reaches"))
 
     def __post_init__(self):
         config_values.check_fields(self)

@@ -35,7 +35,7 @@ from megatron_jreg.downstream import cache as cache_mod
 from megatron_jreg.downstream import harness
 from megatron_jreg.downstream.report import DownstreamReport, TaskScore
 from megatron_jreg.downstream.tasks import pick_metric, resolve_tasks
-from megatron_jreg.errors import InputError
+from megatron_jreg.errors import InputError, UserError
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.run_configs import checkpoint_iterations, read_run_configs
 from megatron_jreg.checkpoint.to_hf import convert
@@ -97,7 +97,7 @@ def _export_child(root: str, iteration: int, out: str, queue,
     try:
         queue.put(("ok", convert(root, out, iteration=iteration,
                                  tokenizer_model=tokenizer_model)))
-    except InputError as err:
+    except UserError as err:  # a bad input, a damaged or refused checkpoint: one line
         queue.put(("input", str(err)))
     except BaseException as err:  # noqa: BLE001 - reported by the parent
         queue.put(("error", f"{type(err).__name__}: {err}"))

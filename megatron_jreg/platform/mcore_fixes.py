@@ -10,6 +10,7 @@ megatron-core line it answers to and is tested on its own in ``tests/platform``.
 |---|---|---|
 | :func:`fix_checkpoint_without_output_fp8` | ``tensor_parallel/random.py:636`` | selective recompute of layernorm/mlp without TE |
 | :func:`fix_checkpoint_writer_queue` | ``dist_checkpointing/strategies/filesystem_async.py:54`` | every synchronous save |
+| ``checkpoint_writers.fix_writers_die_with_parent`` | ``dist_checkpointing/strategies/filesystem_async.py:266`` | every save: its forked writers outlived a killed trainer |
 | :func:`fix_distributed_optimizer_checkpoints` | ``optimizer/distrib_optimizer.py:641, 820, 911`` | DistributedOptimizer + torch Adam (no Apex/TE) |
 | :func:`fix_moe_router_without_te` | ``transformer/moe/moe_utils.py:1192, 1225`` | every MoE forward/backward without TE |
 | sequence-parallel RMSNorm (``model/norm.py``) | ``transformer/torch_norm.py:32``, ``transformer/transformer_block.py:63`` | ``--sequence-parallel`` without TE |
@@ -24,6 +25,8 @@ from __future__ import annotations
 import queue
 
 import torch
+
+from megatron_jreg.platform.checkpoint_writers import fix_writers_die_with_parent
 
 _APPLIED = False
 
@@ -139,7 +142,8 @@ def fix_moe_router_without_te() -> None:
 
 
 FIXES = (fix_checkpoint_without_output_fp8, fix_checkpoint_writer_queue,
-         fix_distributed_optimizer_checkpoints, fix_moe_router_without_te)
+         fix_writers_die_with_parent, fix_distributed_optimizer_checkpoints,
+         fix_moe_router_without_te)
 
 
 def apply() -> None:

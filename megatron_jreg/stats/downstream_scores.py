@@ -4,7 +4,9 @@ Each file holds one report object or a list of them (``--json`` of eval_downstre
 Reports pair by their ``seed`` (the run config's training seed for ``--load``); when a
 report has none (an ``--hf-model``), the reports of each side pair in the order given.
 A task pairs the seeds that both sides scored; the average over tasks is left to
-``compare_seed_scores`` (the per-seed mean over the tasks, as in the paper).
+``compare_seed_scores`` (the per-seed mean over the tasks, as in the paper). What has no
+partner (a seed of one side only, a task one side of a seed lacks) is recorded in the
+scores' ``left_out`` (``stats.pairing``), never dropped without a word.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 from typing import Dict, List, Sequence
 
 from megatron_jreg.errors import InputError
+from megatron_jreg.stats.pairing import LeftOut, ordered
+from megatron_jreg.stats.seed_stats import SeedScores
 
 
 def _reports(paths: Sequence[str], flag: str) -> List[dict]:
@@ -52,8 +56,8 @@ def _check_scores(report: dict, path: str, flag: str) -> None:
                              "eval_downstream (--no-cache) or leave the report out")
 
 
-def _by_seed(reports: List[dict], flag: str) -> Dict[str, dict]:
-    if any(r.get("seed") is None for r in reports):
+def _by_seed(reports: List[dict], flag: str, by_order: bool) -> Dict[str, dict]:
+    if by_order:
         return {str(i + 1): r for i, r in enumerate(reports)}  # order given
     out: Dict[str, dict] = {}
     for r in reports:
@@ -66,16 +70,26 @@ def _by_seed(reports: List[dict], flag: str) -> Dict[str, dict]:
 
 
 def read_report_scores(baseline: Sequence[str], jreg: Sequence[str]):
-    """SeedScores ({task: {seed: (baseline, jreg)}}) from the two sides' report files."""
-    base = _by_seed(_reports(baseline, "--baseline"), "--baseline")
-    ours = _by_seed(_reports(jreg, "--jreg"), "--jreg")
+    """SeedScores ({task: {seed: (baseline, jreg)}}) from the two sides' report files, with
+    the seeds and tasks of one side only in its ``left_out``."""
+    base_reports, jreg_reports = _reports(baseline, "--baseline"), _reports(jreg, "--jreg")
+    # one rule for both sides: a seed of one side never pairs with a position of the other
+    by_order = any(r.get("seed") is None for r in base_reports + jreg_reports)
+    base = _by_seed(base_reports, "--baseline", by_order)
+    ours = _by_seed(jreg_reports, "--jreg", by_order)
     seeds = sorted(set(base) & set(ours))
     if not seeds:
         raise InputError(f"no seed is on both sides (baseline {sorted(base)}, jreg "
                          f"{sorted(ours)}); pair the runs by their training seed")
-    scores: Dict[str, Dict[str, tuple]] = {}
-    for seed in seeds:
+    scores = SeedScores()
+    left = scores.left_out = LeftOut(unit="report" if by_order else "seed")
+    left.runs = {"baseline": ordered(set(base) - set(ours)),
+                 "jreg": ordered(set(ours) - set(base))}
+    for seed in ordered(seeds):
         b, j = base[seed]["tasks"], ours[seed]["tasks"]
+        for side, mine, theirs in (("baseline", b, j), ("jreg", j, b)):
+            for task in [t for t in mine if t not in theirs]:
+                left.tasks.setdefault(task, {}).setdefault(side, []).append(seed)
         for task in [t for t in b if t in j]:
             if b[task].get("metric") != j[task].get("metric"):
                 raise InputError(f"task {task}, seed {seed}: baseline reports "

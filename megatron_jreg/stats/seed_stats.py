@@ -15,10 +15,11 @@ from __future__ import annotations
 import csv
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_jreg.errors import InputError, missing_extra
+from megatron_jreg.stats.pairing import LeftOut, ordered
 
 BACKENDS = ("auto", "scipy", "exact")
 
@@ -221,8 +222,15 @@ def paired_one_sided_t_test(
 
 # ---------------------------------------------------------------- per-seed score files
 
-# Per task: {seed: (baseline, jreg)}
-SeedScores = Dict[str, Dict[str, Tuple[float, float]]]
+class SeedScores(Dict[str, Dict[str, Tuple[float, float]]]):
+    """Per task: {seed: (baseline, jreg)}; ``left_out``: what pairing the two sides left
+    out (a reader of both sides' files fills it in)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.left_out = LeftOut()
+
+
 _WIDE = re.compile(r"^(?P<task>.+?)[_:.](?P<arm>baseline|jreg)$", re.IGNORECASE)
 
 
@@ -255,7 +263,7 @@ def read_seed_scores(path: str) -> SeedScores:
         reader.fieldnames = header
         lower = {h.lower(): h for h in header}
         rows = list(reader)
-    scores: SeedScores = {}
+    scores = SeedScores()
 
     def put(task: str, seed: str, pair: Tuple[float, float], where: str) -> None:
         per_task = scores.setdefault(task, {})
@@ -302,13 +310,31 @@ def read_seed_scores(path: str) -> SeedScores:
     return scores
 
 
+def left_out_of(scores: SeedScores) -> LeftOut:
+    """What the tests of ``scores`` leave out: what pairing left out (``scores.left_out``)
+    and the seeds the average over tasks cannot use (not scored on every task)."""
+    left = getattr(scores, "left_out", None)
+    left = LeftOut() if left is None else left
+    if len(scores) < 2:
+        return left
+    seeds = set().union(*(set(p) for p in scores.values()))
+    common = set.intersection(*(set(p) for p in scores.values()))
+    return replace(left, average=ordered(seeds - common), no_average=len(common) < 2)
+
+
 def compare_seed_scores(
-    scores: SeedScores, confidence: float = 0.95, backend: str = "auto"
+    scores: SeedScores, confidence: float = 0.95, backend: str = "auto",
+    allow_unpaired: bool = False,
 ) -> List[Tuple[str, OneSidedTTest]]:
     """The test per task, then on the per-seed average over tasks ("average").
 
-    The average uses the seeds that have a score for every task.
+    The average uses the seeds that have a score for every task. Scores that pairing left
+    out, or that the average cannot use, are refused (InputError naming them) unless
+    ``allow_unpaired``; :func:`left_out_of` lists them.
     """
+    left = left_out_of(scores)
+    if left and not allow_unpaired:
+        raise InputError(left.refusal())
     results = []
     for task, per_seed in scores.items():
         seeds = sorted(per_seed)

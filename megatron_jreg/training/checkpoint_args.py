@@ -87,7 +87,7 @@ def checkpoint_configs(checkpoint: Dict[str, object]):
         raise ConfigError(missing_directory(flag, root))
     try:
         iteration = ckpt.resolve_iteration(root, step, root_flag=flag)
-        return flag, root, read_run_configs(ckpt.iteration_dir(root, iteration))
+        return flag, root, read_run_configs(ckpt.iteration_path(root, iteration))
     except (ckpt.CheckpointError, ValueError) as err:
         raise ConfigError(f"--use-checkpoint-args: {err}") from None
 

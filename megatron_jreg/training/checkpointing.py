@@ -10,22 +10,28 @@ import time
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_jreg.checkpoint.async_save import AsyncSaver
 from megatron_jreg.checkpoint.dist_checkpoint import (
+    RUN_CONFIG,
     TRACKER,
     complete_iterations,
     iteration_dir,
+    iteration_path,
     resolve_iteration,
     save_checkpoint,
     saved_embedding_rows,
 )
+from megatron_jreg.checkpoint.interrupted import finish_interrupted_saves
 from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_args
 from megatron_jreg.checkpoint.scheduler_state import saved_schedule
+from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError, check_common
 from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.distributed.setup import print_rank_0
-from megatron_jreg.errors import CheckpointError, ConfigError, InputError
+from megatron_jreg.errors import (CheckpointError, ConfigError, InputError, os_write_error,
+                                  write_error_at)
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer, read_run_configs
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
@@ -43,7 +49,10 @@ def _saved_schedule(path: str) -> Optional[dict]:
     from megatron.core import dist_checkpointing
 
     try:
+        check_common(path)  # megatron-core's torch.load below is weights_only by default only
         return saved_schedule(dist_checkpointing.load_common_state_dict(path))
+    except UnsafeCheckpointError:
+        raise
     except Exception:  # a damaged directory: load_checkpoint reports it by name
         return None
 
@@ -59,6 +68,30 @@ def _identity_of(saved) -> Optional[str]:
         return tokenizer_identity(build_run_tokenizer(saved))
     except (InputError, OSError, ValueError):
         return None
+
+
+def _save_failure(err: BaseException, root: str, iteration: int,
+                  run_id: str) -> Optional[BaseException]:
+    """What to raise for a synchronous save that failed with ``err``, for the one line of
+    ``errors.write_error_line`` (``commands.exit_codes.run_command``); None: ``err`` as it
+    is. An OS error of writing behind ``err`` that names no file (our own files' writes
+    fail at their close) is given the save's directory; where a library lost the error's
+    number, what the save left in its directory tells it. megatron-core raises the
+    writers' errors on rank 0 only: another rank says where to look. The directory stays
+    unmarked; the next run removes it."""
+    partial = f"{iteration_dir(root, iteration)}.partial-{run_id}"
+    known = os_write_error(err)
+    if known is not None:
+        code, name = known
+        return None if name else OSError(code, os.strerror(code), partial)
+    found = write_error_at(partial) if os.path.isdir(partial) else None
+    if found is not None:
+        return found
+    if getattr(err, "failures", None) == {}:  # a CheckpointException of a rank but 0
+        return CheckpointError(f"the save of iteration {iteration} in {root} failed on "
+                               "another rank: rank 0's error says why; the newest whole "
+                               "checkpoint is kept")
+    return None
 
 
 class Checkpointer:
@@ -86,7 +119,8 @@ class Checkpointer:
                 outcome[1] = lock.acquire()
                 self.save_lock = lock
                 outcome[2] = lock.run_id
-                outcome[1] = "\n".join(filter(None, [outcome[1], self._clear_stale_saves()])) or None
+                cleared = self._clear_stale_saves(lock.run_id)
+                outcome[1] = "\n".join(filter(None, [outcome[1], cleared])) or None
             except (ValueError, OSError) as err:
                 outcome[0] = (str(err) if isinstance(err, ValueError)
                               else f"--save {self.cfg.save}: cannot write there ({err.strerror})")
@@ -99,17 +133,23 @@ class Checkpointer:
         if self.background is not None:  # its results queue's process: before training
             self.background.start()
 
-    def _clear_stale_saves(self) -> Optional[str]:
-        """Holding the lock, no other run writes here: temporary save directories and
-        tracker files left by killed runs are removed (they were never complete)."""
+    def _clear_stale_saves(self, run_id: str) -> Optional[str]:
+        """Holding the lock, no other run writes here: a save killed in its renames is
+        finished first (interrupted.py: its whole copy becomes iter_N), then the temporary
+        directories and tracker files left by killed runs are removed: partials that never
+        got their completion marker and replaced copies of a present iter_N."""
         root = self.cfg.save
+        lines = finish_interrupted_saves(root, run_id)
         stale = [n for n in os.listdir(root)
                  if (n.startswith("iter_") and (".partial" in n or ".replaced" in n))
                  or n.startswith(TRACKER + ".tmp")]
         for name in stale:
             path = os.path.join(root, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        return f"removed {len(stale)} unfinished save(s) of earlier runs: {', '.join(sorted(stale))}" if stale else None
+        if stale:
+            lines.append(f"removed {len(stale)} unfinished save(s) of earlier runs: "
+                         f"{', '.join(sorted(stale))}")
+        return "\n".join(lines) or None
 
     def source(self) -> Optional[Tuple[str, Optional[int], bool, str]]:
         """What setup loads: (directory, iteration or None, weights only, its flag), or None.
@@ -133,7 +173,7 @@ class Checkpointer:
         if not source:
             return {}
         root, step, weights_only, flag = source
-        path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
+        path = iteration_path(root, resolve_iteration(root, step, root_flag=flag))
         schedule = None
         if (self.experiment.optim.scheduler_mode() == "checkpoint"
                 and not (self.cfg.no_load_optim or weights_only)):
@@ -178,6 +218,33 @@ class Checkpointer:
                          + ("" if load_optim else " (weights only)"))
         return resumed
 
+    def _check_resumed_run(self, saved, path: str, root: str) -> None:
+        """A resume of --load: its checkpoint must be a run's to resume (a conversion from
+        Hugging Face holds weights only), and a --pretrained-checkpoint given must be the
+        one that run began from: the resume never reads it, so another one would be
+        silently ignored. Refused rather than warned: the run would train from other
+        weights than the command names, and the fix costs one flag. A run whose config
+        records none (begun from scratch, or resumed without the flag) gets a note."""
+        c, imported = self.cfg, saved["data"].imported_from
+        if imported and not c.no_load_optim:
+            raise ConfigError(
+                f"--load {root}: a checkpoint converted from Hugging Face ({imported}) holds "
+                f"weights only, no run to resume; start from it with --pretrained-checkpoint "
+                f"{root} instead of --load")
+        given = c.pretrained_checkpoint
+        if not given or not os.path.isfile(os.path.join(path, RUN_CONFIG)):
+            return  # Megatron-LM's checkpoints record no starting point
+        began = saved["checkpoint"].pretrained_checkpoint
+        if began is None:
+            print_rank_0(f"note: --pretrained-checkpoint {given} is not read: --load {root} "
+                         "holds a run begun without it, and this run continues that one")
+        elif began != given and os.path.realpath(began) != os.path.realpath(given):
+            raise ConfigError(
+                f"--load {root} holds a run begun from --pretrained-checkpoint {began}, not "
+                f"{given}, and this run would continue it without reading {given}; pass "
+                f"--pretrained-checkpoint {began} to continue it, or another --save (and "
+                f"--load) to start a new run from {given}")
+
     def check_source(self, tokenizer) -> None:
         """Before any work: the checkpoint setup loads (:meth:`source`) must be of this
         model and tokenizer. Each architecture field that differs is named (the words a
@@ -191,11 +258,13 @@ class Checkpointer:
         root, step, weights_only, flag = source
         if not os.path.isdir(root):
             return  # ExperimentConfig.validate names it
-        path = iteration_dir(root, resolve_iteration(root, step, root_flag=flag))
+        path = iteration_path(root, resolve_iteration(root, step, root_flag=flag))
         try:
             saved = read_run_configs(path)
         except InputError:  # no readable run config: loading reports the damage
             return
+        if flag == "--load" and not weights_only:
+            self._check_resumed_run(saved, path, root)
         differ = architecture_differences(saved["model"], mine)
         if differ:
             fix = ("pass the pretraining run's model flags (or its --model-preset)" if weights_only
@@ -241,14 +310,20 @@ class Checkpointer:
         data = self.experiment.data
         carried = (data.tokenizer_model if data.tokenizer_type == "HuggingFaceTokenizer"
                    else None)  # its files go with the weights (a moved tokenizer still loads)
-        path = save_checkpoint(self.cfg.save, iteration, model, optimizer, scheduler,
-                               self.experiment.to_yaml(), {"consumed_samples": consumed_samples,
-                                                           "consumed_tokens": consumed_tokens},
-                               run_id=self.run_id, extra_files=self.extra_files,
-                               tokenizer_dir=carried, common=common, fully_reshardable=fully,
-                               fully_parallel=self.cfg.ckpt_fully_parallel_save,
-                               background=self.background,
-                               before_complete=self.check_lock_held)
+        try:
+            path = save_checkpoint(self.cfg.save, iteration, model, optimizer, scheduler,
+                                   self.experiment.to_yaml(), {"consumed_samples": consumed_samples,
+                                                               "consumed_tokens": consumed_tokens},
+                                   run_id=self.run_id, extra_files=self.extra_files,
+                                   tokenizer_dir=carried, common=common, fully_reshardable=fully,
+                                   fully_parallel=self.cfg.ckpt_fully_parallel_save,
+                                   background=self.background,
+                                   before_complete=self.check_lock_held)
+        except (Exception, CheckpointException) as err:  # torch's is a BaseException
+            failure = _save_failure(err, self.cfg.save, iteration, self.run_id)
+            if failure is None:
+                raise
+            raise failure from err
         if self.background is None:
             print_rank_0(f"saved checkpoint {path} in {time.time() - t0:.1f}s")
         else:

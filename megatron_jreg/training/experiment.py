@@ -16,11 +16,13 @@ import os
 from typing import Dict, List, Mapping, Optional
 
 from megatron_jreg.config import yaml_settings
-from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
+from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, complete_iterations
+from megatron_jreg.checkpoint.interrupted import left_whole
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
 from megatron_jreg.errors import ConfigError
 from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
+from megatron_jreg.config.shapes import check_tensor_split
 from megatron_jreg.config.run import (
     SECTIONS,
     CheckpointConfig,
@@ -207,6 +209,7 @@ class ExperimentConfig:
             raise ConfigError(
                 f"--tensor-model-parallel-size {tp} must divide --num-attention-heads "
                 f"{model.num_attention_heads} and the query groups {model.query_groups}")
+        check_tensor_split(model, tp)  # before the world size: the same answer at any launch
         if parallel.sequence_parallel and model.seq_length % tp:
             raise ConfigError(f"--seq-length {model.seq_length} must be divisible by TP {tp} "
                              "under --sequence-parallel")
@@ -243,17 +246,58 @@ class ExperimentConfig:
                              f"size {dp} (the experts are split over data-parallel ranks)")
 
     def _check_save_directory(self) -> None:
-        """A run that does not resume from --save must not replace the checkpoints there."""
-        save, load = self.checkpoint.save, self.checkpoint.load
-        if not save or not os.path.isdir(save) or self.checkpoint.overwrite_checkpoints:
-            return
-        if load and os.path.realpath(load) == os.path.realpath(save):
+        """One lineage per --save: a run writes into a --save that holds iterations only to
+        continue the latest of them. Any other start (a fresh run, --finetune or
+        --no-load-optim from --save's own weights, which restart at iteration 0, or
+        --ckpt-step of an earlier iteration) would replace that run's iterations with
+        another run's and move its tracker back, unless --overwrite-checkpoints says so."""
+        c = self.checkpoint
+        save, load = c.save, c.load
+        if not save or not os.path.isdir(save) or c.overwrite_checkpoints:
             return
         held = sorted(n for n in os.listdir(save)
                       if n == TRACKER or (n.startswith("iter_") and n[5:].isdigit()))
-        if held:
-            shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        if not held:
+            return
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        if not (load and os.path.realpath(load) == os.path.realpath(save)):
             raise ConfigError(
                 f"--save {save} already holds checkpoints ({shown}) and this run does not resume "
                 f"from them: pass --load {save} to continue that run, another --save for a new "
                 "one, or --overwrite-checkpoints to replace them")
+        restart = self._restart_from_save(save)
+        if restart:
+            raise ConfigError(
+                f"--save {save} already holds checkpoints ({shown}) and this run {restart}, so "
+                "its saves would replace them: pass another --save for the new run (--load "
+                f"{save} still reads from there), or --overwrite-checkpoints to replace them")
+        step = c.ckpt_step
+        # whole ones only (a torn one holds nothing to lose); a whole copy a killed save
+        # left counts: the run's lock puts it back as iter_N before the first save
+        saved = set(complete_iterations(save)) | set(left_whole(save))
+        later = [f"iter_{i:07d}" for i in sorted(saved) if step is not None and i > step]
+        if later:
+            names = ", ".join(later[:3]) + (", ..." if len(later) > 3 else "")
+            raise ConfigError(
+                f"--ckpt-step {step} resumes from an earlier iteration of --save {save}, which "
+                f"holds later ones ({names}): this run's saves would replace them and set "
+                f"{TRACKER} back; drop --ckpt-step to continue from the latest, pass another "
+                f"--save to branch from iteration {step}, or --overwrite-checkpoints to replace "
+                "them")
+
+    def _restart_from_save(self, save: str) -> Optional[str]:
+        """Why a run whose --load is its --save starts at iteration 0 instead of continuing
+        the checkpoint there (the words of the refusal), or None when it continues it. The
+        same choice as Checkpointer.source: --load when it holds a checkpoint, else
+        --pretrained-checkpoint; --finetune without --pretrained-checkpoint and
+        --no-load-optim take --load's weights only."""
+        c = self.checkpoint
+        whole = os.path.exists(os.path.join(save, TRACKER)) or bool(complete_iterations(save))
+        if c.pretrained_checkpoint and not whole:
+            return (f"starts at iteration 0 from --pretrained-checkpoint "
+                    f"{c.pretrained_checkpoint} (--load holds no whole checkpoint to continue)")
+        if c.finetune and not c.pretrained_checkpoint:
+            return "starts at iteration 0 from the weights there (--finetune)"
+        if c.no_load_optim:
+            return "starts at iteration 0 from the weights there (--no-load-optim)"
+        return None

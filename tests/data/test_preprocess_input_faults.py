@@ -159,6 +159,33 @@ def test_empty_input_is_refused_unless_allowed(tmp_path, capsys, content, partit
     assert os.path.getsize(prefix + "_text_document.bin") == 0
 
 
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_dev_null_is_an_empty_input(tmp_path, capsys, partitions):
+    """/dev/null reads as an empty file and is taken as one (it was "no such file or
+    directory"): refused with an empty file's line, written empty with --allow-empty."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    prefix = str(tmp_path / "out")
+    assert main(argv(str(empty), prefix, "--partitions", str(partitions))) == 2
+    as_a_file = one_error_line(capsys)
+    assert main(argv(os.devnull, prefix, "--partitions", str(partitions))) == 2
+    assert one_error_line(capsys) == as_a_file.replace(str(empty), os.devnull)
+    assert output_files(tmp_path) == []
+    assert main(argv(os.devnull, prefix, "--partitions", str(partitions), "--allow-empty")) == 0
+    assert os.path.getsize(prefix + "_text_document.bin") == 0
+
+
+def test_a_pipe_as_input_is_refused_as_not_a_file(tmp_path, capsys):
+    """Inputs are read in byte ranges, which a pipe has not: said so (it was "no such file
+    or directory")."""
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    assert main(argv(fifo, str(tmp_path / "out"))) == 2
+    err = one_error_line(capsys)
+    assert err == f"error: --input {fifo!r}: not a regular file; save it to a file first", err
+    assert output_files(tmp_path) == ["fifo"]
+
+
 def test_all_lines_skipped_is_empty_too(tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", ['{"text": 1}', '{"body": "x"}'])
     assert main(argv(data, str(tmp_path / "out"), "--skip-invalid")) == 2

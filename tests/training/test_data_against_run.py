@@ -169,3 +169,23 @@ def test_a_cache_record_not_written_for_this_content_is_not_trusted(tmp_path):
     with open(_cache_path(prefix, cache), "w") as f:
         json.dump({"max_token_id": 3, "prefix": prefix}, f)
     assert max_token_id(prefix, cache) == real
+
+
+def test_a_pickle_in_megatrons_index_cache_runs_nothing(tmp_path):
+    """megatron-core reads its index cache with numpy.load(allow_pickle=True), which
+    unpickles a file that is not a .npy: one swapped for a pickle that runs ``touch MARKER``
+    (a cache handed over with the data) is refused naming it, and nothing runs."""
+    from crafted_checkpoints import command_prefix
+
+    prefix = write_pair(str(tmp_path / "data"), random_docs(60, 40, 250))
+    argv = base_args(prefix, train_iters=1, seq_length=32)
+    code, out, err = _trainer(argv, timeout=300)
+    assert code == 0, err[-3000:]
+    cached = sorted((tmp_path / "index-cache").glob("*-train-document_index.npy"))
+    assert len(cached) == 1, os.listdir(tmp_path / "index-cache")
+    marker = tmp_path / "MARKER"
+    cached[0].write_bytes(b"\x80\x04" + command_prefix(marker) + b"N.")
+    code, out, err = _trainer(argv, timeout=300)
+    assert not marker.exists(), "the pickle in the cache ran its command"
+    _one_line_before_work(code, out, err, f"{cached[0]}: refused to load: not a numpy array "
+                          "file", "delete it", "--data-cache-path")

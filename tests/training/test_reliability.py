@@ -78,14 +78,15 @@ def test_torn_checkpoint_is_detected_and_earlier_one_loads(demo_data, tmp_path):
 
 
 def test_saving_an_iteration_again_replaces_it_whole(demo_data, tmp_path):
-    """Resumed from an earlier checkpoint, a run reaches a saved iteration again: the new
-    save replaces the old one and leaves no side directories; the result loads."""
+    """Resumed from an earlier checkpoint (--overwrite-checkpoints: without it the later
+    iterations are not replaced, test_save_lineage.py), a run reaches a saved iteration
+    again: the new save replaces the old one and leaves no side directories; it loads."""
     ckpt = tmp_path / "ckpt"
     first = tmp_path / "first.jsonl"
     train(base_args(demo_data, train_iters=4, save=ckpt, save_interval=2, metrics_file=first))
     again = tmp_path / "again.jsonl"
     train(base_args(demo_data, train_iters=4, save=ckpt, save_interval=2, load=ckpt, ckpt_step=2,
-                    metrics_file=again))
+                    metrics_file=again, overwrite_checkpoints=True))
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER]
     assert open(ckpt / TRACKER).read() == "4"
     assert read_metrics(again)[-1]["lm_loss"] == read_metrics(first)[-1]["lm_loss"]

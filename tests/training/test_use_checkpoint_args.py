@@ -8,6 +8,7 @@ tokenizer the checkpoint carries.
 
 import json
 import os
+import shutil
 
 import forked_trainer
 import pytest
@@ -134,6 +135,34 @@ def test_an_agreeing_flag_is_accepted_and_a_missing_checkpoint_named(imported, t
     assert "--use-checkpoint-args reads the architecture from a checkpoint: pass --load" in proc.stderr
     json.dumps(proc.stderr)  # one line of text, no traceback
     assert "Traceback" not in proc.stderr
+
+
+def test_load_of_the_import_says_weights_only_not_corrupt(imported, tmp_path):
+    """Was: --load IMPORT --use-checkpoint-args failed at the load with 'it may be corrupt:
+    load an earlier one with --ckpt-step'. The conversion is named before any work, and a
+    weights-only checkpoint without that mark (Megatron-LM's --no-save-optim) at the load."""
+    argv = _args(imported, tmp_path, "resumed", iters=1)
+    argv[argv.index("--pretrained-checkpoint")] = "--load"
+    proc = train(argv, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"error: --load {imported['ckpt']}: a checkpoint converted from Hugging "
+                          "Face (") and err.endswith(
+        f"holds weights only, no run to resume; start from it with --pretrained-checkpoint "
+        f"{imported['ckpt']} instead of --load"), err
+    assert "corrupt" not in proc.stderr and "iteration" not in proc.stdout
+    unmarked = tmp_path / "unmarked"
+    shutil.copytree(imported["ckpt"], unmarked)
+    config = unmarked / "iter_0000000" / "run_config.yaml"
+    config.write_text("".join(line for line in config.read_text().splitlines(keepends=True)
+                              if "imported_from" not in line))
+    argv[argv.index("--load") + 1] = str(unmarked)
+    proc = train(argv + ["--no-verify-checkpoint"], check=False)  # the run config changed
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err == (f"error: checkpoint {unmarked / 'iter_0000000'} holds weights only, no "
+                   "optimizer state to resume: start from its weights with "
+                   f"--pretrained-checkpoint {unmarked} (or pass --no-load-optim)"), err
 
 
 def test_sft_from_the_import_at_tp2_equals_one_rank(imported, tmp_path):

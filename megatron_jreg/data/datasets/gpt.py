@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 from megatron_jreg.data.datasets.blend import parse_data_path
+from megatron_jreg.data.datasets.index_cache import check_index_cache
 from megatron_jreg.data.datasets.token_range import index_key
 from megatron_jreg.errors import InputError
 
@@ -163,6 +164,7 @@ def build_gpt_datasets(
         os.path.dirname(os.path.abspath(prefixes[0])), "index-cache"
     )
     os.makedirs(cache_dir, exist_ok=True)
+    check_index_cache(cache_dir)  # before megatron-core's numpy.load(allow_pickle=True) of it
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.seq_length,

@@ -191,7 +191,9 @@ def _run_partition(index, segments, config, spec, prefixes, dtypes, workers, par
         conn.send(("error", str(e)))
     except OSError as e:
         no_room = _no_room_error(e, config)
-        conn.send(("error", str(no_room)) if no_room else ("crash", f"{type(e).__name__}: {e}"))
+        # the error itself (its number and file), for the parent to raise: the command
+        # reports an OS error of writing in one line (errors.write_error_line)
+        conn.send(("error", str(no_room)) if no_room else ("oserror", (e.errno, e.strerror, e.filename)))
     except KeyboardInterrupt:
         conn.send(("interrupted", "ctrl-c"))
     except Terminated:
@@ -254,6 +256,8 @@ def _encode_partitioned(config, spec, segments, dtypes, progress, built) -> RunS
                 raise KeyboardInterrupt if failure[1] == "ctrl-c" else Terminated()
             if failure[0] == "error":
                 raise PreprocessError(failure[1])
+            if failure[0] == "oserror":
+                raise OSError(*failure[1])
             raise RuntimeError(failure[1])
         progress.update(stats, stats.documents)
         _refuse_empty(config, segments, stats)

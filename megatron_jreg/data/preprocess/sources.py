@@ -220,10 +220,8 @@ def _directory_files(directory: str, input_format: str) -> list[str]:
 
 
 def resolve_inputs(inputs: list[str], input_format: str = "jsonl") -> list[Segment]:
-    """Every input file, in the order given (globs and directories sorted), as whole segments.
-
-    Raises InputError when an input matches nothing or needs a library that is missing.
-    """
+    """Every input file, in the order given (globs and directories sorted), as whole segments;
+    InputError for one that matches nothing, is a pipe or device, or needs a missing library."""
     if input_format not in INPUT_FORMATS:
         raise InputError(f"--input-format must be one of {INPUT_FORMATS}, got {input_format!r}")
     paths: list[str] = []
@@ -236,12 +234,14 @@ def resolve_inputs(inputs: list[str], input_format: str = "jsonl") -> list[Segme
                     f"(looked for {', '.join(_TEXT_SUFFIXES if input_format == 'text' else _JSONL_SUFFIXES)}, "
                     f".parquet, optionally .gz/.zst)"
                 )
-        elif os.path.isfile(item):
-            matched = [item]
+        elif os.path.isfile(item) or os.path.realpath(item) == os.devnull:
+            matched = [item]  # /dev/null reads as an empty file, and is refused as one
         elif glob.has_magic(item):
             matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
             if not matched:
                 raise InputError(f"--input {item!r}: the pattern matches no files")
+        elif os.path.exists(item):  # a pipe or a device: no byte ranges to read in parallel
+            raise InputError(f"--input {item!r}: not a regular file; save it to a file first")
         else:
             raise InputError(f"--input {item!r}: no such file or directory")
         paths.extend(matched)
