@@ -75,8 +75,9 @@ class UnsafeCheckpointError(CheckpointError):
 def _allowed_in_metadata(module: str, name: str) -> bool:
     if (module, name) in METADATA_GLOBALS:
         return True
-    # a dtype or layout pickles as the attribute of torch that holds it (torch.float32)
-    return module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+    # a dtype or layout pickles as the attribute of torch that holds it (torch.float32);
+    # vars(), not getattr(): torch's module __getattr__ imports submodules on a miss
+    return module == "torch" and isinstance(vars(torch).get(name), (torch.dtype, torch.layout))
 
 
 class _Refused(pickle.UnpicklingError):

@@ -38,9 +38,20 @@ class SaveLock(WriterLock):
     def acquire(self) -> Optional[str]:
         """Take the lock; returns a warning line when a gone holder's lock was taken over.
         Raises SaveDirectoryBusy naming the holder when a live run holds it."""
+        # a directory this run made is removed again if it still holds nothing at the end
+        # (release): a run that stops before its first save leaves no empty --save behind
+        self.made_root = not os.path.isdir(self.root)
         os.makedirs(self.root, exist_ok=True)
         warning = super().acquire()
         return f"{warning} (in {self.root})" if warning else None
+
+    def release(self) -> None:
+        super().release()
+        if getattr(self, "made_root", False):
+            try:
+                os.rmdir(self.root)  # only when empty: a save, or anything else, keeps it
+            except OSError:
+                pass
 
     def lost(self) -> Optional[str]:
         """None while this run holds the lock, else why it must not write: another run took

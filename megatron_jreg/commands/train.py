@@ -5,7 +5,7 @@ import sys
 from typing import Dict, Optional, Sequence
 
 from megatron_jreg.commands import flags
-from megatron_jreg.commands.exit_codes import run_command
+from megatron_jreg.commands.exit_codes import INTERRUPTED, run_command
 from megatron_jreg.config.run import BUILDERS, SECTIONS
 from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
 from megatron_jreg.training.experiment import DESCRIPTION, ExperimentConfig
@@ -25,10 +25,23 @@ def main(argv=None) -> int:
     writing is one line and exit 2, as in every command: ``exit_codes.run_command``)."""
     # the flags first: --help and a bad flag answer before megatron-core is imported
     # (about 3 s of imports per process)
-    experiment = from_argv(argv)
-    from megatron_jreg.training.trainer import run
+    experiment = None
+    try:
+        experiment = from_argv(argv)
+        from megatron_jreg.training.trainer import run
 
-    return run_command(lambda: run(experiment))
+        return run_command(lambda: run(experiment))
+    except KeyboardInterrupt:
+        # Ctrl-C before the trainer's own handler is in place (imports, set-up; afterwards a
+        # signal saves and exits): the lock and a --save directory this run created are gone
+        # (SaveLock.release), so one line and 128 + SIGINT rather than a traceback
+        if experiment is not None and not experiment.training.exit_signal_handler:
+            print("interrupted; exiting without a save (the signal handler is off)",
+                  file=sys.stderr, flush=True)
+        else:
+            print("interrupted during start-up; nothing was written", file=sys.stderr,
+                  flush=True)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ TABLE = [
     Row("--num-workers", NOTED, "batches are read in the training process (no DataLoader "
         "workers)", int, 2, bounds={"min": 0}),
     Row("--no-create-attention-mask-in-dataloader", ACCEPTED,
-        "the trainer builds the causal mask itself"),
+        "the dataloader never builds the [s, s] mask, flag or not: the trainer builds the "
+        "causal mask itself"),
     Row("--no-mmap-bin-files", NOTED, "the .bin files are memory-mapped"),
     Row("--num-dataset-builder-threads", ACCEPTED, "passed to megatron-core's dataset builder",
         int, 1, bounds={"min": 1}),

@@ -1,7 +1,8 @@
 """The ``--config FILE.yaml`` settings file, and the YAML of a saved run config.
 
 The file is bounded: ``MAX_CONFIG_BYTES``, and ``MAX_CONFIG_NODES`` after alias expansion.
-Its keys are sections of settings or flat field names (``-`` or ``_``); each value is checked
+Its keys are sections of settings or flat field names (``-`` or ``_``), or a flag's own name
+(``jreg-lambda`` for ``jreg.lam``); each value is checked
 against its field's type and metadata (``config.values``), named by its key.
 """
 
@@ -83,6 +84,24 @@ def from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
     fields = {s: {f.name: f for f in dataclasses.fields(cls)} for s, cls in sections.items()}
     hints = {s: typing.get_type_hints(cls) for s, cls in sections.items()}
     owner = {name: s for s in sections for name in fields[s]}
+    # a flag's own name is a key too (jreg_lambda or jreg-lambda for jreg.lam), except a
+    # switch that sets its field to False (--disable-bias-linear): true under that name
+    # would mean the opposite of true under the field's, so the error names the field
+    by_flag: Dict[str, Tuple[str, str]] = {}
+    inverted: Dict[str, str] = {}
+    for s, named in fields.items():
+        for name, f in named.items():
+            flag = f.metadata.get("flag")
+            if not isinstance(flag, str) or not flag.startswith("--"):
+                continue
+            alias = flag[2:].replace("-", "_")
+            if alias == name or alias in owner:
+                continue
+            if f.metadata.get("const") is False:
+                inverted[alias] = (f"; {flag} is the key {name}: false (or {s}: {{{name}: "
+                                   f"false}})")
+            else:
+                by_flag[alias] = (s, name)
 
     set_by: Dict[Tuple[str, str], str] = {}
 
@@ -104,8 +123,13 @@ def from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
                 take(key, name, v, f"--config {path}: {key}.{name}")
         else:
             name = str(key).replace("-", "_").lstrip("_")
+            if name not in owner and name in by_flag:  # the flag's spelling (jreg-lambda)
+                section, field_name = by_flag[name]
+                take(section, field_name, value, f"--config {path}: {key}")
+                continue
             if name not in owner:
-                raise ConfigError(f"--config {path}: unknown setting {key!r}")
+                hint = inverted.get(name, "")
+                raise ConfigError(f"--config {path}: unknown setting {key!r}{hint}")
             take(owner[name], name, value, f"--config {path}: {key}")
     return out
 

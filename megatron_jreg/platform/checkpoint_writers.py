@@ -12,12 +12,14 @@ SIGTERM handler (``training.signals``), which only sets a flag, so ``kill`` does
 them. (The handler stays: under Slurm, a SIGTERM to every process of the job lets a save
 in flight finish before the trainer saves and exits.)
 
-:func:`fix_writers_die_with_parent` wraps both functions (class attributes: megatron-core
-reads them at each save, ``partial(FileSystemWriterAsync.write_preloaded_data, ...)``):
+:func:`fix_writers_die_with_parent` wraps the fork and the writer's body (class attributes:
+megatron-core reads them at each save, ``partial(FileSystemWriterAsync.write_preloaded_data,
+...)``), and the save of ``common.pt``:
 
 - each forked writer asks Linux to SIGKILL it when the process that forked it dies
   (``PR_SET_PDEATHSIG``; also for ``--async-save``, whose worker process forks them), and
-  exits at once if that process died before it asked;
+  exits at once if that process died before it asked. (The signal follows the forking
+  thread: both fork from their main thread, which lives as long as the process);
 - an exception out of the wait (Ctrl-C without the signal handler) kills and reaps the
   writers before it goes on, instead of leaving them to multiprocessing's exit handler,
   which waits for them;

@@ -15,8 +15,10 @@ import json
 import math
 from typing import Dict, List, Sequence
 
+from megatron_jreg.downstream.tasks import METRICS
 from megatron_jreg.errors import InputError
 from megatron_jreg.stats.pairing import LeftOut, ordered
+from megatron_jreg.stats.score_scale import check_accuracy, check_scales
 from megatron_jreg.stats.seed_stats import SeedScores
 
 
@@ -41,9 +43,16 @@ def _reports(paths: Sequence[str], flag: str) -> List[dict]:
     return out
 
 
+def _is_accuracy(score) -> bool:
+    """eval_downstream scales acc and acc_norm to percent; a local task's own metric (its
+    first, e.g. a perplexity) is written as lm-eval gives it, on no fixed scale."""
+    return not isinstance(score, dict) or score.get("metric") in METRICS + (None,)
+
+
 def _check_scores(report: dict, path: str, flag: str) -> None:
     """Each task's ``value`` must be a finite number: a NaN, an inf or a missing score would
-    reach the t-test as a mean that is not a number, reported as an overflow."""
+    reach the t-test as a mean that is not a number, reported as an overflow. An accuracy
+    must lie in [0, 100] (percent)."""
     seed = report.get("seed")
     who = f"seed {seed}" if seed is not None else f"model {report.get('model')}"
     for task, score in report["tasks"].items():
@@ -54,6 +63,8 @@ def _check_scores(report: dict, path: str, flag: str) -> None:
             raise InputError(f"{flag} {path}: task {task}, {who}: the score is {shown}, not a "
                              "finite number; evaluate that model and task again with "
                              "eval_downstream (--no-cache) or leave the report out")
+        if _is_accuracy(score):
+            check_accuracy(value, f"{flag} {path}: task {task}, {who}")
 
 
 def _by_seed(reports: List[dict], flag: str, by_order: bool) -> Dict[str, dict]:
@@ -98,4 +109,6 @@ def read_report_scores(baseline: Sequence[str], jreg: Sequence[str]):
             scores.setdefault(task, {})[seed] = (float(b[task]["value"]), float(j[task]["value"]))
     if not scores:
         raise InputError("the baseline and jreg reports share no task; evaluate the same --tasks")
+    accuracies = {t for seed in seeds for t, s in base[seed]["tasks"].items() if _is_accuracy(s)}
+    check_scales(scores, accuracies)
     return scores

@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from megatron_jreg.errors import InputError, missing_extra
 from megatron_jreg.stats.pairing import LeftOut, ordered
+from megatron_jreg.stats.score_scale import check_accuracy, check_scales
 
 BACKENDS = ("auto", "scipy", "exact")
 
@@ -250,6 +251,8 @@ def read_seed_scores(path: str) -> SeedScores:
     Long: columns ``baseline`` and ``jreg``, optionally ``seed`` and ``task`` (one row
     per seed and task). Wide: ``seed`` and two columns per task, ``<task>_baseline`` and
     ``<task>_jreg`` (``:`` or ``.`` also separate). A row without a seed gets its row number.
+    Scores are accuracies in percent: a value outside [0, 100], or a task in fractions on
+    one side and percent on the other, is refused (``stats.score_scale``).
     """
     try:
         f = open(path, newline="", encoding="utf-8")
@@ -269,6 +272,8 @@ def read_seed_scores(path: str) -> SeedScores:
         per_task = scores.setdefault(task, {})
         if seed in per_task:
             raise InputError(f"{where}: seed {seed} appears twice for task {task!r}")
+        for side, value in zip(("baseline", "jreg"), pair):
+            check_accuracy(value, f"{where}: task {task}, seed {seed}, {side}")
         per_task[seed] = pair
 
     if "baseline" in lower and "jreg" in lower:
@@ -307,6 +312,10 @@ def read_seed_scores(path: str) -> SeedScores:
                 put(task, seed, pair, where)
     if not scores:
         raise InputError(f"{path}: no score rows below the header")
+    try:
+        check_scales(scores)
+    except InputError as err:
+        raise InputError(f"{path}: {err}") from None
     return scores
 
 

@@ -1,4 +1,12 @@
-"""compare_seeds on eval_downstream's JSON reports: paired by seed, the CSV's numbers."""
+"""compare_seeds on eval_downstream's JSON reports: paired by seed, the CSV's numbers.
+
+Accuracies are in percent on both sides (attack 40 #68, #69: the code before reported a
+fractions baseline against a percent JREG as "+60.10, t 241.6, p 0.000009", and an
+accuracy of 6090 or -5 as a result): a value outside [0, 100] is refused naming the file,
+task and seed; a task in fractions on one side and percent on the other is refused naming
+the side to multiply by 100; fractions on both sides, a task near 0-1% on both sides and a
+local task's own metric (a perplexity, on no fixed scale) are tested as they are.
+"""
 
 import json
 import os
@@ -59,6 +67,64 @@ def test_report_errors(tmp_path):
     other = write(tmp_path / "other.json", [report(7, JREG[1])])
     with pytest.raises(InputError, match="no seed is on both sides"):
         read_report_scores([ok], [other])
+
+
+def _sides(tmp_path, base, jreg, metric="acc"):
+    """Three seeds a side: ``base``/``jreg`` map seed -> (boolq, piqa)."""
+    return ([write(tmp_path / f"b{s}.json", report(s, base[s], metric)) for s in (1, 2, 3)],
+            [write(tmp_path / f"j{s}.json", report(s, jreg[s], metric)) for s in (1, 2, 3)])
+
+
+def _fractions(scores):
+    return {s: tuple(v / 100 for v in pair) for s, pair in scores.items()}
+
+
+def test_fractions_against_percent_are_refused(tmp_path):
+    frac_base, pct_jreg = _sides(tmp_path, _fractions(BASE), JREG)
+    with pytest.raises(InputError, match=r"^task boolq: the baseline scores look like fractions "
+                       r"\(all <= 1, seed 1: 0\.601\) and the JREG scores like percent \(seed 1: "
+                       r"61\); eval_downstream writes percent: multiply the baseline scores by 100"):
+        read_report_scores(frac_base, pct_jreg)
+    pct_base, frac_jreg = _sides(tmp_path, BASE, _fractions(JREG))
+    with pytest.raises(InputError, match="the JREG scores look like fractions"):
+        read_report_scores(pct_base, frac_jreg)
+    proc = subprocess.run([sys.executable, "tools/compare_seeds.py", "--baseline", *frac_base,
+                           "--jreg", *pct_jreg], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.count("\n") == 1 and "look like fractions" in proc.stderr
+
+
+def test_one_scale_on_both_sides_is_tested_as_it_is(tmp_path):
+    both = read_report_scores(*_sides(tmp_path, _fractions(BASE), _fractions(JREG)))
+    got = dict(compare_seed_scores(both, backend="exact"))
+    assert got["boolq"].mean_difference == pytest.approx(0.017 / 3, abs=1e-12)
+    # a task near 0-1%: the baseline <= 1 everywhere, JREG above 1, in percent both
+    tiny = {1: (0.6, 0.9), 2: (0.8, 1.0), 3: (0.9, 0.7)}
+    better = {1: (1.3, 1.2), 2: (1.1, 0.8), 3: (1.4, 1.1)}
+    got = dict(compare_seed_scores(read_report_scores(*_sides(tmp_path, tiny, better)),
+                                   backend="exact"))
+    assert got["boolq"].mean_difference == pytest.approx(0.5, abs=1e-12)
+    # JREG at 0 everywhere reads the same in fractions and percent
+    zero = {s: (0.0, 0.0) for s in (1, 2, 3)}
+    assert read_report_scores(*_sides(tmp_path, BASE, zero))["boolq"]["1"] == (60.1, 0.0)
+    # a local task's own metric is no accuracy: neither [0, 100] nor the scale applies
+    ppl_base = {1: (250.0, 0.9), 2: (260.0, 0.8), 3: (255.0, 0.7)}
+    ppl_jreg = {1: (0.5, 240.0), 2: (0.6, 230.0), 3: (0.7, 250.0)}
+    scores = read_report_scores(*_sides(tmp_path, ppl_base, ppl_jreg, "perplexity"))
+    assert scores["boolq"]["2"] == (260.0, 0.6)
+
+
+@pytest.mark.parametrize("value", [6090.0, -5.0, 100.5])
+def test_an_accuracy_outside_0_100_is_refused(tmp_path, value):
+    base, jreg = _sides(tmp_path, BASE, {**JREG, 3: (value, 70.1)})
+    with pytest.raises(InputError) as err:
+        read_report_scores(base, jreg)
+    assert str(err.value).startswith(f"--jreg {jreg[2]}: task boolq, seed 3: the accuracy "
+                                     f"{value!r} is outside [0, 100]; accuracies are in percent")
+    for edge in (0.0, 100.0):  # the bounds are accuracies
+        base, jreg = _sides(tmp_path, BASE, {**JREG, 3: (edge, 70.1)})
+        assert read_report_scores(base, jreg)["boolq"]["3"] == (60.8, edge)
 
 
 def test_tool_usage_errors_are_one_line(tmp_path):

@@ -266,17 +266,42 @@ def test_compare_seeds_json_is_strict_with_null_for_nan(tmp_path):
 
 
 def test_compare_seeds_overflow_and_confidence_are_one_line(tmp_path):
+    # a CSV refuses such scores (accuracies lie in [0, 100]); the library still says overflow
+    with pytest.raises(InputError, match="the scores are too large"):
+        compare_seed_scores({"score": {"1": (-1e308, 1e308), "2": (1e308, -1e308),
+                                       "3": (1.0, 2.0)}})
     huge = tmp_path / "huge.csv"
     huge.write_text("seed,baseline,jreg\n1,-1e308,1e308\n2,1e308,-1e308\n3,1,2\n")
     ok = tmp_path / "ok.csv"
     ok.write_text(LONG)
     for argv, expected in (
-        ([str(huge)], f"{huge}: the scores are too large"),
+        ([str(huge)], f"{huge}:2: task score, seed 1, baseline: the accuracy -1e+308 is "
+                      "outside [0, 100]"),
         ([str(ok), "--confidence", "2"], "--confidence 2.0: must be in (0, 1)"),
     ):
         proc = run_compare_seeds(*argv)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith("compare_seeds: error:") and expected in proc.stderr
+
+
+def test_csv_accuracies_are_percent_on_both_sides(tmp_path):
+    """Attack 40 #68, #69 on the CSV: the code before tested 6090 and fractions against
+    percent as results."""
+    path = tmp_path / "s.csv"
+    path.write_text(LONG.replace("59.5,60.2", "59.5,6020"))
+    with pytest.raises(InputError, match=r"s\.csv:3: task boolq, seed 2, jreg: the accuracy "
+                       r"6020\.0 is outside \[0, 100\]"):
+        read_seed_scores(str(path))
+    path.write_text("seed,boolq_baseline,boolq_jreg\n1,0.601,61.0\n2,0.595,60.2\n3,0.608,60.9\n")
+    proc = run_compare_seeds(path)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert (f"{path}: task boolq: the baseline scores look like fractions (all <= 1, seed 1: "
+            "0.601) and the JREG scores like percent (seed 1: 61)") in proc.stderr
+    # one scale on both sides, fractions or a task near 1%, is tested as it is
+    path.write_text("seed,baseline,jreg\n1,0.601,0.610\n2,0.595,0.602\n3,0.608,0.609\n")
+    assert read_seed_scores(str(path))["score"]["2"] == (0.595, 0.602)
+    path.write_text("seed,baseline,jreg\n1,0.6,1.3\n2,0.8,1.1\n3,0.9,1.4\n")
+    assert read_seed_scores(str(path))["score"]["3"] == (0.9, 1.4)
 
 
 def test_compare_seeds_refuses_one_report_on_both_sides(tmp_path):

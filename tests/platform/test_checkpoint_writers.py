@@ -50,8 +50,11 @@ def writer():
 def _children():
     found = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            found += [int(pid) for pid in f.read().split()]
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                found += [int(pid) for pid in f.read().split()]
+        except OSError:  # a thread (a queue's feeder) that ended meanwhile
+            continue
     return found
 
 

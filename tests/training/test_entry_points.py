@@ -154,7 +154,7 @@ def test_install_commands_are_found_and_well_formed():
         where = f"{path}: {cmd}"
         assert "megatron-jreg" not in cmd and "megatron_jreg" not in cmd, f"{where}: not on PyPI"
         if re.search(r"\s-e\s|\s\.(\s|$)|\"\.", cmd):  # this package, from the repo root
-            match = re.fullmatch(r'pip install --no-build-isolation -e "\.(?:\[([a-z,]+)\])?"', cmd)
+            match = re.fullmatch(r'pip install --no-build-isolation -e "\.(?:\[([a-z,-]+)\])?"', cmd)
             assert match, f'{where}: use pip install --no-build-isolation -e ".[extra]"'
             unknown = set((match.group(1) or "").split(",")) - extras - {""}
             assert not unknown, f"{where}: no such extra {sorted(unknown)} in setup.py"
@@ -165,6 +165,8 @@ def test_install_commands_are_found_and_well_formed():
 
 def _copy_installed_kernel(checkout):
     """This checkout's kernel-cache entry of the kernel installed now, into the copy."""
+    import torch  # noqa: F401 (the extension links against torch's libraries: load them first)
+
     import megatron_jreg._C as kernel
 
     cache = os.path.join(REPO, "build", "kernel-cache")

@@ -176,6 +176,11 @@ def build_gpt_datasets(
         reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
+        # Megatron-LM builds a [1, s, s] mask per sample unless
+        # --no-create-attention-mask-in-dataloader; nothing here reads it (training/step.py
+        # builds the causal mask itself) and it costs 5 s^2 bytes (268 MB at s=8192, an
+        # out-of-memory traceback at s=200000), so it is never built
+        create_attention_mask=False,
     )
     # megatron-core keys its index cache by path and config: the .idx digests make a prefix
     # rebuilt with other documents get new indices, never the stale ones (token_range)
