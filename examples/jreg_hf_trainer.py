@@ -17,14 +17,18 @@ and after JREG with the LM losses, and the last layer's displacement Psi_L.
     python examples/jreg_hf_trainer.py --out runs/hf_trainer --steps 40
 
 Everything lands under ``--out``: ``data/``, ``<model>/{start,baseline,jreg}`` (Hugging Face
-directories), ``<model>/jump.{json,csv,png}`` and ``summary.json``. A second run reuses the
-finished parts.
+directories), ``<model>/jump.{json,csv,png}``, ``summary.json`` and the TensorBoard logs
+(``<model>/<run>.tensorboard``). A second run reuses the finished runs whose recorded
+settings (model, steps, lambda, alpha, sequence length, batch size, held-out tokens, seed,
+learning rate) match its own, and refuses, before any work, a ``--out`` holding a run made
+with other settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -56,7 +60,49 @@ def parse_args(argv=None):
     for name in ("steps", "seq_length", "batch_size", "eval_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    # the project trainer's rules: a NaN lambda trains a NaN model, a negative one rewards
+    # the jump
+    if not math.isfinite(args.jreg_lambda) or args.jreg_lambda < 0:
+        p.error(f"--jreg-lambda must be a finite number >= 0, got {args.jreg_lambda}")
+    if not math.isfinite(args.jreg_alpha):
+        p.error(f"--jreg-alpha must be a finite number, got {args.jreg_alpha}")
     return args
+
+
+class Refusal(Exception):
+    """A problem main() reports on one line (``error: ...``) with exit status 2."""
+
+
+def settings(name: str, lam: float, args) -> dict:
+    """What a run's numbers depend on: a finished run is reused only when these match."""
+    return {"model": name, "steps": args.steps, "lambda": lam, "alpha": args.jreg_alpha,
+            "seq_length": args.seq_length, "batch_size": args.batch_size,
+            "eval_tokens": args.eval_tokens, "seed": args.seed, "lr": LR[name]}
+
+
+def check_reuse(out: str, args) -> None:
+    """Refuse, before any work, an ``--out`` holding a finished run of other settings."""
+    for name in args.models:
+        for label, lam in (("baseline", 0.0), ("jreg", args.jreg_lambda)):
+            record = os.path.join(out, name, label + ".json")
+            if not (os.path.isdir(os.path.join(out, name, label)) and os.path.isfile(record)):
+                continue
+            try:
+                with open(record) as f:
+                    stored = json.load(f).get("settings")
+            except (OSError, ValueError, AttributeError):
+                stored = None
+            want = settings(name, lam, args)
+            if not isinstance(stored, dict):
+                differ = "its settings are not recorded"
+            else:
+                keys = [k for k in want if stored.get(k) != want[k]]
+                if not keys:
+                    continue
+                differ = ", ".join(f"{k} {stored.get(k)!r} (now {want[k]!r})" for k in keys)
+            raise Refusal(f"--out {out} holds a finished {name} {label} run made with other "
+                          f"settings: {differ}; choose another --out or remove "
+                          f"{os.path.join(out, name)}")
 
 
 def build_start(name: str, out: str, smollm2_dir: str, seed: int) -> str:
@@ -136,7 +182,9 @@ def train(name: str, start: str, run: str, lam: float, args, train_rows, eval_ro
 
     record = run + ".json"
     if os.path.isdir(run) and os.path.isfile(record):
-        return json.load(open(record))
+        with open(record) as f:
+            numbers = json.load(f)  # check_reuse found its settings equal to these
+        return numbers
     tokenizer = transformers.AutoTokenizer.from_pretrained(start)
     model = transformers.AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
     targs = transformers.TrainingArguments(
@@ -146,8 +194,19 @@ def train(name: str, start: str, run: str, lam: float, args, train_rows, eval_ro
         logging_steps=max(1, args.steps // 5), save_strategy="no", report_to=["tensorboard"],
         seed=args.seed, data_seed=args.seed,
         use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-    trainer = JregTrainer(model=model, args=targs, train_dataset=train_rows,
-                          eval_dataset=eval_rows, jreg_lambda=lam, jreg_alpha=args.jreg_alpha)
+    # transformers 5 has no TrainingArguments.logging_dir: its TensorBoardCallback, made in
+    # the Trainer's __init__, reads this variable, else writes under ./runs/ of the working
+    # directory (the evaluate() before train() logs before on_train_begin picks output_dir)
+    saved = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    os.environ["TENSORBOARD_LOGGING_DIR"] = run + ".tensorboard"
+    try:
+        trainer = JregTrainer(model=model, args=targs, train_dataset=train_rows,
+                              eval_dataset=eval_rows, jreg_lambda=lam, jreg_alpha=args.jreg_alpha)
+    finally:
+        if saved is None:
+            del os.environ["TENSORBOARD_LOGGING_DIR"]
+        else:
+            os.environ["TENSORBOARD_LOGGING_DIR"] = saved
     start_loss = trainer.evaluate()["eval_loss"] if lam == 0 else None
     began = time.monotonic()
     trainer.train()
@@ -158,11 +217,16 @@ def train(name: str, start: str, run: str, lam: float, args, train_rows, eval_ro
                "train_zeta_L_last_log": logs[-1]["zeta_L"], "train_seconds": seconds}
     if start_loss is not None:
         numbers["start_held_out_lm_loss"] = start_loss
+    bad = [k for k, v in numbers.items() if not math.isfinite(v)]
+    if bad:
+        raise Refusal(f"the {name} run with lambda={lam} diverged: {', '.join(bad)} not finite; "
+                      "lower --jreg-lambda or the steps")
+    numbers["settings"] = settings(name, lam, args)
     trainer.jreg.remove()
     shutil.rmtree(run, ignore_errors=True)
     save_atomic(run, trainer.model, tokenizer)
     with open(record + ".tmp", "w") as f:
-        json.dump(numbers, f, indent=2)
+        json.dump(numbers, f, indent=2, allow_nan=False)
     os.replace(record + ".tmp", record)
     return numbers
 
@@ -185,8 +249,23 @@ def measure(name: str, out: str, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return run_all(args)
+    except Refusal as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as err:
+        # the tool printed its own message above
+        tool = os.path.basename(str(err.cmd[1])) if len(err.cmd) > 1 else str(err.cmd[0])
+        print(f"error: {tool} failed (exit status {err.returncode}); see its message above",
+              file=sys.stderr)
+        return 1
+
+
+def run_all(args) -> int:
     out = os.path.abspath(args.out)
     began = time.monotonic()
+    check_reuse(out, args)
     print(f"== data: the built-in corpus under {out}/data", flush=True)
     train_path, held_out_path = corpus(out)
     smollm2_dir = build_start("smollm2", out, "", args.seed)
@@ -209,7 +288,7 @@ def main(argv=None) -> int:
         zeta, psi_last = measure(name, out, args)
         summary[name] = {"zeta_L": zeta, "Psi_L": psi_last, "runs": runs}
     with open(os.path.join(out, "summary.json.tmp"), "w") as f:
-        json.dump(summary, f, indent=2)
+        json.dump(summary, f, indent=2, allow_nan=False)
     os.replace(os.path.join(out, "summary.json.tmp"), os.path.join(out, "summary.json"))
 
     print("\nzeta_L on held-out text (eval_jump) and held-out LM loss (Trainer.evaluate):")

@@ -207,7 +207,8 @@ def build_parser(sections: Sections, description: str = "") -> ArgumentParser:
     parser = ArgumentParser(description=description, argument_default=argparse.SUPPRESS,
                             formatter_class=HelpFormatter)
     parser.add_argument("--config", dest="_config_file", metavar="FILE.yaml",
-                        help="YAML file of settings (sections or flat keys); flags override it")
+                        help="YAML file of settings (sections or flat keys: a field's name or its "
+                        "flag's, e.g. lam or jreg_lambda); flags override it")
     groups: Dict[Any, Any] = {}
     seen: Dict[str, str] = {}
     for section, cls in sections.items():

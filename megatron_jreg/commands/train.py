@@ -1,11 +1,12 @@
 """The trainer command: `python -m megatron_jreg.train` (or under torchrun) pretrains with or
 without JREG."""
 
+import re
 import sys
 from typing import Dict, Optional, Sequence
 
 from megatron_jreg.commands import flags
-from megatron_jreg.commands.exit_codes import INTERRUPTED, run_command
+from megatron_jreg.commands.exit_codes import INTERRUPTED, USAGE, run_command
 from megatron_jreg.config.run import BUILDERS, SECTIONS
 from megatron_jreg.training.checkpoint_args import apply_checkpoint_args
 from megatron_jreg.training.experiment import DESCRIPTION, ExperimentConfig
@@ -20,6 +21,24 @@ def from_argv(argv: Optional[Sequence[str]] = None) -> ExperimentConfig:
     return ExperimentConfig.from_sections(sections, given)
 
 
+def out_of_memory_line(err: BaseException, experiment: Optional[ExperimentConfig]) -> Optional[str]:
+    """One line for an allocation the device or host refused (torch.OutOfMemoryError, the CPU
+    allocator's RuntimeError, MemoryError), naming the sizes that set the memory; None for
+    any other error (it keeps its traceback)."""
+    text = str(err)
+    if not (isinstance(err, MemoryError) or "out of memory" in text.lower()
+            or "can't allocate memory" in text):
+        return None
+    asked = re.search(r"(?:tried|Tried) to allocate ([0-9.]+ ?[A-Za-z]*)", text)
+    size = f" ({asked.group(1)} asked for)" if asked else ""
+    where = ""
+    if experiment is not None:
+        where = (f" at --seq-length {experiment.model.seq_length}, --micro-batch-size "
+                 f"{experiment.training.micro_batch_size}")
+    return (f"out of memory{where}{size}; lower --seq-length or --micro-batch-size (or use "
+            "more devices)")
+
+
 def main(argv=None) -> int:
     """Parse, set up, train; the exit code (see ``training.trainer.run``; an OS error of
     writing is one line and exit 2, as in every command: ``exit_codes.run_command``)."""
@@ -31,6 +50,12 @@ def main(argv=None) -> int:
         from megatron_jreg.training.trainer import run
 
         return run_command(lambda: run(experiment))
+    except (RuntimeError, MemoryError) as err:
+        line = out_of_memory_line(err, experiment)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        return USAGE
     except KeyboardInterrupt:
         # Ctrl-C before the trainer's own handler is in place (imports, set-up; afterwards a
         # signal saves and exits): the lock and a --save directory this run created are gone

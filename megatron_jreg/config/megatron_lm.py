@@ -251,6 +251,12 @@ def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: s
     if saving.get("async_save") and not experiment.checkpoint.use_persistent_ckpt_worker:
         out.append("--async-save: off without --use-persistent-ckpt-worker, as in Megatron-LM: "
                    "checkpoints are saved synchronously (add --use-persistent-ckpt-worker)")
+    training = experiment.training
+    if (training.eval_iters == 0 and training.eval_interval
+            and "eval_interval" in given.get("training", {})):
+        # Megatron-LM validates zero batches then: no validation either way, said once here
+        out.append(f"--eval-interval {training.eval_interval}: no validation with --eval-iters "
+                   "0 (pass --eval-iters 1 or more to validate)")
     groups = given.get("model", {}).get("num_query_groups")
     if groups and not model.group_query_attention and groups != model.num_attention_heads:
         out.append(f"--num-query-groups {groups}: ignored without --group-query-attention, as in "

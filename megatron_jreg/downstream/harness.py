@@ -16,6 +16,7 @@ import sys
 from typing import Dict, List, Optional
 
 from megatron_jreg.downstream.cache import file_key
+from megatron_jreg.downstream.task_checks import check_duplicates, check_targets, skipped_yaml
 from megatron_jreg.errors import InputError, missing_extra
 from megatron_jreg.downstream.tasks import task_metrics
 from megatron_jreg.platform.device import device_type
@@ -74,6 +75,7 @@ def load_tasks(include_path: Optional[List[str]], names: List[str]):
     includes) is loaded again with lm-eval's tasks indexed too."""
     if include_path:
         _check_folders(include_path)
+        check_duplicates(include_path, names)  # lm-eval would take one with a warning
         TaskManager = _import_lm_eval()
         local = TaskManager(include_path=list(include_path), include_defaults=False)
         if set(names) <= set(local.all_tasks):
@@ -82,11 +84,14 @@ def load_tasks(include_path: Optional[List[str]], names: List[str]):
             except InputError:
                 pass
     manager = task_manager(include_path)
-    return manager, check_tasks(manager, names)
+    return manager, check_tasks(manager, names, include_path)
 
 
-def check_tasks(manager, names: List[str]) -> Dict[str, str]:
+def check_tasks(manager, names: List[str],
+                include_path: Optional[List[str]] = None) -> Dict[str, str]:
     """Load each task (its dataset included) before any model; {name: config digest}.
+    An unknown task names the YAML of ``include_path`` lm-eval skipped, if one was; a
+    multiple-choice task's targets must index its choices (``task_checks``).
 
     The digest (of the task's resolved config: dataset, prompts, metrics, and the content
     of every local file the config names, e.g. its ``data_files``) keys the cache, so an
@@ -95,6 +100,9 @@ def check_tasks(manager, names: List[str]) -> Dict[str, str]:
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known]
     if unknown:
+        skipped = skipped_yaml(include_path, unknown)
+        if skipped:
+            raise InputError(f"--tasks: unknown task {', '.join(unknown)}; {skipped}")
         raise InputError(
             f"--tasks: unknown task {', '.join(unknown)}; lm-eval's names are listed by "
             "`lm_eval ls tasks`; a local task needs its YAML folder in --include-path")
@@ -114,6 +122,8 @@ def check_tasks(manager, names: List[str]) -> Dict[str, str]:
             raise InputError(f"task {name}: lm-eval cannot load it ({type(err).__name__}: "
                              f"{text}); check the task's YAML") from None
         tasks = loaded["tasks"] if isinstance(loaded, dict) and "tasks" in loaded else loaded
+        for task_name, task in dict(tasks).items():
+            check_targets(str(task_name), task)
         digests[name] = _digest(tasks)
     return digests
 

@@ -57,12 +57,24 @@ def _yamls(include_path: List[str]) -> Iterator[Tuple[str, object, Optional[str]
                 with open(path, encoding="utf-8") as f:
                     yield str(path), yaml.load(f, Loader=loader), None
             except yaml.YAMLError as err:
-                mark = getattr(err, "problem_mark", None)
-                where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-                yield str(path), None, f"not valid YAML ({where}{problem})"
+                yield str(path), None, f"not valid YAML ({_yaml_problem(err)})"
             except (OSError, UnicodeDecodeError) as err:
                 yield str(path), None, f"cannot be read ({err})"
+
+
+def _at(mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _yaml_problem(err) -> str:
+    """'line 9, column 16: while parsing a flow sequence, did not find expected ',' or ']'
+    at line 10, column 14': where the construct began (the line to fix) and where the
+    parser gave up."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark, context = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+    if context is not None and mark is not None and context.line != mark.line:
+        return f"{_at(context)}: {err.context}, {problem} at {_at(mark)}"
+    return f"{_at(mark)}: {problem}" if mark is not None else problem
 
 
 def skipped_yaml(include_path: Optional[List[str]], unknown: List[str]) -> Optional[str]:
@@ -142,8 +154,13 @@ def check_targets(name: str, task) -> None:
             continue
         what = (f"gives {len(choices)} choices" if isinstance(choices, (list, tuple))
                 else f"gives {_shown(choices)}, not a list of choices")
+        key, shown = config.doc_to_target, _shown(config.doc_to_target)
+        fields = list(getattr(task, "features", None) or [])
+        if isinstance(key, str) and key == gold and fields and key not in fields:
+            # lm-eval takes a key that names no field as a template: the text itself
+            shown += f" (no such field; the data's fields: {', '.join(fields)})"
         raise InputError(
-            f"task {name}: doc_to_target: {_shown(config.doc_to_target)} gives {gold!r} on "
+            f"task {name}: doc_to_target: {shown} gives {gold!r} on "
             f"document {i} {_shown(doc)}, where doc_to_choice: {_shown(config.doc_to_choice)} "
             f"{what}; the target must be an index of the choices or one of them (lm-eval would "
             "score every such document 0): check the task's YAML and data")

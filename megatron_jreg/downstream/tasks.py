@@ -15,6 +15,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from megatron_jreg.errors import InputError
+from megatron_jreg.stats.score_scale import ACCURACY_METRICS
 
 PAPER_TASKS = (
     "lambada_openai", "boolq", "arc_easy", "hellaswag", "piqa", "race", "social_iqa",
@@ -22,7 +23,7 @@ PAPER_TASKS = (
 )
 # names the paper (and older docs) use for lm-eval's tasks
 ALIASES = {"siqa": "social_iqa", "lambada": "lambada_openai", "arc-e": "arc_easy"}
-METRICS = ("acc", "acc_norm")
+METRICS = ACCURACY_METRICS  # the metrics picked, written in percent
 
 
 def resolve_tasks(spec: str) -> List[str]:

@@ -3,12 +3,13 @@
 A model's decoder is its one ``nn.ModuleList`` holding ``num_hidden_layers`` modules of one
 class (the config says how many: ``num_hidden_layers``, GPT-2's ``n_layer``, or a multimodal
 model's ``text_config``). Nothing here names a family: a model whose config or modules do
-not say is refused naming its class.
+not say is refused naming its class, and so are an encoder-decoder model (its encoder's
+blocks would be taken for the decoder) and a list holding one module in two slots.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,7 +34,13 @@ def decoder_layers(model: torch.nn.Module) -> Tuple[str, torch.nn.ModuleList]:
     the config's number of modules of one class. Raises InputError naming the model's class
     when the config states no layer count or no list (or more than one) matches it."""
     name = type(model).__name__
-    count = layer_count(getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        # the layer-list search would find the encoder's blocks (T5, BART) and regularize
+        # the encoder while the decoder that generates goes untouched
+        raise InputError(f"{name} is an encoder-decoder model; JREG's displacement is defined "
+                         "for a decoder-only stack: give a causal LM")
+    count = layer_count(config)
     if count is None:
         raise InputError(f"{name}: its config states no number of layers "
                          f"({', '.join(_LAYER_COUNTS)}); JREG needs the decoder layers")
@@ -46,4 +53,14 @@ def decoder_layers(model: torch.nn.Module) -> Tuple[str, torch.nn.ModuleList]:
                 f"{len(found)} ({', '.join(path for path, _ in found)})")
         raise InputError(f"{name}: cannot tell its decoder layers: lists of {count} layers of "
                          f"one class (its config's layer count) found: {what}")
-    return found[0]
+    path, layers = found[0]
+    first: Dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        if id(layer) in first:
+            # one hook per slot would sit twice on the module and fire twice per call: the
+            # two slots' pairs could not be told apart
+            raise InputError(f"{name}: {path}[{first[id(layer)]}] and {path}[{index}] are the "
+                             "same module; JREG needs one module per layer (copy the layer, "
+                             "or give a model whose layers are distinct)")
+        first[id(layer)] = index
+    return path, layers

@@ -23,6 +23,10 @@ does.
 
 Gradient checkpointing runs a layer's forward again during backward: that second pass is
 not recorded (the pairs of the first keep their graph through the checkpoint).
+
+``generate()`` runs the model once per new token: with no training forward before it, the
+pairs recorded are those of its last decode step (one token per row, no graph), so
+:meth:`HFJreg.penalty` then measures that step and its penalty regularizes nothing.
 """
 
 from __future__ import annotations
@@ -31,9 +35,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+import math
+
+from megatron_jreg.errors import InputError
 from megatron_jreg.hf_training.layers import decoder_layers
-from megatron_jreg.jreg import jump_rates, layer_weights, masked_mean
-from megatron_jreg.ops.displacement import token_displacement
+from megatron_jreg.jreg import WEIGHTINGS, jump_rates, layer_weights, masked_mean
+from megatron_jreg.ops.displacement import IMPLS, token_displacement
 
 
 def _hidden(output: object) -> torch.Tensor:
@@ -50,6 +57,36 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _number(value, owner: str, name: str, nonnegative: bool) -> float:
+    """``value`` as a float, or InputError naming ``owner``'s argument and its rule."""
+    try:
+        if isinstance(value, (str, bytes, bool)):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
+        number = None
+    if number is None or not math.isfinite(number) or (nonnegative and number < 0):
+        rule = "a finite number >= 0" if nonnegative else "a finite number"
+        raise InputError(f"{owner}: {name} must be {rule}, got {value!r}")
+    return number
+
+
+def check_settings(lam, alpha, weighting: str, impl: str, owner: str = "HFJreg",
+                   names=("lam", "alpha", "weighting", "impl")) -> Tuple[float, float]:
+    """(lam, alpha) as floats, after the trainer's rules (--jreg-lambda a finite number >= 0,
+    --jreg-alpha finite, a known weighting and impl); InputError naming ``owner``'s argument
+    (``names``) otherwise. A NaN or infinite lambda would make every loss NaN or infinite, a
+    negative one reward the jump JREG suppresses."""
+    lam = _number(lam, owner, names[0], nonnegative=True)
+    alpha = _number(alpha, owner, names[1], nonnegative=False)
+    if not isinstance(weighting, str) or weighting not in WEIGHTINGS:
+        raise InputError(f"{owner}: {names[2]} must be one of {sorted(WEIGHTINGS)}, "
+                         f"got {weighting!r}")
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise InputError(f"{owner}: {names[3]} must be one of {list(IMPLS)}, got {impl!r}")
+    return lam, alpha
+
+
 class HFJreg:
     """The JREG penalty of ``model`` (a transformers causal LM, or a PEFT wrapper of one).
 
@@ -59,9 +96,10 @@ class HFJreg:
 
     def __init__(self, model: torch.nn.Module, lam: float = 1.0, alpha: float = 1.0,
                  weighting: str = "softmax", impl: str = "auto"):
+        lam, alpha = check_settings(lam, alpha, weighting, impl)
         self.path, self.layers = decoder_layers(_unwrapped(model))
         self.num_layers = len(self.layers)
-        self.lam, self.impl = float(lam), impl
+        self.lam, self.impl = lam, impl
         self.weights = layer_weights(self.num_layers, alpha, weighting)
         self._pairs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._with_graph = False  # the recorded pairs come from a forward with autograd on
@@ -86,7 +124,9 @@ class HFJreg:
         Clears the recorded pairs."""
         if len(self._pairs) != self.num_layers:
             raise RuntimeError(f"HFJreg.penalty: {len(self._pairs)} of {self.num_layers} layers "
-                               "were recorded; call it after a forward of the model")
+                               f"were recorded; call it after a forward of the model whose "
+                               f"{self.path} carries the hooks (if another model ran, e.g. "
+                               "one made by Trainer(model_init=...), hook that one)")
         psi = []
         for number in range(1, self.num_layers + 1):
             h_prev, h_next = self._pairs[number]

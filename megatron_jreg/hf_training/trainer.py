@@ -10,6 +10,9 @@ gains the window's mean (over its steps and the data-parallel ranks) LM loss, pe
 zeta_L, zeta_{L-1}, zeta_{L-2} and per-layer Psi (``jreg/psi/layer_XX``), which reach the
 reporters the user configured (TensorBoard, W&B). Evaluation reports the LM loss alone
 (``eval_loss`` stays comparable with a run without JREG).
+
+The settings are checked when the Trainer is built (InputError naming ``jreg_lambda`` ...).
+With ``model_init=`` the hooks follow each model it makes (``call_model_init``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_jreg.hf_training.regularizer import HFJreg
+from megatron_jreg.hf_training.regularizer import HFJreg, check_settings
 
 
 class JregTrainerMixin:
@@ -27,10 +30,26 @@ class JregTrainerMixin:
 
     def __init__(self, *args, jreg_lambda: float = 1.0, jreg_alpha: float = 1.0,
                  jreg_weighting: str = "softmax", jreg_impl: str = "auto", **kwargs):
-        super().__init__(*args, **kwargs)
-        self.jreg = HFJreg(self.model, lam=jreg_lambda, alpha=jreg_alpha,
-                           weighting=jreg_weighting, impl=jreg_impl)
+        # checked before the Trainer is built: a NaN lambda would train a NaN model to the end
+        lam, alpha = check_settings(
+            jreg_lambda, jreg_alpha, jreg_weighting, jreg_impl, owner=type(self).__name__,
+            names=("jreg_lambda", "jreg_alpha", "jreg_weighting", "jreg_impl"))
+        self._jreg_settings = dict(lam=lam, alpha=alpha, weighting=jreg_weighting,
+                                   impl=jreg_impl)
+        self.jreg: Optional[HFJreg] = None
+        super().__init__(*args, **kwargs)  # with model_init=, call_model_init hooks its model
+        if self.jreg is None:
+            self.jreg = HFJreg(self.model, **self._jreg_settings)
         self._jreg_window: Dict[str, object] = {}
+
+    def call_model_init(self, trial=None):
+        # Trainer(model_init=...) makes a new model here, in __init__ and again at the start
+        # of each train(): the hooks move to it, the model that trains
+        model = super().call_model_init(trial)
+        if self.jreg is not None:
+            self.jreg.remove()
+        self.jreg = HFJreg(model, **self._jreg_settings)
+        return model
 
     def compute_loss(self, model, inputs, return_outputs: bool = False,
                      num_items_in_batch: Optional[int] = None):

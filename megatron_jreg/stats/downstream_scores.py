@@ -15,10 +15,9 @@ import json
 import math
 from typing import Dict, List, Sequence
 
-from megatron_jreg.downstream.tasks import METRICS
 from megatron_jreg.errors import InputError
 from megatron_jreg.stats.pairing import LeftOut, ordered
-from megatron_jreg.stats.score_scale import check_accuracy, check_scales
+from megatron_jreg.stats.score_scale import ACCURACY_METRICS, check_accuracy, check_scales
 from megatron_jreg.stats.seed_stats import SeedScores
 
 
@@ -46,7 +45,7 @@ def _reports(paths: Sequence[str], flag: str) -> List[dict]:
 def _is_accuracy(score) -> bool:
     """eval_downstream scales acc and acc_norm to percent; a local task's own metric (its
     first, e.g. a perplexity) is written as lm-eval gives it, on no fixed scale."""
-    return not isinstance(score, dict) or score.get("metric") in METRICS + (None,)
+    return not isinstance(score, dict) or score.get("metric") in ACCURACY_METRICS + (None,)
 
 
 def _check_scores(report: dict, path: str, flag: str) -> None:

@@ -21,6 +21,8 @@ from typing import Iterable, Optional
 from megatron_jreg.errors import InputError
 
 SCALE_RATIO = 10.0
+# the metrics eval_downstream writes in percent (downstream/tasks.py scales these by 100)
+ACCURACY_METRICS = ("acc", "acc_norm")
 
 
 def check_accuracy(value: float, where: str) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from megatron_jreg.distributed.setup import print_rank_0
+from megatron_jreg.errors import InputError
 from megatron_jreg.jreg import jump_rates
 from megatron_jreg.strict_json import finite_or_null
 
@@ -113,6 +114,37 @@ class ConsoleSink:
         pass
 
 
+# Bytes read from the end of an existing --metrics-file: its last record is far shorter.
+METRICS_TAIL_BYTES = 1 << 16
+
+
+def existing_metrics_file(path: str):
+    """(error, note) for appending to ``path``: an error when it exists, is not empty and its
+    last line is not a JSON object (a dataset .bin, a log: appending would damage it); a
+    note when it holds an earlier run's records (a resumed run appends to them)."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None, None  # no file yet (a directory or a bad path is refused before)
+    if size == 0:
+        return None, None
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, size - METRICS_TAIL_BYTES))
+            tail = f.read()
+    except OSError as err:
+        return f"--metrics-file {path}: cannot read it ({err.strerror}); choose another file", None
+    lines = tail.rstrip(b"\n").split(b"\n")
+    try:
+        last = json.loads(lines[-1].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        last = None
+    if not isinstance(last, dict):
+        return (f"--metrics-file {path}: exists and is not a JSON-lines metrics file "
+                f"({size} bytes); records are appended to it, so choose another file"), None
+    return None, f"--metrics-file {path}: appending to the {size} bytes of records already there"
+
+
 class JsonlSink:
     """One strict-JSON object per record (non-finite numbers as null), appended; with
     ``run_id``, the record's last key names the run."""
@@ -193,11 +225,17 @@ def build_metrics_logger(logging_cfg, train_iters: int, rank: int, run_config: d
     ``wandb_dir``: W&B's local directory (``ExperimentConfig.wandb_dir``)."""
     import torch.distributed as dist
 
-    box = [new_run_id()]
+    box = [new_run_id(), None, None]  # run id, error, note: rank 0's, for every rank
+    if rank == 0 and logging_cfg.metrics_file:
+        box[1], box[2] = existing_metrics_file(logging_cfg.metrics_file)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise InputError(box[1])
     if rank != 0:
         return MetricsLogger(run_id=box[0])
+    if box[2]:
+        print_rank_0(box[2])
     sinks: List[object] = [ConsoleSink(train_iters)]
     if logging_cfg.metrics_file:
         sinks.append(JsonlSink(logging_cfg.metrics_file, box[0]))

@@ -71,3 +71,22 @@ def test_the_bench_reports_its_arms_and_the_penalty_it_computed(tmp_path):
         assert row["R"] == pytest.approx(float(want["R"]), rel=1e-5), arm
         torch.testing.assert_close(torch.tensor(row["psi"]), want["psi"], rtol=1e-5, atol=1e-7,
                                    msg=arm)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--threads", "-1"], "--threads must be >= 1, got -1"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--json", "/nonexistent_dir_hfbench/x.json"], "no such directory /nonexistent_dir_hfbench"),
+    (["--smollm2", "/nonexistent_dir_hfbench"], "--smollm2 /nonexistent_dir_hfbench: no such directory"),
+])
+def test_the_bench_refuses_bad_flags_before_loading_a_model(flags, message):
+    # argparse's own error (rc 2, one line, no traceback) before any model is built: the
+    # checks come before torch is even imported, so each takes well under a second
+    proc = subprocess.run([sys.executable, "bench/hf_jreg_step.py", "--models", "gemma3", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "loading" not in proc.stdout

