@@ -19,7 +19,7 @@ import signal
 import tempfile
 import threading
 import uuid
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Set
 
 from megatron_jreg.errors import InputError
 
@@ -59,6 +59,11 @@ def file_mode() -> int:
     return 0o666 & ~_umask()
 
 
+# Directories this process made in check_output_dir: a run that stops before writing
+# anything removes the ones still empty (checkpoint.save_lock: --save), not the user's own.
+MADE_DIRECTORIES: Set[str] = set()
+
+
 def check_output_dir(directory: str, flag: str, path: str = None, create: bool = True) -> None:
     """Make ``directory`` (with its parents, unless ``create`` is False) and prove it takes
     a new file; else one InputError naming ``flag``, the path and the fix. Runs before any
@@ -66,6 +71,8 @@ def check_output_dir(directory: str, flag: str, path: str = None, create: bool =
     shown = f"{flag} {path if path is not None else directory}"
     if create:
         try:
+            if not os.path.isdir(directory):
+                MADE_DIRECTORIES.add(os.path.abspath(directory))
             os.makedirs(directory, exist_ok=True)
         except OSError as err:
             raise InputError(f"{shown}: cannot create directory {directory} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
+from megatron_jreg.atomic_write import MADE_DIRECTORIES
 from megatron_jreg.writer_lock import WriterLock, describe_holder
 
 LOCK = "jreg_writer.lock"
@@ -38,9 +39,11 @@ class SaveLock(WriterLock):
     def acquire(self) -> Optional[str]:
         """Take the lock; returns a warning line when a gone holder's lock was taken over.
         Raises SaveDirectoryBusy naming the holder when a live run holds it."""
-        # a directory this run made is removed again if it still holds nothing at the end
-        # (release): a run that stops before its first save leaves no empty --save behind
-        self.made_root = not os.path.isdir(self.root)
+        # a directory this run made (here, or in the start-up checks of its outputs) is
+        # removed again if it still holds nothing at the end (release): a run that stops
+        # before its first save leaves no empty --save behind
+        self.made_root = (not os.path.isdir(self.root)
+                          or os.path.abspath(self.root) in MADE_DIRECTORIES)
         os.makedirs(self.root, exist_ok=True)
         warning = super().acquire()
         return f"{warning} (in {self.root})" if warning else None

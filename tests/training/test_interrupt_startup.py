@@ -55,3 +55,14 @@ def test_save_directory_with_a_save_or_made_before_stays(tmp_path):
     lock.acquire()
     lock.release()
     assert before.is_dir() and os.listdir(before) == []
+
+
+def test_save_directory_made_by_the_output_checks_goes_when_empty(tmp_path):
+    from megatron_jreg.atomic_write import check_output_dir
+
+    root = tmp_path / "ck"
+    check_output_dir(str(root), "--save")  # the trainer's start-up check makes it first
+    lock = SaveLock(str(root))
+    lock.acquire()
+    lock.release()
+    assert not root.exists()
