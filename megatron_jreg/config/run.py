@@ -336,7 +336,8 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = field(default=None, metadata=option(
         "--tensorboard-dir", "write TensorBoard scalars here"))
     metrics_file: Optional[str] = field(default=None, metadata=option(
-        "--metrics-file", "append one JSON object per logged step"))
+        "--metrics-file", "append one JSON object per logged step (an existing file must "
+        "already hold such lines)"))
     wandb_project: Optional[str] = field(default=None, metadata=option(
         "--wandb-project", "also log to Weights & Biases (needs wandb installed)"))
     wandb_exp_name: Optional[str] = field(default=None, metadata=option("--wandb-exp-name", "W&B run name"))
