@@ -44,24 +44,24 @@ def craft_torch_file(data: bytes, marker) -> bytes:
     return out.getvalue()
 
 
-def craft_metadata(path, marker) -> str:
-    file = os.path.join(path, ".metadata")
+def _craft(path, name, craft, marker) -> str:
+    """Replace ``path``/``name`` by ``craft(its bytes, marker)`` and rewrite the manifest to
+    match (an attacker ships a matching one)."""
+    file = os.path.join(path, name)
     with open(file, "rb") as f:
         data = f.read()
     with open(file, "wb") as f:
-        f.write(crafted_pickle(data, marker))
+        f.write(craft(data, marker))
     write_manifest(str(path))
     return file
+
+
+def craft_metadata(path, marker) -> str:
+    return _craft(path, ".metadata", crafted_pickle, marker)
 
 
 def craft_common(path, marker) -> str:
-    file = os.path.join(path, "common.pt")
-    with open(file, "rb") as f:
-        data = f.read()
-    with open(file, "wb") as f:
-        f.write(craft_torch_file(data, marker))
-    write_manifest(str(path))
-    return file
+    return _craft(path, "common.pt", craft_torch_file, marker)
 
 
 def craft_byte_entry(path, key_prefix, marker) -> str:

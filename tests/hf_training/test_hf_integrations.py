@@ -114,6 +114,15 @@ def grads_of(loss, model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_logged_step(log, before, after, lm, penalty):
+    """The log holds ``lm`` and ``penalty`` (references on ``before``) and their sum, and
+    ``after`` is one SGD step (lr 1) on that sum from ``before``."""
+    assert log["jreg_penalty"] == pytest.approx(penalty.item(), rel=1e-5)
+    assert log["lm_loss"] == pytest.approx(lm.item(), rel=1e-5)
+    assert log["loss"] == pytest.approx(log["lm_loss"] + log["jreg_penalty"], rel=1e-5)
+    assert_sgd_update(before, after, grads_of(lm, before), grads_of(penalty, before))
+
+
 def assert_sgd_update(before, after, lm_grads, penalty_grads, tol=2e-6):
     """``after`` = ``before`` - (lm + penalty gradients), and the penalty's share is far
     (>= 50x) above the tolerance, so a step without it (or with it doubled) fails."""
@@ -170,12 +179,7 @@ def test_sft_trainer_chat_data_on_llama(tmp_path):
     penalty, _ = reference_penalty(before, norm, ids, mask, LAM, ALPHA)
     # SFTTrainer's NLL: summed over the shifted labels / their count = the model's mean CE
     lm = before(input_ids=ids, attention_mask=mask, labels=labels).loss
-    assert log["jreg_penalty"] == pytest.approx(penalty.item(), rel=1e-5)
-    assert log["lm_loss"] == pytest.approx(lm.item(), rel=1e-5)
-    assert log["loss"] == pytest.approx(log["lm_loss"] + log["jreg_penalty"], rel=1e-5)
-    lm_grads = grads_of(lm, before)
-    penalty_grads = grads_of(penalty, before)
-    assert_sgd_update(before, trainer.model, lm_grads, penalty_grads)
+    assert_logged_step(log, before, trainer.model, lm, penalty)
 
 
 def test_sft_trainer_padding_free_with_accumulation_on_gpt_neox(tmp_path):
@@ -209,12 +213,7 @@ def test_sft_trainer_padding_free_with_accumulation_on_gpt_neox(tmp_path):
     # mean is not either one's
     assert abs((penalties[0] - penalties[1]).item()) > 20 * 1e-5 * penalty.item()
     lm = (sums[0] + sums[1]) / sum(counts)  # the Trainer's CE over the accumulated batch
-    assert log["jreg_penalty"] == pytest.approx(penalty.item(), rel=1e-5)
-    assert log["lm_loss"] == pytest.approx(lm.item(), rel=1e-5)
-    assert log["loss"] == pytest.approx(log["lm_loss"] + log["jreg_penalty"], rel=1e-5)
-    lm_grads = grads_of(lm, before)
-    penalty_grads = grads_of(penalty, before)
-    assert_sgd_update(before, trainer.model, lm_grads, penalty_grads)
+    assert_logged_step(log, before, trainer.model, lm, penalty)
 
 
 # --- 2. PEFT / LoRA -----------------------------------------------------------------------

@@ -74,16 +74,24 @@ def test_penalty_and_gradient_equal_the_definitions(arch):
     got = jreg.penalty(mask)
     got["penalty"].backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
     jreg.remove()
-    want, psi = reference_penalty(model, norm, ids, mask, 0.7, 1.0)
+    assert_reference(model, norm, ids, mask, got, grads)
+
+
+def assert_reference(model, norm, ids, mask, got, grads, lam=0.7):
+    """``got`` (HFJreg.penalty's values) and ``grads`` (its gradients) equal the reference
+    penalty's on ``model`` (whose .grad this clears first)."""
+    model.zero_grad()
+    want, psi = reference_penalty(model, norm, ids, mask, lam, 1.0)
     want.backward()
     torch.testing.assert_close(got["psi"], psi.detach().float(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got["penalty"].detach(), want.detach().float(), rtol=1e-5, atol=1e-7)
     assert grads, "the penalty has no gradient"
+    assert set(grads) == {n for n, p in model.named_parameters() if p.grad is not None}
     for name, param in model.named_parameters():
-        if param.grad is not None or name in grads:
+        if name in grads:
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+    return psi
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -178,15 +186,8 @@ def test_a_no_grad_forward_between_keeps_the_training_forwards_pairs():
     got = jreg.penalty(mask)
     got["penalty"].backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
     jreg.remove()
-    want, psi = reference_penalty(model, norm, ids, mask, 0.7, 1.0)
-    want.backward()
-    torch.testing.assert_close(got["psi"], psi.detach().float(), rtol=1e-5, atol=1e-7)
-    assert grads and set(grads) == {n for n, p in model.named_parameters() if p.grad is not None}
-    for name, param in model.named_parameters():
-        if name in grads:
-            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+    psi = assert_reference(model, norm, ids, mask, got, grads)
     # after the penalty is read, a no_grad forward is recorded (evaluation)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
