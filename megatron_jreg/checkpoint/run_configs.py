@@ -59,6 +59,13 @@ def checkpoint_iterations(
             f"--iteration {it}"
         )
     if not whole:
+        left = ckpt.left_whole(root)  # a save killed in its renames left its only copy aside
+        if left:
+            it = max(left)
+            raise InputError(
+                f"{flag} {root}: a save of iteration {it} was killed while it was renamed "
+                f"into place; its whole copy is {os.path.join(root, left[it])}: rename it to "
+                f"iter_{it:07d} (the next training run with --save {root} does so itself)")
         raise InputError(
             f"{flag} {root}: not a torch_dist checkpoint directory (no complete iter_XXXXXXX "
             "directory); give the --save directory of a training run"

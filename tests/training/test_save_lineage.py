@@ -195,6 +195,15 @@ def test_a_tool_names_the_whole_copy_and_the_rename(runs, tmp_path):
     message = str(err.value)
     assert f"its whole copy is {ckpt / 'iter_0000004.partial-y'}: rename it to iter_0000004" in message
     assert "delete" not in message and "remove" not in message
+    # the interrupted save's copy is the directory's only whole iteration: the same lead,
+    # not "not a checkpoint directory"
+    for name in os.listdir(ckpt):
+        if name.startswith("iter_") and name[5:].isdigit():
+            shutil.rmtree(ckpt / name)
+    with pytest.raises(InputError) as err:
+        checkpoint_iterations(str(ckpt))
+    assert f"its whole copy is {ckpt / 'iter_0000004.partial-y'}: rename it to iter_0000004" \
+        in str(err.value)
 
 
 # ---- a resume names the --pretrained-checkpoint its run began from --------------------------
