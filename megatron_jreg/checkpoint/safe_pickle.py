@@ -136,9 +136,13 @@ def read_metadata(file: str, step_flag: str = "--ckpt-step"):
 # module name, which Megatron-LM's checkpoints from numpy 1 carry; the rest of what a
 # random state, a sharded object or the common state holds is torch's own weights_only set
 # plus megatron-core's (megatron/core/safe_globals.py, registered when it is imported)
-_RECONSTRUCT = np._core.multiarray._reconstruct
-TORCH_FILE_GLOBALS = [_RECONSTRUCT, (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),
-                      np.ndarray, np.dtype, np.dtypes.UInt32DType]
+def torch_file_globals() -> list:
+    """The numpy classes above, looked up when a file is read (numpy 2 names its core
+    ``numpy._core``, numpy 1 ``numpy.core``; nothing of numpy's runs at import)."""
+    core = getattr(np, "_core", None) or np.core
+    reconstruct = core.multiarray._reconstruct
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"),
+            np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 # torch names the import it refused as "GLOBAL module.name" (in two wordings)
 _GLOBAL_NAME = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -152,11 +156,11 @@ def _weights_only_reason(text: str) -> str:
 
 
 def load_torch_file(source, file: str, what: str):
-    """``torch.load(source, weights_only=True)`` with :data:`TORCH_FILE_GLOBALS` allowed
+    """``torch.load(source, weights_only=True)`` with :func:`torch_file_globals` allowed
     (added for good, as megatron-core adds its own: a ``safe_globals`` block would take
     megatron-core's away again at its end). A refusal raises :class:`UnsafeCheckpointError`
     naming ``file`` (``what``: as :func:`refusal`); a damaged file, torch's own error."""
-    torch.serialization.add_safe_globals(TORCH_FILE_GLOBALS)
+    torch.serialization.add_safe_globals(torch_file_globals())
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
