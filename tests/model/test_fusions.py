@@ -16,6 +16,7 @@ from megatron_jreg.config import megatron_lm
 from megatron_jreg.config import model as config_model
 from megatron_jreg.config.megatron_lm import MegatronLMConfig
 from megatron_jreg.config.model import ModelConfig, ParallelConfig
+from megatron_jreg.config.run import TrainingConfig
 from megatron_jreg.distributed.setup import (initialize_distributed, initialize_model_parallel,
                                              seed_everything)
 from megatron_jreg.model import fusions
@@ -188,7 +189,8 @@ def _notes(impl, modules, granularity="selective", preset="tiny"):
     """The Megatron-LM lines the trainer prints for this model and recompute setting."""
     experiment = SimpleNamespace(
         model=ModelConfig.from_preset(preset, vocab_size=128), megatron_lm=MegatronLMConfig(),
-        parallel=ParallelConfig(recompute_granularity=granularity, recompute_modules=modules))
+        parallel=ParallelConfig(recompute_granularity=granularity, recompute_modules=modules),
+        training=TrainingConfig())
     return megatron_lm.notes(experiment, {}, impl, "nccl")
 
 

@@ -62,9 +62,10 @@ def test_an_exception_while_writers_write_kills_and_reaps_them(writer, tmp_path)
     fifo = tmp_path / "__0_0.distcp"
     os.mkfifo(fifo)  # the writer's open blocks until a reader comes: none will
     caught = []
+    before = set(_children())  # this process's other children (a pytest-xdist worker's)
 
     def interrupt(signum, frame):
-        caught.extend(_children())
+        caught.extend(set(_children()) - before)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, interrupt)

@@ -80,7 +80,10 @@ def test_eval_iters_zero_disables_validation_and_the_run_saves(demo_data, tmp_pa
     """Was: ZeroDivisionError at the first evaluation, before that iteration's save."""
     save = str(tmp_path / "ck")
     proc = train(base_args(demo_data, train_iters=2, eval_interval=1, eval_iters=0, save=save))
-    assert "validation" not in proc.stdout.lower()
+    # no validation line; the start-up line says validation is off
+    said = [line for line in proc.stdout.lower().splitlines() if "validation" in line]
+    assert said == ["--eval-interval 1: no validation with --eval-iters 0 (pass --eval-iters 1 "
+                    "or more to validate)"], said
     assert os.path.isdir(os.path.join(save, "iter_0000002"))
 
 
