@@ -89,3 +89,16 @@ def craft_byte_entry(path, key_prefix, marker) -> str:
         pickle.dump(metadata, f)
     write_manifest(str(path))
     return f"{shard} (entry {key})"
+
+
+def load_rng_files(path, rank):
+    """The load's step that reads an earlier version's ``rng/rank_N.pt`` of iteration
+    directory ``path``, over the trusted open's handle of that directory."""
+    import types
+
+    from megatron_jreg.checkpoint import catalog, formats, loading, trusted
+
+    ref = catalog.Ref(os.path.dirname(str(path)), 2, str(path))
+    opened = trusted.Opened(ref, trusted.check_tree(str(path)), None, {}, {})
+    fmt = types.SimpleNamespace(saved_world=formats._saved_world(opened))
+    loading._load_rng_files(types.SimpleNamespace(path=str(path), opened=opened, format=fmt), rank)

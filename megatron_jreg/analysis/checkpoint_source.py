@@ -31,10 +31,11 @@ from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
 from megatron_jreg.analysis.sources import SourceEntry
+from megatron_jreg.checkpoint.formats import Source
 from megatron_jreg.checkpoint.model_loader import LoadedModel, check_layout, load_model
 from megatron_jreg.checkpoint.run_configs import (
     build_run_tokenizer,
-    checkpoint_iterations,
+    checkpoint_sources,
     launched_world_size,
 )
 from megatron_jreg.errors import InputError
@@ -120,8 +121,7 @@ class CheckpointSource:
 
 
 def load_checkpoint_source(
-    root: str,
-    iteration: int,
+    source: Source,
     parallel: ParallelConfig,
     name: str,
     include_final_norm: bool = False,
@@ -129,9 +129,9 @@ def load_checkpoint_source(
     dtype: str = "float32",
     tokenizer_model: Optional[str] = None,
 ) -> CheckpointSource:
-    """Load iteration ``iteration`` of the run saved in ``root`` at the layout ``parallel``
-    (this rank's chunks under torchrun), ready to measure."""
-    loaded = load_model(root, iteration, parallel, device=device, dtype=dtype)
+    """Load ``source`` (an iteration found and described) at the layout ``parallel`` (this
+    rank's chunks under torchrun), ready to measure."""
+    loaded = load_model(source, parallel=parallel, device=device, dtype=dtype)
     return CheckpointSource(loaded, name, include_final_norm, tokenizer_model)
 
 
@@ -210,19 +210,20 @@ def checkpoint_entries(
     resolve_device(device)  # a bad --device fails before any checkpoint is read
     entries = []
     for root in roots:
-        iterations = checkpoint_iterations(
+        sources = checkpoint_sources(
             root,
             iteration=flags.iteration,
             iterations=flags.iterations,
             all_iterations=bool(flags.all_iterations),
         )
-        for it in iterations:
+        for source in sources:
+            it = source.iteration
             label = f"{_run_name(root)}@{it}"
 
             entries.append(
                 SourceEntry(
                     label=label,
-                    open=functools.partial(load_checkpoint_source, root, it, parallel, label,
+                    open=functools.partial(load_checkpoint_source, source, parallel, label,
                                            include_final_norm, device, dtype, tokenizer_model),
                     # a trajectory sorts and tabulates by iteration; several runs do not
                     iteration=it if len(roots) == 1 else None,

@@ -47,7 +47,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
 )
 from torch import multiprocessing as mp
 
-from megatron_jreg.checkpoint.dist_checkpoint import complete_iterations
+from megatron_jreg.checkpoint import catalog
 from megatron_jreg.errors import CheckpointError, write_error_line
 from megatron_jreg.platform.checkpoint_writers import fix_writers_die_with_parent
 
@@ -253,8 +253,8 @@ class AsyncSaver:
         ended = self._calls.persistent_caller.ended
         why = (f"this rank's writer process ended ({_exit_text(ended)}) before it wrote its "
                "files" if ended is not None else write_error_line(err) or failure_detail(err))
-        whole = complete_iterations(os.path.dirname(pending.path))
-        newest = f"iteration {whole[-1]}" if whole else "none"
+        whole = catalog.scan(os.path.dirname(pending.path)).newest()
+        newest = f"iteration {whole}" if whole is not None else "none"
         return (f"the background save of {pending.path} failed ({why}); it was not marked "
                 f"whole: {os.path.basename(pending.partial)} is removed by the next run on "
                 f"that --save, whose newest whole checkpoint is {newest}")

@@ -21,15 +21,10 @@ the tracker file is replaced atomically after that. The tensors are written befo
 ``save_checkpoint`` returns, or in the background (``--async-save``, async_save.py), when
 the rest waits for the finalize that follows every rank's writes. The tensors that
 data-parallel ranks hold alike are written by the first of them, or spread over them all
-(``--ckpt-fully-parallel-save``); either way the checkpoint holds the same. An iteration directory of ours without
-the completion marker is torn and is refused at load with a message naming the earlier
-whole ones. One that holds none of our files was saved by another megatron-core program
-(Megatron-LM): dist-checkpointing writes its ``metadata.json`` last, after every rank's
-shards and the global ``.metadata``, so with both it is whole.
-
-A missing tracker (or one left as ``.tmp`` by a kill between the rename and the tracker
-update) is recovered from the newest whole iteration. Non-finite parameters are never
-saved. Loading is loading.py's.
+(``--ckpt-fully-parallel-save``); either way the checkpoint holds the same. Which
+iterations are whole is the catalog's (catalog.py); reading is the trusted open's
+(trusted.py), the descriptor's (formats.py) and loading.py's. Non-finite parameters are
+never saved.
 """
 
 from __future__ import annotations
@@ -42,23 +37,16 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_jreg.checkpoint.interrupted import COMPLETE, left_whole
-from megatron_jreg.checkpoint.manifest import MANIFEST, write_manifest
+from megatron_jreg.checkpoint.catalog import RUN_CONFIG, TOKENIZER_DIR, TRACKER, iteration_name
+from megatron_jreg.checkpoint.interrupted import COMPLETE
+from megatron_jreg.checkpoint.manifest import write_manifest
 from megatron_jreg.checkpoint.rng_state import sharded_rng_state
-from megatron_jreg.checkpoint.safe_pickle import check_metadata
 from megatron_jreg.checkpoint.scheduler_state import SCHEDULE_KEYS, scheduler_state
 from megatron_jreg.errors import CheckpointError
 
-TRACKER = "latest_checkpointed_iteration.txt"
-RUN_CONFIG = "run_config.yaml"
 CHAT_TEMPLATE = "chat_template.jinja"  # an SFT run's chat template, for the HF export
-TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer's files, carried (see carry_tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "added_tokens.json")
-RNG_FILES_DIR = "rng"  # earlier versions' per-rank random state files
-OWN_FILES = (COMPLETE, MANIFEST, RUN_CONFIG, RNG_FILES_DIR)  # any of them: a save of ours
-# what dist-checkpointing writes of every save, metadata.json last
-DIST_CKPT_FILES = (".metadata", "common.pt", "metadata.json")
 # distributed-optimizer formats that reload at any TP/PP layout (megatron-core's
 # DistributedOptimizer.checkpoint_fully_reshardable_formats)
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
@@ -87,127 +75,7 @@ def sharding_metadata(fully_reshardable: bool, distributed: bool = True) -> Dict
 
 
 def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def iteration_path(root: str, iteration: int) -> str:
-    """Where to read ``iteration``: iter_N, or the whole copy a save killed in its renames
-    left under a temporary name (interrupted.py; the next run holding the lock renames it)."""
-    path, left = iteration_dir(root, iteration), None
-    if not os.path.isdir(path):
-        left = left_whole(root).get(iteration)
-    return os.path.join(root, left) if left else path
-
-
-def is_own(path: str) -> bool:
-    """An iteration directory written by this project (whole or not)."""
-    return any(os.path.exists(os.path.join(path, name)) for name in OWN_FILES)
-
-
-def torn_reason(path: str) -> Optional[str]:
-    """None when iteration directory ``path`` is whole, else what is missing: our completion
-    marker (a save of ours), or dist-checkpointing's last files (another program's)."""
-    if os.path.exists(os.path.join(path, COMPLETE)):
-        return None
-    if is_own(path):
-        return f"no {COMPLETE}"
-    absent = [n for n in DIST_CKPT_FILES if not os.path.exists(os.path.join(path, n))]
-    return f"no {', '.join(absent)}" if absent else None
-
-
-def complete_iterations(root: str) -> List[int]:
-    """Iterations under ``root`` whose directories are whole, ascending."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        if name.startswith("iter_") and name[5:].isdigit():
-            path = os.path.join(root, name)
-            if os.path.isdir(path) and torn_reason(path) is None:
-                found.append(int(name[5:]))
-    return sorted(found)
-
-
-def resolve_iteration(root: str, iteration: Optional[int] = None, step_flag: str = "--ckpt-step",
-                      root_flag: str = "--load") -> int:
-    """The iteration to load: ``iteration`` or the tracker's, checked to be whole. Messages
-    name the caller's flags (``step_flag`` picks an iteration, ``root_flag`` the directory)."""
-    if not os.path.isdir(root):
-        raise CheckpointError(f"checkpoint directory {root!r} does not exist; check {root_flag}")
-    whole = sorted(set(complete_iterations(root)) | set(left_whole(root)))
-    if iteration is None:
-        tracker = os.path.join(root, TRACKER)
-        if not os.path.exists(tracker):
-            if os.path.basename(os.path.normpath(root)).startswith("iter_") and \
-                    torn_reason(root) is None:  # an iter_ directory itself
-                raise CheckpointError(
-                    f"{root!r} is one iteration's directory; pass its parent to {root_flag} and "
-                    f"{step_flag} {os.path.basename(root)[5:].lstrip('0') or 0}")
-            if not whole:
-                raise CheckpointError(
-                    f"{root!r} has no {TRACKER} and no whole iter_XXXXXXX directory: not a "
-                    "torch_dist checkpoint directory, or no save finished")
-            # a kill between the rename of iter_N and the tracker update, or a copy by hand
-            report_once(f"{root}: no {TRACKER}; using the newest whole iteration {whole[-1]}")
-            return whole[-1]
-        iteration = read_tracker(tracker, step_flag)
-    path = iteration_path(root, iteration)
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"iteration {iteration} is not under {root!r}; whole iterations: {whole or 'none'}")
-    torn = torn_reason(path)
-    if torn:
-        earlier = [i for i in whole if i < iteration]
-        hint = (f"load an earlier one with {step_flag} {earlier[-1]}" if earlier
-                else f"no earlier whole checkpoint exists; start without {root_flag}")
-        raise CheckpointError(f"checkpoint {path} is incomplete (torn save: {torn}); {hint}")
-    return iteration
-
-
-_reported = set()
-
-
-def report_once(message: str) -> None:
-    if message not in _reported and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(message, flush=True)
-    _reported.add(message)
-
-
-def read_tracker(tracker: str, step_flag: str = "--ckpt-step") -> int:
-    with open(tracker, "rb") as f:
-        raw = f.read(64)
-    text = raw.decode("ascii", errors="replace").strip()
-    if not text.isdigit():
-        raise CheckpointError(
-            f"{tracker} holds {text[:20]!r}, not an iteration number; delete it to resume from "
-            f"the newest whole iteration, or pick one with {step_flag}")
-    return int(text)
-
-
-def read_run_config(path: str) -> Optional[str]:
-    """The YAML run config saved with an iteration directory, or None."""
-    file = os.path.join(path, RUN_CONFIG)
-    return open(file).read() if os.path.exists(file) else None
-
-
-EMBEDDING_KEY = "embedding.word_embeddings.weight"
-
-
-def saved_embedding_rows(path: str, step_flag: str = "--ckpt-step") -> int:
-    """Rows of the embedding saved in iteration directory ``path``: the padded vocabulary
-    the run was built with (from the dist-checkpoint metadata; no tensor is read)."""
-    from megatron.core import dist_checkpointing
-
-    check_metadata(path, step_flag)  # torch unpickles it with no restriction
-    try:
-        metadata = dist_checkpointing.load_tensors_metadata(path)
-    except Exception as err:
-        raise CheckpointError(
-            f"cannot read the tensor metadata of {path} ({type(err).__name__}); the directory "
-            f"may be damaged: load an earlier one with {step_flag}") from None
-    if EMBEDDING_KEY not in metadata:
-        raise CheckpointError(f"{path} holds no {EMBEDDING_KEY}; not a GPT checkpoint")
-    return int(metadata[EMBEDDING_KEY].global_shape[0])
+    return os.path.join(root, iteration_name(iteration))
 
 
 def model_keys(count: int) -> List[str]:

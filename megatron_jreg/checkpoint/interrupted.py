@@ -17,8 +17,8 @@ never finished) and replaced copies of a present ``iter_N``; the writer removes 
 (``training.checkpointing``). The tracker is left alone: it names the last save that
 finished in full, and a resume from it takes the same steps again.
 
-Readers never rename (they may not hold the lock): :func:`left_whole` tells them where an
-iteration missing under its own name is whole (``dist_checkpoint.iteration_path``).
+Readers never rename (they may not hold the lock): the catalog (catalog.py) tells them
+where an iteration missing under its own name is whole, and they read it there.
 """
 
 from __future__ import annotations
@@ -27,32 +27,34 @@ import os
 from typing import Dict, List
 
 COMPLETE = "jreg_complete.json"  # written last into a save of ours: the directory is whole
+MARKED_SUFFIXES = ("partial", "replaced")  # iter_N.partial-RUNID, iter_N.replaced-RUNID
 
 
-def left_whole(root: str) -> Dict[int, str]:
+def left_whole_of(root: str, names, iteration_dirs) -> Dict[int, str]:
     """{iteration: name under ``root``} of each whole copy a killed save left under a
-    temporary name that :func:`finish_interrupted_saves` makes ``iter_N``: the newest whole
-    partial, else, with no ``iter_N``, the newest replaced copy."""
+    temporary name, among ``names`` (``root``'s listing; ``iteration_dirs``: the iterations
+    with an ``iter_N`` directory): the newest whole partial, else, with no ``iter_N``, the
+    newest replaced copy. :func:`finish_interrupted_saves` makes each ``iter_N``."""
     best: Dict[int, tuple] = {}
-    for name in (os.listdir(root) if os.path.isdir(root) else []):
+    for name in names:
         head, _, kind = name.partition(".")
         if not (head.startswith("iter_") and head[5:].isdigit()):
             continue
         path = os.path.join(root, name)
         partial = kind.startswith("partial") and os.path.isfile(os.path.join(path, COMPLETE))
-        replaced = kind.startswith("replaced") and not os.path.isdir(os.path.join(root, head))
+        replaced = kind.startswith("replaced") and int(head[5:]) not in iteration_dirs
         if (partial or replaced) and os.path.isdir(path):
             key = (partial, os.path.getmtime(path), name)  # a whole partial first, then newest
             best[int(head[5:])] = max(best.get(int(head[5:]), key), key)
     return {iteration: key[2] for iteration, key in best.items()}
 
 
-def finish_interrupted_saves(root: str, run_id: str) -> List[str]:
-    """Holding ``root``'s writer lock: rename each copy :func:`left_whole` names to
-    ``iter_N`` (a present ``iter_N`` goes to ``iter_N.replaced-RUNID`` first, removed with
-    the other leftovers afterwards). Returns a line per iteration put back."""
+def finish_interrupted_saves(root: str, left_whole: Dict[int, str], run_id: str) -> List[str]:
+    """Holding ``root``'s writer lock: rename each copy of ``left_whole`` (the catalog's)
+    to ``iter_N`` (a present ``iter_N`` goes to ``iter_N.replaced-RUNID`` first, removed
+    with the other leftovers afterwards). Returns a line per iteration put back."""
     lines = []
-    for iteration, name in sorted(left_whole(root).items()):
+    for iteration, name in sorted(left_whole.items()):
         final = os.path.join(root, f"iter_{iteration:07d}")
         if os.path.isdir(final):
             os.replace(final, f"{final}.replaced-{run_id}")

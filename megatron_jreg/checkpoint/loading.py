@@ -14,16 +14,17 @@ and sends it to the others.
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch.distributed as dist
 
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint import rng_state, safe_pickle
-from megatron_jreg.checkpoint.manifest import verify_manifest
-from megatron_jreg.checkpoint.scheduler_state import load_scheduler, saved_schedule
+from megatron_jreg.checkpoint import rng_state
+from megatron_jreg.checkpoint.catalog import RNG_FILES_DIR
+from megatron_jreg.checkpoint.faults import DamagedFile, MissingRngFile, UnsafeCheckpoint
+from megatron_jreg.checkpoint.formats import Source
+from megatron_jreg.checkpoint.notes import report_once
+from megatron_jreg.checkpoint.scheduler_state import load_scheduler
 from megatron_jreg.checkpoint.state_keys import (
     EXTRA_STATE,
     checkpoint_entries,
@@ -33,28 +34,6 @@ from megatron_jreg.checkpoint.state_keys import (
 )
 from megatron_jreg.errors import CheckpointError
 
-def _read_metadata(path: str, step_flag: str):
-    """(sharded metadata, common state) of iteration directory ``path``."""
-    from megatron.core.dist_checkpointing import load_common_state_dict
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
-    try:
-        return load_sharded_metadata(path), load_common_state_dict(path)
-    except Exception as err:
-        raise CheckpointError(
-            f"cannot read the metadata of checkpoint {path} ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200] if str(err) else ''}); the directory is damaged: "
-            f"load an earlier one with {step_flag}") from None
-
-
-def saved_layout(common: Dict) -> Optional[Tuple[int, int]]:
-    """(TP, PP) the checkpoint was saved at, from Megatron-LM's ``args``; None when unknown."""
-    args = common.get("args")
-    if args is None:
-        return None
-    return (int(getattr(args, "tensor_model_parallel_size", 1) or 1),
-            int(getattr(args, "pipeline_model_parallel_size", 1) or 1))
-
 
 def _layout_here() -> Tuple[int, int]:
     from megatron.core import parallel_state as ps
@@ -62,16 +41,15 @@ def _layout_here() -> Tuple[int, int]:
     return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
 
 
-def _optimizer_metadata(path: str, common: Dict, optimizer, fully_parallel: bool = False) -> Dict:
+def _optimizer_metadata(source: Source, optimizer, fully_parallel: bool = False) -> Dict:
     """The content metadata the optimizer was saved with; for a distributed optimizer, its
     format checked against this layout (and against ``fully_parallel`` loading)."""
-    from megatron.core.dist_checkpointing import load_content_metadata
-
-    metadata = dict(load_content_metadata(preloaded_state_dict=common) or {})
+    fmt, path = source.format, source.path
+    metadata = dict(fmt.sharding)
     if not ckpt.is_distributed_optimizer(optimizer):
         return metadata  # the sharding type is the distributed optimizer's alone
     # megatron-core < 0.13 wrote none: Megatron-LM's rule for those
-    args = common.get("args")
+    args = source.opened.common.get("args")
     metadata.setdefault("distrib_optim_sharding_type",
                         "fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", False)
                         else "dp_zero_gather_scatter")
@@ -81,7 +59,7 @@ def _optimizer_metadata(path: str, common: Dict, optimizer, fully_parallel: bool
             f"checkpoint {path} holds the distributed optimizer's state as {kind} (Megatron-LM "
             "before megatron-core 0.13), which a fully parallel load cannot read: drop "
             "--ckpt-fully-parallel-load")
-    saved, here = saved_layout(common), _layout_here()
+    saved, here = fmt.saved_layout, _layout_here()
     if saved and saved != here and kind not in ckpt.FULLY_RESHARDABLE:
         raise CheckpointError(
             f"checkpoint {path} holds the distributed optimizer's state as {kind}, which loads "
@@ -91,51 +69,43 @@ def _optimizer_metadata(path: str, common: Dict, optimizer, fully_parallel: bool
     return metadata
 
 
-def _rng_request(path: str, sharded_metadata: Dict):
+def _rng_request(source: Source):
     """The random state to load: Megatron-LM's sharded ``rng_state`` when saved at this
     layout, else None (earlier versions' files are read after the load; anything else is
     said in one line)."""
-    grid = rng_state.saved_grid(sharded_metadata)
-    if grid is not None:
+    fmt, path = source.format, source.path
+    if fmt.rng == "sharded":
         here = rng_state.grid_here()
-        if grid == here:
+        if fmt.rng_grid == here:
             return rng_state.sharded_rng_state(loading=True)
-        ckpt.report_once(f"random state not restored: {path} was saved with a (PP, TP) grid of "
-                     f"{grid}, this run has {here}; it starts from --seed")
-        return None
-    if not os.path.isdir(os.path.join(path, ckpt.RNG_FILES_DIR)):
-        ckpt.report_once(f"random state not restored: {path} holds none (saved without it); it "
-                     "starts from --seed")
+        report_once(f"random state not restored: {path} was saved with a (PP, TP) grid of "
+                    f"{fmt.rng_grid}, this run has {here}; it starts from --seed")
+    elif fmt.rng == "none":
+        report_once(f"random state not restored: {path} holds none (saved without it); it "
+                    "starts from --seed")
     return None
 
 
-def _load_rng_files(path: str, rank: int) -> None:
+def _load_rng_files(source: Source, rank: int) -> None:
     """An earlier version's per-rank random state files (``rng/rank_NNNNN.pt``)."""
-    rng_file = os.path.join(path, ckpt.RNG_FILES_DIR, f"rank_{rank:05d}.pt")
+    name = f"{RNG_FILES_DIR}/rank_{rank:05d}.pt"
+    rng_file = f"{source.path}/{name}"
     world = dist.get_world_size() if dist.is_initialized() else 1
-    try:
-        with open(os.path.join(path, ckpt.COMPLETE)) as f:
-            saved_world = int(json.load(f).get("world_size", world))
-    except (OSError, ValueError, TypeError):
-        saved_world = world
-    if not os.path.exists(rng_file):
+    saved_world = source.format.saved_world or world
+    if name not in source.opened.files:
         if saved_world == world:
-            raise CheckpointError(
-                f"{rng_file} is missing (saved by {saved_world} ranks, as many as now); the "
-                "directory is damaged: load an earlier one with --ckpt-step, or pass "
-                "--no-load-rng to resume without the saved random state")
-        ckpt.report_once(f"random state not restored: {path} was saved by {saved_world} ranks, "
-                     f"this run has {world}")
+            raise MissingRngFile(file=rng_file, world=saved_world)
+        report_once(f"random state not restored: {source.path} was saved by {saved_world} "
+                    f"ranks, this run has {world}")
         return
     try:
-        state = safe_pickle.load_torch_file(rng_file, rng_file, "a checkpoint's random state file")
-        rng_state.set_rng_state(state, ckpt.report_once, path)
-    except safe_pickle.UnsafeCheckpointError:
+        state = source.opened.read_torch(name, "a checkpoint's random state file")
+        rng_state.set_rng_state(state, report_once, source.path)
+    except (UnsafeCheckpoint, CheckpointError):
         raise
     except Exception as err:
-        raise CheckpointError(
-            f"cannot read {rng_file} ({type(err).__name__}); the directory is damaged: load "
-            "an earlier one with --ckpt-step, or pass --no-load-rng") from None
+        raise DamagedFile(path=source.path, checksum=False, rng=True,
+                          detail=f"cannot read {rng_file} ({type(err).__name__})") from None
 
 
 def _load_modules(model_chunks, loaded: Dict, path: str) -> None:
@@ -150,104 +120,67 @@ def _load_modules(model_chunks, loaded: Dict, path: str) -> None:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {', '.join(off[:4])}")
 
 
-def train_state_of(loaded: Dict) -> Dict:
-    """The samples and tokens consumed and the FLOPs so far, from our ``train_state`` or
-    Megatron-LM's ``args`` (consumed_tokens None: not recorded)."""
-    state = dict(loaded.get("train_state") or {})
-    args = loaded.get("args")
-    if "consumed_samples" not in state and args is not None:
-        state["consumed_samples"] = int(getattr(args, "consumed_train_samples", 0) or 0)
-    state.setdefault("consumed_samples", 0)
-    state.setdefault("consumed_tokens", None)
-    flops = loaded.get("num_floating_point_operations_so_far")
-    state["flops_so_far"] = float(flops) if flops is not None else None
-    return state
-
-
-def load_strategy(path: str, fully_parallel: bool):
-    """None (megatron-core's default for ``path``), or with ``fully_parallel`` that strategy
-    with each tensor needed by several data-parallel ranks read by one of them and sent to
-    the others (Megatron-LM's --ckpt-fully-parallel-load, over the same group)."""
-    if not fully_parallel:
-        return None
+def _fully_parallel_group():
     from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelLoadStrategyWrapper,
-    )
 
-    return FullyParallelLoadStrategyWrapper(
-        get_default_load_sharded_strategy(path),
-        parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-def load_checkpoint(root: str, iteration: Optional[int], model_chunks, optimizer=None,
-                    scheduler=None, step_flag: str = "--ckpt-step", verify: bool = True,
-                    scheduler_mode: str = "strict", samples_per_iter: int = 1,
-                    load_rng: bool = True, fully_parallel: bool = False) -> Tuple[int, Dict]:
-    """Load weights (and optimizer, schedule, RNG when given); returns (iteration, train
-    state: consumed_samples, consumed_tokens, flops_so_far).
+def load_checkpoint(source: Source, model_chunks, optimizer=None, scheduler=None,
+                    verify: bool = True, scheduler_mode: str = "strict",
+                    samples_per_iter: int = 1, load_rng: bool = True,
+                    fully_parallel: bool = False) -> Dict:
+    """Load ``source``'s weights (and optimizer, schedule, RNG when given); returns its
+    train state (consumed_samples, consumed_tokens, flops_so_far).
 
-    ``verify`` checks the manifest's checksums first (a save without one is not checked);
+    ``verify`` checks the shards' checksums first (the trusted open checked the rest);
     ``scheduler_mode`` is load_scheduler's; ``fully_parallel`` spreads the reading over
-    the data-parallel ranks (:func:`load_strategy`). Collective when distributed."""
-    from megatron.core import dist_checkpointing
+    the data-parallel ranks. Collective when distributed."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    iteration = ckpt.resolve_iteration(root, iteration, step_flag=step_flag)
-    path = ckpt.iteration_path(root, iteration)  # iter_N, or a killed save's whole copy
-    if verify:
-        problem = verify_manifest(path)
-        if problem:
-            raise CheckpointError(
-                f"checkpoint {path} fails its checksum: {problem}; load an earlier one with "
-                f"{step_flag}" + (" (or pass --no-verify-checkpoint to load it anyway)"
-                                  if step_flag == "--ckpt-step" else ""))
-    # every pickle the load below unpickles, read as data first (safe_pickle.py)
-    safe_pickle.check_iteration(path, step_flag)
-    sharded_metadata, common = _read_metadata(path, step_flag)
+    path, fmt = source.path, source.format
+    source.opened.check_shards(verify)
     state = ckpt.model_sharded_state_dict(model_chunks)
-    comparison = compare(requested_entries(state), checkpoint_entries(sharded_metadata))
+    comparison = compare(requested_entries(state), checkpoint_entries(source.opened.entries()))
     problem = comparison.problem()
     if problem:
         raise CheckpointError(
             f"checkpoint {path} does not fit this model: {problem}; pass the model flags it "
             "was saved with (or --use-checkpoint-args)")
     for note in comparison.notes():
-        ckpt.report_once(f"{path}: {note}")
+        report_once(f"{path}: {note}")
     state = drop_requests(state, comparison.extra_missing)
-    if optimizer is not None and "optimizer" not in common and not any(
-            key.startswith("optimizer.") for key in sharded_metadata):
+    if optimizer is not None and not fmt.holds_optimizer:
         raise CheckpointError(  # a conversion, or Megatron-LM's --no-save-optim
             f"checkpoint {path} holds weights only, no optimizer state to resume: start from "
-            f"its weights with --pretrained-checkpoint {root} (or pass --no-load-optim)")
+            f"its weights with --pretrained-checkpoint {source.ref.root} (or pass --no-load-optim)")
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=True,
-            metadata=_optimizer_metadata(path, common, optimizer, fully_parallel))
-    rng_request = _rng_request(path, sharded_metadata) if optimizer is not None and load_rng else None
+            state, is_loading=True, metadata=_optimizer_metadata(source, optimizer, fully_parallel))
+    rng_request = _rng_request(source) if optimizer is not None and load_rng else None
     if rng_request is not None:
         state["rng_state"] = rng_request
     try:
-        loaded = dist_checkpointing.load(state, path, load_strategy(path, fully_parallel))
+        loaded = source.opened.load(state, _fully_parallel_group() if fully_parallel else None)
     # dist-ckpt raises many types for damaged files; torch's CheckpointException is a
     # BaseException, not an Exception
+    except (UnsafeCheckpoint, CheckpointError):
+        raise
     except (Exception, CheckpointException) as err:
-        raise CheckpointError(
-            f"cannot read checkpoint {path} ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-            f"it may be corrupt: load an earlier one with {step_flag}") from err
+        raise DamagedFile(path=path, checksum=False, detail=(
+            f"cannot read checkpoint {path} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200] if str(err) else ''}); it may be corrupt")) from err
     _load_modules(model_chunks, loaded, path)
     bad = ckpt.nonfinite_anywhere(model_chunks)
     if bad:
-        raise CheckpointError(f"checkpoint {path} holds non-finite weights {bad}; it is damaged: "
-                              f"load an earlier one with {step_flag}")
+        raise DamagedFile(path=path, checksum=False,
+                          detail=f"checkpoint {path} holds non-finite weights {bad}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
-    schedule = saved_schedule(loaded)
-    if scheduler is not None and schedule is not None:
-        load_scheduler(scheduler, schedule, scheduler_mode, samples_per_iter)
+    if scheduler is not None and fmt.schedule is not None:
+        load_scheduler(scheduler, fmt.schedule, scheduler_mode, samples_per_iter)
     if rng_request is not None:
-        rng_state.set_rng_state(rng_state.own_entry(loaded["rng_state"]), ckpt.report_once, path)
-    elif optimizer is not None and load_rng and os.path.isdir(os.path.join(path, ckpt.RNG_FILES_DIR)):
-        _load_rng_files(path, dist.get_rank() if dist.is_initialized() else 0)
-    return iteration, train_state_of(loaded)
+        rng_state.set_rng_state(rng_state.own_entry(loaded["rng_state"]), report_once, path)
+    elif optimizer is not None and load_rng and fmt.rng == "files":
+        _load_rng_files(source, dist.get_rank() if dist.is_initialized() else 0)
+    return dict(fmt.train_state)

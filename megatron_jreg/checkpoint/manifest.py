@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
+
+from megatron_jreg.checkpoint.faults import DamagedFile
 
 MANIFEST = "jreg_manifest.json"
 CHUNK = 8 << 20
@@ -27,9 +30,9 @@ CHUNK = 8 << 20
 UNLISTED = {MANIFEST, "jreg_complete.json"}
 
 
-def file_crc32(path: str) -> int:
+def file_crc32(path: str, opener=None) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with (opener(path) if opener else open(path, "rb")) as f:
         while True:
             block = f.read(CHUNK)
             if not block:
@@ -48,10 +51,12 @@ def listed_files(directory: str) -> List[str]:
     return sorted(found)
 
 
-def _hash_share(directory: str, files: List[str], threads: Optional[int] = None) -> Dict[str, Dict]:
+def _hash_share(directory: str, files: List[str], threads: Optional[int] = None,
+                opener=None) -> Dict[str, Dict]:
     def one(rel):
         path = os.path.join(directory, rel)
-        return rel, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
+        open_one = (lambda f: opener(f, directory)) if opener else None
+        return rel, {"size": os.path.getsize(path), "crc32": file_crc32(path, open_one)}
 
     threads = threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -76,6 +81,16 @@ def _gather_to_all(local: Dict) -> Dict:
     return merged
 
 
+def open_json(path: str):
+    """A small file of the manifest's kind, opened only as a regular file (never waits)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "r")
+
+
 def write_manifest(directory: str) -> None:
     """Hash every file of ``directory`` (collective when distributed) and write the
     manifest from rank 0. The caller writes the completion marker after this returns."""
@@ -92,33 +107,44 @@ def write_manifest(directory: str) -> None:
         os.replace(tmp, os.path.join(directory, MANIFEST))
 
 
-def verify_manifest(directory: str) -> Optional[str]:
-    """None when every listed file has its recorded size and CRC-32 (collective when
-    distributed); else one line naming the first file that differs. A directory without
-    a manifest (written before manifests existed) is not checked: returns None."""
+def read_entries(directory: str) -> Dict[str, Dict]:
+    """The manifest's {file: {size, crc32}} of ``directory``; empty when it has none (saved
+    before manifests existed: not checked). Raises DamagedFile for a manifest that checks
+    nothing or cannot be read."""
     path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
-        return None
+    if not os.path.lexists(path):
+        return {}
     try:
-        with open(path) as f:
+        with open_json(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as err:
-        return f"{path} is unreadable ({type(err).__name__})"
+        raise DamagedFile(path=directory, checksum=True,
+                          detail=f"{path} is unreadable ({type(err).__name__})") from None
     entries = manifest.get("files") if isinstance(manifest, dict) else None
     # every save lists at least its shards and metadata: an empty or absent list would
     # check nothing and pass
     if not isinstance(entries, dict) or not entries:
-        return f"{path} lists no files to check (a save's manifest lists every file it wrote)"
-    if not all(isinstance(e, dict) and isinstance(e.get("size"), int)
-               and isinstance(e.get("crc32"), int) for e in entries.values()):
-        return f"{path} has an entry without an integer size and crc32"
+        raise DamagedFile(path=directory, checksum=True, detail=(
+            f"{path} lists no files to check (a save's manifest lists every file it wrote)"))
+    if not all(isinstance(e, dict) and type(e.get("size")) is int
+               and type(e.get("crc32")) is int for e in entries.values()):
+        raise DamagedFile(path=directory, checksum=True,
+                          detail=f"{path} has an entry without an integer size and crc32")
+    return entries
+
+
+def verify_files(directory: str, entries: Dict[str, Dict], skip=(), opener=None) -> Optional[str]:
+    """None when every file of ``entries`` but ``skip`` has its recorded size and CRC-32
+    (collective when distributed: each rank hashes its share); else one line naming the
+    first file that differs. ``opener(file, directory)`` opens a file to hash."""
     rank, world = _rank_world()
-    names = sorted(entries)[rank::world]
+    names = sorted(n for n in entries if n not in skip)[rank::world]
     problems = []
     present = [n for n in names if os.path.isfile(os.path.join(directory, n))]
     problems += [f"{os.path.join(directory, n)} is missing" for n in names if n not in present]
-    actual = _hash_share(directory, [n for n in present
-                                     if os.path.getsize(os.path.join(directory, n)) == entries[n]["size"]])
+    same_size = [n for n in present
+                 if os.path.getsize(os.path.join(directory, n)) == entries[n]["size"]]
+    actual = _hash_share(directory, same_size, opener=opener)
     for n in present:
         full = os.path.join(directory, n)
         if n not in actual:

@@ -19,20 +19,16 @@ Imports neither megatron-core nor the model.
 from __future__ import annotations
 
 import dataclasses
-import os
-import pathlib
-import pickle
 import types
 from typing import Dict, Optional
 
 import torch
 
-from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError, check_common
 from megatron_jreg.config.megatron_lm import REFUSED, TABLE
 from megatron_jreg.config.model import TRANSFORMER_IMPLS, ModelConfig, ParallelConfig
 from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES
-from megatron_jreg.errors import CheckpointError, ConfigError, InputError
+from megatron_jreg.errors import ConfigError, InputError
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's common-state version of torch_dist checkpoints
 COMMON_FILE = "common.pt"  # megatron-core's common (unsharded) state of an iteration
@@ -108,37 +104,6 @@ def megatron_lm_args(run, *, world_size: int, consumed_samples: int,
         transformer_impl="transformer_engine" if m.transformer_impl == "transformer_engine" else "local",
     )
     return types.SimpleNamespace(**values)
-
-
-def read_common_state(path: str) -> Optional[dict]:
-    """The common (unsharded) state of iteration directory ``path``, or None when it has
-    none or it cannot be read. Unpickled as megatron-core reads it: tensors and plain
-    values only, plus the classes Megatron-LM's args hold (megatron-core's allow-list,
-    imported only when ours, a SimpleNamespace of plain values, does not do)."""
-    file = os.path.join(path, COMMON_FILE)
-    if not os.path.isfile(file):
-        return None
-    try:  # a refusal names the file; the fallback below may run without weights_only
-        check_common(path)
-    except UnsafeCheckpointError:
-        raise
-    except CheckpointError:  # a damaged file: loading the checkpoint names it
-        return None
-    try:
-        # as megatron-core registers them when it is imported (safe_globals.py); a
-        # safe_globals() block would drop megatron-core's own registrations at its end
-        torch.serialization.add_safe_globals([types.SimpleNamespace, pathlib.PosixPath])
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # Megatron-LM's own args: argparse's class, its enums
-        try:
-            from megatron.core.dist_checkpointing import load_common_state_dict
-
-            state = load_common_state_dict(path)
-        except Exception:
-            return None
-    except Exception:  # a damaged file: loading the checkpoint names it
-        return None
-    return state if isinstance(state, dict) else None
 
 
 def is_megatron_lm_state(common: Optional[dict]) -> bool:

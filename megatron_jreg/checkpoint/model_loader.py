@@ -22,15 +22,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_jreg.checkpoint import dist_checkpoint as ckpt
+from megatron_jreg.checkpoint.formats import Source
 from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.errors import InputError
 from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.checkpoint.run_configs import (
-    ITERATION_FLAG,
-    checkpoint_iterations,
+    checkpoint_sources,
     launched_world_size,
-    read_run_configs,
     saved_vocab_rows,
 )
 from megatron_jreg.distributed.setup import (
@@ -161,25 +159,23 @@ class LoadedModel:
 
 
 def load_model(
-    root: str,
+    source: Source | str,
     iteration: Optional[int] = None,
     parallel=None,
     device: str | torch.device = "cpu",
     dtype: str = "float32",
 ) -> LoadedModel:
-    """Build the run's model at ``parallel`` (default TP1 PP1) and load ``iteration``.
-
-    ``iteration`` None takes the one ``latest_checkpointed_iteration.txt`` names. Under
-    torchrun the world must be a multiple of TP x PP; the rest is data parallel.
-    """
+    """Build the run's model at ``parallel`` (default TP1 PP1) and load ``source`` (a
+    found and described iteration, or a save directory and ``iteration``, None for the
+    one the tracker names). Under torchrun the world must be a multiple of TP x PP; the
+    rest is data parallel."""
     import torch.distributed as dist
 
     parallel = parallel if parallel is not None else ParallelConfig()
-    if iteration is None:
-        (iteration,) = checkpoint_iterations(root)
-    path = ckpt.iteration_dir(root, iteration)
-    configs = read_run_configs(path)
-    rows = saved_vocab_rows(path, configs["model"])
+    if isinstance(source, str):
+        (source,) = checkpoint_sources(source, iteration=iteration)
+    path, configs = source.path, dict(source.format.configs)
+    rows = saved_vocab_rows(source)
     model_cfg = eval_model_config(configs["model"], rows, dtype)
     check_model_split(path, model_cfg, rows, parallel)
     torch_device = init_world(device)
@@ -190,15 +186,12 @@ def load_model(
     chunks = build_model(model_cfg, parallel, tracker=None)
     for chunk in chunks:
         chunk.to(torch_device)
-    try:
-        load_checkpoint(root, iteration, chunks, optimizer=None, step_flag=ITERATION_FLAG)
-    except ckpt.CheckpointError as err:
-        raise InputError(str(err)) from None
+    load_checkpoint(source, chunks, optimizer=None)
     for chunk in chunks:
         chunk.eval()
     return LoadedModel(
-        root=root,
-        iteration=iteration,
+        root=source.ref.root,
+        iteration=source.iteration,
         path=path,
         configs=configs,
         model_config=model_cfg,

@@ -123,12 +123,16 @@ def sharded_rng_state(loading: bool = False):
     return ShardedObject(SHARDED_KEY, data, shape, offset, replica_id=replica)
 
 
-def saved_grid(sharded_metadata: Dict) -> Optional[Tuple[int, ...]]:
-    """The shard grid of the checkpoint's ``rng_state`` (from its sharded metadata), or None
-    when it holds none."""
-    for key, value in sharded_metadata.items():
-        if key.split("/shard_")[0] == SHARDED_KEY:
-            return tuple(value.global_shape)
+def saved_grid(keys) -> Optional[Tuple[int, ...]]:
+    """The shard grid of the checkpoint's ``rng_state`` (from its saved keys, megatron-core's
+    ``rng_state/shard_OFFSET_SHAPE``), or None when it holds none."""
+    for key in keys:
+        head, _, shard = key.partition("/shard_")
+        if head == SHARDED_KEY and shard.count("_") == 1:
+            offset, shape = shard.split("_")
+            dims = tuple(int(d) for d in shape.split("."))
+            # megatron-core's rule for keys that left the last dimension out
+            return dims + (-1,) if len(dims) + 1 == len(offset.split(".")) else dims
     return None
 
 

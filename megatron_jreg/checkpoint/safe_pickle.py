@@ -12,37 +12,31 @@ them would run whatever a crafted one names:
   ``weights_only`` unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set;
 - ``rng/rank_NNNNN.pt``, the random state of this project's earlier versions.
 
-:func:`check_metadata`, :func:`check_byte_entries` and :func:`check_common` read the
-first three here, each before the dependency that reads it (the readers of this package
-call them: ``loading``, ``dist_checkpoint.saved_embedding_rows``, ``megatron_lm_args.
-read_common_state``, the trainer's schedule look-up): ``.metadata`` with an unpickler that
-imports only the classes dist-checkpointing's index is made of (:data:`METADATA_GLOBALS`:
-what torch 2.13 and megatron-core 0.16.1 write, traced from the saves of every checkpoint
-kind the tests make), the others with ``torch.load(weights_only=True)`` and the numpy
-classes of a random state beside megatron-core's own allow-list (which it registers with
-torch when imported). A file that names anything else is refused in one line
-(:class:`UnsafeCheckpointError`) and nothing in it runs; a file these readers cannot read
-stops the load as damaged (a reader that stops early cannot vouch for the rest of the
-file). A file that passes is then read by the dependency as before: its reader meets only
-the classes allowed here. :func:`load_torch_file` reads the earlier versions' random state
-files the same way.
+:func:`read_metadata`, :func:`load_torch_file` and :func:`check_byte_entries` read them
+here, as the trusted open (trusted.py) hands them over, before any dependency does:
+``.metadata`` with an unpickler that imports only the classes dist-checkpointing's index is
+made of (:data:`METADATA_GLOBALS`: what torch 2.13 and megatron-core 0.16.1 write, traced
+from the saves of every checkpoint kind the tests make), the others with
+``torch.load(weights_only=True)`` and the numpy classes of a random state beside
+megatron-core's own allow-list (which it registers with torch when imported). A file that
+names anything else is refused in one line (``faults.UnsafeCheckpoint``) and nothing in it
+runs; a file these readers cannot read stops the load as damaged (a reader that stops early
+cannot vouch for the rest of the file).
 """
 
 from __future__ import annotations
 
 import _compat_pickle
-import importlib
 import io
 import os
 import pickle
 import re
-import sys
 from typing import Dict, Tuple
 
 import numpy as np
 import torch
 
-from megatron_jreg.errors import CheckpointError
+from megatron_jreg.checkpoint.faults import DamagedFile, UnsafeCheckpoint
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
@@ -66,10 +60,6 @@ METADATA_GLOBALS = frozenset({
     ("torch.serialization", "_get_layout"),  # a layout pickles as this call on its name
     ("collections", "OrderedDict"),
 })
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file whose unpickling would import something outside its allow-list."""
 
 
 def _allowed_in_metadata(module: str, name: str) -> bool:
@@ -104,32 +94,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("a persistent id, which a .metadata never holds")
 
 
-def refusal(file: str, name: str, what: str) -> UnsafeCheckpointError:
+def refusal(file: str, name: str, what: str) -> UnsafeCheckpoint:
     """The one-line refusal of ``file`` (``what``: the kind of file, as "which WHAT never
     holds" reads) for importing ``name``."""
-    return UnsafeCheckpointError(
-        f"{file}: refused to load: unpickling it would import {name}, which {what} never "
-        "holds, and could run code (a checkpoint runs no code here); rebuild the checkpoint "
-        "with a tool you trust")
+    return UnsafeCheckpoint(file, f"unpickling it would import {name}, which {what} never "
+                                  "holds, and could run code")
 
 
-def _damaged(file: str, err: BaseException, step_flag: str) -> CheckpointError:
+def damaged(file: str, err: BaseException) -> DamagedFile:
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-    return CheckpointError(
-        f"cannot read checkpoint file {file} ({type(err).__name__}: {first}); it is damaged "
-        f"or not dist-checkpointing's: load an earlier one with {step_flag}")
+    return DamagedFile(path=os.path.dirname(file), checksum=False,
+                       detail=f"cannot read checkpoint file {file} ({type(err).__name__}: "
+                              f"{first}); it is not dist-checkpointing's or")
 
 
-def read_metadata(file: str, step_flag: str = "--ckpt-step"):
-    """dist-checkpointing's ``Metadata`` from ``file`` (a ``.metadata``), read with only
-    :data:`METADATA_GLOBALS` importable."""
+def read_metadata(stream, file: str):
+    """dist-checkpointing's ``Metadata`` from ``stream`` (the bytes of ``file``, a
+    ``.metadata``), read with only :data:`METADATA_GLOBALS` importable."""
     try:
-        with open(file, "rb") as f:
-            return _MetadataUnpickler(f).load()
+        return _MetadataUnpickler(stream).load()
     except _Refused as err:
         raise refusal(file, err.name, "dist-checkpointing's index (.metadata)") from None
     except Exception as err:  # a truncated or foreign file; RecursionError included
-        raise _damaged(file, err, step_flag) from None
+        raise damaged(file, err) from None
 
 
 # numpy's classes in a random state (np.random.get_state()'s array), also under numpy 1's
@@ -158,7 +145,7 @@ def _weights_only_reason(text: str) -> str:
 def load_torch_file(source, file: str, what: str):
     """``torch.load(source, weights_only=True)`` with :func:`torch_file_globals` allowed
     (added for good, as megatron-core adds its own: a ``safe_globals`` block would take
-    megatron-core's away again at its end). A refusal raises :class:`UnsafeCheckpointError`
+    megatron-core's away again at its end). A refusal raises ``UnsafeCheckpoint``
     naming ``file`` (``what``: as :func:`refusal`); a damaged file, torch's own error."""
     torch.serialization.add_safe_globals(torch_file_globals())
     try:
@@ -168,10 +155,8 @@ def load_torch_file(source, file: str, what: str):
         found = _GLOBAL_NAME.search(reason)
         if found:
             raise refusal(file, found.group(1), what) from None
-        raise UnsafeCheckpointError(
-            f"{file}: refused to load: unpickling it would do what {what} never does "
-            f"({reason}), and could run code (a checkpoint runs no code here); rebuild the "
-            "checkpoint with a tool you trust") from None
+        raise UnsafeCheckpoint(file, f"unpickling it would do what {what} never does "
+                                     f"({reason}), and could run code") from None
 
 
 def _byte_entries(metadata) -> Dict[str, Tuple[str, object]]:
@@ -188,31 +173,21 @@ def _byte_entries(metadata) -> Dict[str, Tuple[str, object]]:
     return entries
 
 
-def check_byte_entries(path: str, step_flag: str = "--ckpt-step") -> None:
-    """Each byte entry of iteration directory ``path``'s shards (the sharded objects
-    dist-checkpointing's load unpickles), cut from its file as torch's reader cuts it and
-    read with :func:`load_torch_file`. Once per process while the files stay the same."""
+def check_byte_entries(path: str, metadata, open_shard) -> None:
+    """Each byte entry that ``metadata`` (iteration directory ``path``'s index) lists in its
+    shards (the sharded objects dist-checkpointing's load unpickles), cut from its file as
+    torch's reader cuts it and read with :func:`load_torch_file`. ``open_shard(file)``
+    opens a shard (trusted.open_regular)."""
     from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
     from torch.distributed.checkpoint.utils import _create_file_view
 
-    metadata = check_metadata(path, step_flag)
-    if metadata is None:
-        return
     by_file: Dict[str, list] = {}
     for key, (name, info) in _byte_entries(metadata).items():
         by_file.setdefault(name, []).append((key, info))
-    signature = ("entries",) + tuple(_signature(os.path.join(path, n)) for n in
-                                     (METADATA_FILE, *sorted(by_file)))
-    if signature in _checked:
-        return
     transforms = _StorageReaderTransforms()
     for name, items in sorted(by_file.items()):
         shard = os.path.join(path, name)
-        try:
-            stream = open(shard, "rb")
-        except OSError as err:
-            raise _damaged(shard, err, step_flag) from None
-        with stream:
+        with open_shard(shard) as stream:
             for key, info in items:
                 where = f"{shard} (entry {key})"
                 try:
@@ -220,76 +195,7 @@ def check_byte_entries(path: str, step_flag: str = "--ckpt-step") -> None:
                     data = transforms.transform_load_stream(
                         None, info.transform_descriptors or (), view).read(-1)
                     load_torch_file(io.BytesIO(data), where, "a checkpoint's sharded object")
-                except UnsafeCheckpointError:
+                except UnsafeCheckpoint:
                     raise
                 except Exception as err:
-                    raise _damaged(where, err, step_flag) from None
-    _checked.add(signature)
-
-
-def _signature(file: str) -> Tuple:
-    try:
-        st = os.stat(file)
-    except OSError:
-        return (os.path.realpath(file), None)
-    return (os.path.realpath(file), st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-_checked = set()  # signatures of the files (and sets of files) that passed
-
-
-def check_metadata(path: str, step_flag: str = "--ckpt-step"):
-    """Iteration directory ``path``'s ``.metadata`` read by :func:`read_metadata` (the
-    ``Metadata``), or None when it has none (the caller's reader names that). Raises
-    :class:`UnsafeCheckpointError`, or CheckpointError for a file that cannot be read
-    (``step_flag`` picks another iteration)."""
-    file = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(file):
-        return None
-    signature = ("metadata",) + _signature(file)
-    cached = _metadata_cache.get(signature)
-    if cached is None:
-        cached = _metadata_cache[signature] = read_metadata(file, step_flag)
-    return cached
-
-
-_metadata_cache: Dict[Tuple, object] = {}
-
-
-def check_common(path: str, step_flag: str = "--ckpt-step") -> None:
-    """Iteration directory ``path``'s ``common.pt`` read by :func:`load_torch_file` with
-    megatron-core's allow-list (what its own load allows; this one holds whatever
-    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says). Nothing when it has none."""
-    file = os.path.join(path, COMMON_FILE)
-    if not os.path.isfile(file):
-        return
-    signature = ("common",) + _signature(file)
-    if signature in _checked:
-        return
-    what = "megatron-core's common state (common.pt)"
-    try:
-        try:
-            load_torch_file(file, file, what)
-        except UnsafeCheckpointError as refused:
-            # Megatron-LM's args hold argparse's Namespace and megatron-core's enums, which
-            # megatron-core allows once it is imported: read again with them
-            if "megatron.core" in sys.modules:
-                raise
-            try:
-                importlib.import_module("megatron.core")
-            except ImportError:  # without it nothing but this package reads the file
-                raise refused from None
-            load_torch_file(file, file, what)
-    except UnsafeCheckpointError:
-        raise
-    except Exception as err:
-        raise _damaged(file, err, step_flag) from None
-    _checked.add(signature)
-
-
-def check_iteration(path: str, step_flag: str = "--ckpt-step") -> None:
-    """:func:`check_metadata`, :func:`check_common` and :func:`check_byte_entries`: every
-    pickle dist-checkpointing's load of ``path`` reads."""
-    check_metadata(path, step_flag)
-    check_common(path, step_flag)
-    check_byte_entries(path, step_flag)
+                    raise damaged(where, err) from None

@@ -28,12 +28,10 @@ def is_extra_state(key: str) -> bool:
     return base_key(key).endswith(EXTRA_STATE)
 
 
-def checkpoint_entries(sharded_metadata: Dict) -> Dict[str, Optional[Tuple[int, ...]]]:
-    """Key -> global shape of each tensor the checkpoint holds (None for objects)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    return {base_key(k): (tuple(v.global_shape) if isinstance(v, ShardedTensor) else None)
-            for k, v in sharded_metadata.items()}
+def checkpoint_entries(entries: Dict[str, Optional[Tuple[int, ...]]]) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """Key -> global shape of each tensor the checkpoint holds (None for objects), from the
+    trusted open's ``Opened.entries()``."""
+    return {base_key(k): shape for k, shape in entries.items()}
 
 
 def requested_entries(sharded_state_dict) -> Dict[str, Optional[Tuple[int, ...]]]:

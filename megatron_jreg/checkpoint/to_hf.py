@@ -55,8 +55,7 @@ from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.model_loader import load_model
 from megatron_jreg.checkpoint.run_configs import (
     build_run_tokenizer,
-    carried_tokenizer,
-    checkpoint_iterations,
+    checkpoint_sources,
     launched_world_size,
 )
 from megatron_jreg.atomic_write import (
@@ -219,13 +218,13 @@ def _convert(root, output, iteration, dtype, tokenizer_model, skip_tokenizer) ->
             "reading a checkpoint runs on one process (the weights are resharded to TP1 PP1); "
             "run the tool with python, not torchrun"
         )
-    (iteration,) = checkpoint_iterations(root, iteration=iteration)
+    (source,) = checkpoint_sources(root, iteration=iteration)
     try:
         import transformers
     except ImportError:
         raise missing_extra("transformers", "hf", "tools/convert_to_hf.py") from None
 
-    loaded = load_model(root, iteration, device="cpu", dtype="float32")
+    loaded = load_model(source, device="cpu", dtype="float32")
     cfg = loaded.model_config
     family = check_exportable(cfg)
     hf_state = hf_state_dict(loaded.model.state_dict(), cfg)
@@ -238,12 +237,8 @@ def _convert(root, output, iteration, dtype, tokenizer_model, skip_tokenizer) ->
     warnings: List[str] = []
     try:
         if not skip_tokenizer:
-            template_file = os.path.join(loaded.path, ckpt.CHAT_TEMPLATE)
-            template = None
-            if os.path.exists(template_file):
-                with open(template_file, encoding="utf-8") as f:
-                    template = f.read()
-            carried = carried_tokenizer(loaded.path)
+            template = source.opened.read_text(ckpt.CHAT_TEMPLATE)
+            carried = source.format.carried_tokenizer
             from transformers import AutoTokenizer
 
             if carried and tokenizer_model is None:

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
 from megatron_jreg.commands.flags import ArgumentParser, tool_parser
+from megatron_jreg.checkpoint.faults import TOOLS
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
 from megatron_jreg.hf_models import DTYPE_NAMES
 
@@ -50,7 +51,8 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(lambda: _export(args), prefix=f"{PROG}: error", output=args.output)
+    return run_command(lambda: _export(args), prefix=f"{PROG}: error", output=args.output,
+                       wording=TOOLS)
 
 
 def _export(args) -> int:

@@ -17,6 +17,7 @@ from megatron_jreg import strict_json
 from megatron_jreg.atomic_write import stop_reason, write_text_atomic
 from megatron_jreg.writer_lock import output_locks
 from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
+from megatron_jreg.checkpoint.faults import TOOLS
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
 from megatron_jreg.downstream.settings import PROG, DownstreamConfig
 from megatron_jreg.downstream.report import format_table, to_csv
@@ -32,7 +33,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     values = tool_values({None: DownstreamConfig}, argv, prog=PROG, description=DESCRIPTION)
     config = DownstreamConfig(**values[None])
-    return run_command(lambda: _evaluate(config), prefix=f"{PROG}: error")
+    return run_command(lambda: _evaluate(config), prefix=f"{PROG}: error", wording=TOOLS)
 
 
 def _evaluate(config: DownstreamConfig) -> int:

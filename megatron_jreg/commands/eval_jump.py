@@ -47,6 +47,7 @@ from megatron_jreg.analysis.trajectory import (
     sort_trajectory,
     trajectory_to_csv,
 )
+from megatron_jreg.checkpoint.faults import TOOLS
 from megatron_jreg.commands.exit_codes import NONFINITE, OK, run_command
 from megatron_jreg.commands.flags import add_fields, tool_parser
 from megatron_jreg.errors import InputError
@@ -365,7 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run(args)
 
     # every rank meets the same input error; say it once
-    return run_command(measure, prefix=f"{PROG}: error", say=_is_output_rank())
+    return run_command(measure, prefix=f"{PROG}: error", say=_is_output_rank(), wording=TOOLS)
 
 
 if __name__ == "__main__":

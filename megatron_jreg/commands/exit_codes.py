@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, Optional, Tuple, Type
 
+from megatron_jreg.checkpoint.faults import TRAINER, Wording, phrase
 from megatron_jreg.errors import UserError, write_error_line
 
 OK = 0
@@ -27,15 +28,16 @@ TERMINATED = 143  # SIGTERM (128 + SIGTERM)
 
 def run_command(body: Callable[[], int], prefix: str = "error",
                 also: Tuple[Type[BaseException], ...] = (), say: bool = True,
-                output: Optional[str] = None) -> int:
+                output: Optional[str] = None, wording: Wording = TRAINER) -> int:
     """``body()``'s exit status; a ``UserError`` (or one of ``also``) becomes the line
     ``<prefix>: <message>`` on stderr (when ``say``) and ``USAGE``, and so does an OS error
-    of writing (``output``, the command's output, is named when the error names no file)."""
+    of writing (``output``, the command's output, is named when the error names no file).
+    A checkpoint's fault is phrased with the command's flags (``wording``)."""
     try:
         return body()
     except (UserError, *also) as err:
         if say:
-            print(f"{prefix}: {err}", file=sys.stderr)
+            print(f"{prefix}: {phrase(err, wording)}", file=sys.stderr)
         return USAGE
     except BaseException as err:  # torch's CheckpointException is a BaseException
         line = write_error_line(err, output)

@@ -16,9 +16,10 @@ def from_argv(argv: Optional[Sequence[str]] = None) -> ExperimentConfig:
     """The run the flags (and ``--config FILE.yaml``) describe; a bad flag exits 2 with a
     one-line message."""
     given: Dict[str, dict] = {}
+    read: Dict[str, object] = {}  # the checkpoint --use-checkpoint-args read, kept for the run
     sections = flags.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS,
-                           given=given, resolve=apply_checkpoint_args)
-    return ExperimentConfig.from_sections(sections, given)
+                           given=given, resolve=lambda values: apply_checkpoint_args(values, read))
+    return ExperimentConfig.from_sections(sections, given, start=read.get("start"))
 
 
 def out_of_memory_line(err: BaseException, experiment: Optional[ExperimentConfig]) -> Optional[str]:

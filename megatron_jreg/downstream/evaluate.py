@@ -36,8 +36,8 @@ from megatron_jreg.downstream import harness
 from megatron_jreg.downstream.report import DownstreamReport, TaskScore
 from megatron_jreg.downstream.tasks import pick_metric, resolve_tasks
 from megatron_jreg.errors import InputError, UserError
-from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint.run_configs import checkpoint_iterations, read_run_configs
+from megatron_jreg.checkpoint.faults import TOOLS, phrase
+from megatron_jreg.checkpoint.run_configs import checkpoint_sources
 from megatron_jreg.checkpoint.to_hf import convert
 from megatron_jreg.platform.device import resolve_device
 
@@ -83,9 +83,8 @@ def _entries(args) -> List[ModelEntry]:
                         else cache_mod.hf_model_identity(local))
             entries.append(ModelEntry(name, kind, path, identity=identity, local=local))
             continue
-        (iteration,) = checkpoint_iterations(path, iteration=args.iteration)
-        it_dir = ckpt.iteration_dir(path, iteration)
-        configs = read_run_configs(it_dir)
+        (source,) = checkpoint_sources(path, iteration=args.iteration)
+        iteration, it_dir, configs = source.iteration, source.path, source.format.configs
         seed = int(configs["training"].seed)
         entries.append(ModelEntry(name, kind, path, iteration, seed, cache_mod.checkpoint_identity(
             it_dir, path, iteration, configs["data"], tokenizer_model=args.tokenizer_model)))
@@ -98,7 +97,7 @@ def _export_child(root: str, iteration: int, out: str, queue,
         queue.put(("ok", convert(root, out, iteration=iteration,
                                  tokenizer_model=tokenizer_model)))
     except UserError as err:  # a bad input, a damaged or refused checkpoint: one line
-        queue.put(("input", str(err)))
+        queue.put(("input", phrase(err, TOOLS)))
     except BaseException as err:  # noqa: BLE001 - reported by the parent
         queue.put(("error", f"{type(err).__name__}: {err}"))
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List
+import types
+from typing import Dict, List, Optional
 
 from megatron_jreg.config.schema import flag_of
 from megatron_jreg.errors import ConfigError
 from megatron_jreg.config.model import ModelConfig
-from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, complete_iterations
-from megatron_jreg.checkpoint.run_configs import read_run_configs
+from megatron_jreg.checkpoint.faults import NoDirectory, Wording
+from megatron_jreg.config.run import CheckpointConfig
+from megatron_jreg.training import source as starting
 
 # the ModelConfig fields a checkpoint's weights do not pin
 RUN_FIELDS = ("model_preset", "seq_length", "padded_vocab", "hidden_dropout",
@@ -60,43 +61,33 @@ def architecture_differences(saved: ModelConfig, mine: ModelConfig) -> List[str]
             and _resolved(saved, name) != _resolved(mine, name)]
 
 
-def _holds_checkpoint(root) -> bool:
-    return bool(root) and (os.path.exists(os.path.join(root, TRACKER))
-                           or bool(complete_iterations(root)))
-
-
 def missing_directory(flag: str, path: str) -> str:
-    """The error for a checkpoint flag whose directory is not there."""
-    if os.path.exists(path):
-        return (f"{flag} {path!r} is a file, not a checkpoint directory; pass the directory "
-                "the run saved into (its --save)")
-    return f"{flag} {path!r} does not exist"
+    """The error for a checkpoint flag whose directory is not there (the catalog's words)."""
+    return NoDirectory(root=path, is_file=os.path.exists(path)).phrase(Wording(root=flag))
 
 
-def checkpoint_configs(checkpoint: Dict[str, object]):
-    """(flag, directory, the saved config sections) of the checkpoint the run starts from."""
-    load, pretrained = checkpoint.get("load"), checkpoint.get("pretrained_checkpoint")
-    if _holds_checkpoint(load):
-        flag, root, step = "--load", load, checkpoint.get("ckpt_step")
-    elif pretrained:
-        flag, root, step = "--pretrained-checkpoint", pretrained, None
-    else:
+def checkpoint_configs(checkpoint: Dict[str, object]) -> starting.StartingPoint:
+    """The checkpoint the run starts from (``checkpoint``: the section as given), read."""
+    defaults = {f.name: f.default for f in dataclasses.fields(CheckpointConfig)
+                if f.default is not dataclasses.MISSING}
+    c = types.SimpleNamespace(**{**defaults, **checkpoint})
+    choice = starting.choose(c)
+    if choice is None:
         raise ConfigError("--use-checkpoint-args reads the architecture from a checkpoint: pass "
-                         "--load (holding one) or --pretrained-checkpoint")
-    if not os.path.isdir(root):
-        raise ConfigError(missing_directory(flag, root))
-    try:
-        iteration = ckpt.resolve_iteration(root, step, root_flag=flag)
-        return flag, root, read_run_configs(ckpt.iteration_path(root, iteration))
-    except (ckpt.CheckpointError, ValueError) as err:
-        raise ConfigError(f"--use-checkpoint-args: {err}") from None
+                          "--load (holding one) or --pretrained-checkpoint")
+    return starting.read(choice, verify=not c.no_verify_checkpoint)
 
 
-def apply_checkpoint_args(values: Dict[str, Dict[str, object]]) -> None:
-    """``commands.flags.parse``'s ``resolve`` hook: rewrite the model (and tokenizer) settings."""
+def apply_checkpoint_args(values: Dict[str, Dict[str, object]],
+                          read: Optional[dict] = None) -> None:
+    """``commands.flags.parse``'s ``resolve`` hook: rewrite the model (and tokenizer)
+    settings. The checkpoint read goes to ``read["start"]``: the run plan reads it no more."""
     if not values["checkpoint"].get("use_checkpoint_args"):
         return
-    flag, root, saved = checkpoint_configs(values["checkpoint"])
+    start = checkpoint_configs(values["checkpoint"])
+    if read is not None:
+        read["start"] = start
+    flag, root, saved = start.flag, start.root, start.source.format.configs
     model, given = saved["model"], values["model"]
     where = f"(--use-checkpoint-args takes the architecture from {flag} {root})"
     if given.get("model_preset"):

@@ -12,49 +12,22 @@ from typing import Dict, Optional, Tuple
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_jreg.checkpoint import catalog
 from megatron_jreg.checkpoint.async_save import AsyncSaver
-from megatron_jreg.checkpoint.dist_checkpoint import (
-    RUN_CONFIG,
-    TRACKER,
-    complete_iterations,
-    iteration_dir,
-    iteration_path,
-    resolve_iteration,
-    save_checkpoint,
-    saved_embedding_rows,
-)
+from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir, save_checkpoint
+from megatron_jreg.checkpoint.faults import CheckpointFault, Wording
 from megatron_jreg.checkpoint.interrupted import finish_interrupted_saves
 from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_args
-from megatron_jreg.checkpoint.scheduler_state import saved_schedule
-from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError, check_common
 from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.errors import (CheckpointError, ConfigError, InputError, os_write_error,
                                   write_error_at)
 from megatron_jreg.training.experiment import ExperimentConfig
-from megatron_jreg.checkpoint.run_configs import build_run_tokenizer, read_run_configs
+from megatron_jreg.training.source import StartingPoint
+from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
 from megatron_jreg.training.checkpoint_args import architecture_differences
-
-
-def _holds_checkpoint(root: str) -> bool:
-    return os.path.exists(os.path.join(root, TRACKER)) or bool(complete_iterations(root))
-
-
-def _saved_schedule(path: str) -> Optional[dict]:
-    """The schedule state saved in iteration directory ``path`` (its common, unsharded
-    part; no tensor is read), or None when there is none or it cannot be read (loading
-    the checkpoint names the damage)."""
-    from megatron.core import dist_checkpointing
-
-    try:
-        check_common(path)  # megatron-core's torch.load below is weights_only by default only
-        return saved_schedule(dist_checkpointing.load_common_state_dict(path))
-    except UnsafeCheckpointError:
-        raise
-    except Exception:  # a damaged directory: load_checkpoint reports it by name
-        return None
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -97,9 +70,10 @@ def _save_failure(err: BaseException, root: str, iteration: int,
 class Checkpointer:
     """Loads and saves the run described by ``experiment`` (whose config each save records)."""
 
-    def __init__(self, experiment: ExperimentConfig):
+    def __init__(self, experiment: ExperimentConfig, start: Optional[StartingPoint] = None):
         self.experiment = experiment
         self.cfg = experiment.checkpoint
+        self.start = start  # what setup loads (training.source), read once
         self.save_lock: Optional[SaveLock] = None
         self.run_id = "0"
         self.extra_files: Dict[str, str] = {}  # written into every saved iteration
@@ -139,10 +113,8 @@ class Checkpointer:
         directories and tracker files left by killed runs are removed: partials that never
         got their completion marker and replaced copies of a present iter_N."""
         root = self.cfg.save
-        lines = finish_interrupted_saves(root, run_id)
-        stale = [n for n in os.listdir(root)
-                 if (n.startswith("iter_") and (".partial" in n or ".replaced" in n))
-                 or n.startswith(TRACKER + ".tmp")]
+        lines = finish_interrupted_saves(root, catalog.scan(root).left_whole, run_id)
+        stale = catalog.scan(root).leftovers
         for name in stale:
             path = os.path.join(root, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
@@ -151,34 +123,19 @@ class Checkpointer:
                          f"{', '.join(sorted(stale))}")
         return "\n".join(lines) or None
 
-    def source(self) -> Optional[Tuple[str, Optional[int], bool, str]]:
-        """What setup loads: (directory, iteration or None, weights only, its flag), or None.
-
-        ``--load`` when it holds a checkpoint (a resumed run, also one that began from
-        --pretrained-checkpoint: a requeued fine-tuning job continues exactly); else
-        ``--pretrained-checkpoint``, weights only. ``--finetune`` without
-        ``--pretrained-checkpoint`` loads --load's weights only (Megatron-LM's meaning)."""
-        c = self.cfg
-        if c.load and (not c.pretrained_checkpoint or _holds_checkpoint(c.load)):
-            return c.load, c.ckpt_step, c.finetune and not c.pretrained_checkpoint, "--load"
-        if c.pretrained_checkpoint:
-            return c.pretrained_checkpoint, None, True, "--pretrained-checkpoint"
-        return None
-
     def facts(self) -> dict:
         """What the checkpoint setup loads holds, for ``config.resolve.RunFacts``: its
         embedding rows (the run keeps them) and, when the run keeps the checkpoint's
         schedule (--use-checkpoint-opt-param-scheduler), that schedule."""
-        source = self.source()
-        if not source:
+        start = self.start
+        if start is None:
             return {}
-        root, step, weights_only, flag = source
-        path = iteration_path(root, resolve_iteration(root, step, root_flag=flag))
         schedule = None
         if (self.experiment.optim.scheduler_mode() == "checkpoint"
-                and not (self.cfg.no_load_optim or weights_only)):
-            schedule = _saved_schedule(path)
-        return {"checkpoint": f"{flag} {root}", "saved_embedding_rows": saved_embedding_rows(path),
+                and not (self.cfg.no_load_optim or start.weights_only)):
+            schedule = start.source.format.schedule
+        return {"checkpoint": f"{start.flag} {start.root}",
+                "saved_embedding_rows": start.source.format.embedding_rows,
                 "saved_schedule": schedule}
 
     def report_padded_vocab(self) -> None:
@@ -186,27 +143,32 @@ class Checkpointer:
         vocabulary padded to --make-vocab-size-divisible-by."""
         m = self.experiment.model
         rows = m.padded_to_multiple()
-        if self.source() and m.padded_vocab != rows:
+        if self.start is not None and m.padded_vocab != rows:
             print_rank_0(f"vocabulary: keeping the checkpoint's {m.padded_vocab} embedding rows "
                          f"(--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} "
                          f"gives {rows})")
 
     def load(self, model, optimizer, scheduler) -> Optional[Tuple[int, Dict]]:
-        """Restore :meth:`source` into the model (and optimizer and schedule unless
+        """Restore :attr:`start` into the model (and optimizer and schedule unless
         --no-load-optim or fine-tuning). Returns (iteration, train state: consumed_samples,
         consumed_tokens and flops_so_far, None where the checkpoint has no such count) to
         continue from, or None when only weights were loaded (the run starts at iteration 0)."""
-        root, step, weights_only, flag = self.source()
+        start = self.start
+        root, weights_only, flag = start.root, start.weights_only, start.flag
+        iteration = start.source.iteration
         load_optim = not (self.cfg.no_load_optim or weights_only)
         o = self.experiment.optim
         mode = o.scheduler_mode()
         g = self.experiment.training.global_batch_size
-        iteration, state = load_checkpoint(
-            root, step, model,
-            optimizer if load_optim else None, scheduler if load_optim else None,
-            verify=not self.cfg.no_verify_checkpoint, scheduler_mode=mode,
-            samples_per_iter=g, load_rng=not self.cfg.no_load_rng,
-            fully_parallel=self.cfg.ckpt_fully_parallel_load)
+        try:
+            state = load_checkpoint(
+                start.source, model,
+                optimizer if load_optim else None, scheduler if load_optim else None,
+                verify=not self.cfg.no_verify_checkpoint, scheduler_mode=mode,
+                samples_per_iter=g, load_rng=not self.cfg.no_load_rng,
+                fully_parallel=self.cfg.ckpt_fully_parallel_load)
+        except CheckpointFault as fault:
+            raise fault.reword(Wording(root=flag))
         resumed = None
         if load_optim:
             resumed = iteration, state
@@ -218,7 +180,7 @@ class Checkpointer:
                          + ("" if load_optim else " (weights only)"))
         return resumed
 
-    def _check_resumed_run(self, saved, path: str, root: str) -> None:
+    def _check_resumed_run(self, saved, has_run_config: bool, root: str) -> None:
         """A resume of --load: its checkpoint must be a run's to resume (a conversion from
         Hugging Face holds weights only), and a --pretrained-checkpoint given must be the
         one that run began from: the resume never reads it, so another one would be
@@ -232,7 +194,7 @@ class Checkpointer:
                 f"weights only, no run to resume; start from it with --pretrained-checkpoint "
                 f"{root} instead of --load")
         given = c.pretrained_checkpoint
-        if not given or not os.path.isfile(os.path.join(path, RUN_CONFIG)):
+        if not given or not has_run_config:
             return  # Megatron-LM's checkpoints record no starting point
         began = saved["checkpoint"].pretrained_checkpoint
         if began is None:
@@ -252,19 +214,13 @@ class Checkpointer:
         unless --allow-tokenizer-change. Records this run's tokenizer in its config."""
         data, mine = self.experiment.data, self.experiment.model
         identity = tokenizer_identity(tokenizer)
-        source = self.source()
-        if not source:
+        start = self.start
+        if start is None:
             return
-        root, step, weights_only, flag = source
-        if not os.path.isdir(root):
-            return  # ExperimentConfig.validate names it
-        path = iteration_path(root, resolve_iteration(root, step, root_flag=flag))
-        try:
-            saved = read_run_configs(path)
-        except InputError:  # no readable run config: loading reports the damage
-            return
+        root, weights_only, flag = start.root, start.weights_only, start.flag
+        saved = start.source.format.configs
         if flag == "--load" and not weights_only:
-            self._check_resumed_run(saved, path, root)
+            self._check_resumed_run(saved, start.source.format.has_run_config, root)
         differ = architecture_differences(saved["model"], mine)
         if differ:
             fix = ("pass the pretraining run's model flags (or its --model-preset)" if weights_only

@@ -16,8 +16,8 @@ import os
 from typing import Dict, List, Mapping, Optional
 
 from megatron_jreg.config import yaml_settings
-from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, complete_iterations
-from megatron_jreg.checkpoint.interrupted import left_whole
+from megatron_jreg.checkpoint import catalog
+from megatron_jreg.checkpoint.catalog import TRACKER
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
 from megatron_jreg.errors import ConfigError
@@ -54,12 +54,16 @@ class ExperimentConfig:
     # the settings as given per section (flags over YAML), to tell them from defaults: the
     # Megatron-LM notes say what became of a given flag. Not saved.
     given: Dict[str, dict] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # the checkpoint the run starts from when the settings already read it (under
+    # --use-checkpoint-args, at parse time: training.source.StartingPoint). Not saved.
+    start: Optional[object] = dataclasses.field(default=None, compare=False, repr=False)
 
     # ---- construction and YAML ----------------------------------------------------------
     @classmethod
     def from_sections(cls, sections: Mapping[str, object],
-                      given: Optional[Dict[str, dict]] = None) -> "ExperimentConfig":
-        return cls(**{name: sections[name] for name in SECTIONS}, given=given or {})
+                      given: Optional[Dict[str, dict]] = None,
+                      start: Optional[object] = None) -> "ExperimentConfig":
+        return cls(**{name: sections[name] for name in SECTIONS}, given=given or {}, start=start)
 
     @classmethod
     def from_yaml(cls, text: str) -> "ExperimentConfig":
@@ -255,8 +259,8 @@ class ExperimentConfig:
         save, load = c.save, c.load
         if not save or not os.path.isdir(save) or c.overwrite_checkpoints:
             return
-        held = sorted(n for n in os.listdir(save)
-                      if n == TRACKER or (n.startswith("iter_") and n[5:].isdigit()))
+        found = catalog.scan(save)
+        held = found.held
         if not held:
             return
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
@@ -265,7 +269,7 @@ class ExperimentConfig:
                 f"--save {save} already holds checkpoints ({shown}) and this run does not resume "
                 f"from them: pass --load {save} to continue that run, another --save for a new "
                 "one, or --overwrite-checkpoints to replace them")
-        restart = self._restart_from_save(save)
+        restart = self._restart_from_save(found)
         if restart:
             raise ConfigError(
                 f"--save {save} already holds checkpoints ({shown}) and this run {restart}, so "
@@ -274,8 +278,7 @@ class ExperimentConfig:
         step = c.ckpt_step
         # whole ones only (a torn one holds nothing to lose); a whole copy a killed save
         # left counts: the run's lock puts it back as iter_N before the first save
-        saved = set(complete_iterations(save)) | set(left_whole(save))
-        later = [f"iter_{i:07d}" for i in sorted(saved) if step is not None and i > step]
+        later = [f"iter_{i:07d}" for i in found.later_than(step)] if step is not None else []
         if later:
             names = ", ".join(later[:3]) + (", ..." if len(later) > 3 else "")
             raise ConfigError(
@@ -285,15 +288,14 @@ class ExperimentConfig:
                 f"--save to branch from iteration {step}, or --overwrite-checkpoints to replace "
                 "them")
 
-    def _restart_from_save(self, save: str) -> Optional[str]:
+    def _restart_from_save(self, found: catalog.Catalog) -> Optional[str]:
         """Why a run whose --load is its --save starts at iteration 0 instead of continuing
         the checkpoint there (the words of the refusal), or None when it continues it. The
         same choice as Checkpointer.source: --load when it holds a checkpoint, else
         --pretrained-checkpoint; --finetune without --pretrained-checkpoint and
         --no-load-optim take --load's weights only."""
         c = self.checkpoint
-        whole = os.path.exists(os.path.join(save, TRACKER)) or bool(complete_iterations(save))
-        if c.pretrained_checkpoint and not whole:
+        if c.pretrained_checkpoint and not found.holds_checkpoint:
             return (f"starts at iteration 0 from --pretrained-checkpoint "
                     f"{c.pretrained_checkpoint} (--load holds no whole checkpoint to continue)")
         if c.finetune and not c.pretrained_checkpoint:

@@ -21,13 +21,12 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE
-from megatron_jreg.config.resolve import NULL_TOKENIZER, RunFacts, model_vocab, resolve
+from megatron_jreg.config.resolve import RunFacts, resolve
 from megatron_jreg.data.datasets.batches import rank_microbatches
 from megatron_jreg.data.datasets.gpt import build_gpt_datasets
 from megatron_jreg.data.datasets.run_data_check import check_data_against_run
-from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
 from megatron_jreg.data.datasets.sft_samples import build_sft_samples
-from megatron_jreg.data.tokenizers.build import build_tokenizer, tokenizer_identity
+from megatron_jreg.data.tokenizers.build import tokenizer_identity
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
     initialize_model_parallel,
@@ -44,6 +43,7 @@ from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.training import data_parallel
 from megatron_jreg.training.checkpointing import Checkpointer
+from megatron_jreg.training.source import run_tokenizer, starting_point
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.metrics import (
     TRAIN,
@@ -79,8 +79,11 @@ class Trainer:
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
-        raw = self.cfg  # the settings as parsed; the run is what they resolve to here
-        self.tokenizer = self._build_tokenizer()
+        # the plan: the settings, the checkpoint the run starts from (read once) and the
+        # tokenizer resolve into the run, which nothing changes afterwards
+        self.checkpoints.start = starting_point(self.cfg.checkpoint, self.cfg.start)
+        self.tokenizer, model = run_tokenizer(self.cfg.data, self.cfg.model)
+        raw = dataclasses.replace(self.cfg, model=model)
         self.checkpoints.check_source(self.tokenizer)  # first: a changed tokenizer explains the rest
         raw.validate(tokenizer_vocab_size=self.tokenizer.vocab_size)
         impl, impl_why = resolve_transformer_impl(raw.model.transformer_impl)
@@ -125,7 +128,7 @@ class Trainer:
         seed_everything(self.train_cfg.seed)
         self._build_model_and_optimizer()
         self._build_data()
-        if self.checkpoints.source():
+        if self.checkpoints.start is not None:
             resumed = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
             if resumed is None:  # weights only: the fp32 main params still hold the pre-load weights
                 self.optimizer.reload_model_params()  # (as Megatron-LM does after such a load)
@@ -140,20 +143,6 @@ class Trainer:
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler,
                                   extra=(getattr(signal, self.train_cfg.exit_signal),))
 
-    def _build_tokenizer(self):
-        """The run's tokenizer, from the settings as given (before the run is resolved)."""
-        data, model = self.cfg.data, self.cfg.model
-        if data.tokenizer_type not in MEGATRON_LM_TOKENIZERS:
-            return build_tokenizer(data.tokenizer_type, data.tokenizer_model)
-        tokenizer = build_megatron_tokenizer(data.tokenizer_type, data.tokenizer_model,
-                                             model.vocab_size, data.vocab_file, data.merge_file)
-        if data.tokenizer_type == NULL_TOKENIZER:
-            # --vocab-size counts the ids before the end-of-document id (Megatron-LM's
-            # rule); the settings say so before they are checked and resolved
-            model.vocab_size = model_vocab(model.vocab_size, data.tokenizer_type,
-                                           tokenizer.vocab_size)
-        return tokenizer
-
     def _build_model_and_optimizer(self) -> None:
         cfg = self.cfg
         config = transformer_config(cfg.model, cfg.parallel, self.fusions)
@@ -162,7 +151,7 @@ class Trainer:
         chunks = build_model(cfg.model, cfg.parallel, self.tracker, config, self.fusions)
         for chunk in chunks:
             chunk.to(self.device)
-        if not self.checkpoints.source():  # unless a load overwrites every weight (a 20-30 s draw at 3B)
+        if self.checkpoints.start is None:  # unless a load overwrites every weight (a 20-30 s draw at 3B)
             layout_invariant_init(chunks, self.train_cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
         if cfg.model.bf16 or cfg.model.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]

@@ -186,22 +186,19 @@ def test_the_tool_imports_neither_torch_nor_megatron(tmp_path, kind, sp_model, g
 def run_configs(kind, sp_model, gpt2_files):
     """(configs as a checkpoint's run_config.yaml gives them back, the trainer's tokenizer).
 
-    The trainer's own ``_build_tokenizer`` runs on the flags (it sets NullTokenizer's
+    The trainer's own ``run_tokenizer`` runs on the flags (it sets NullTokenizer's
     vocabulary to --vocab-size + 1), then the sections go through YAML as a save does."""
-    from types import SimpleNamespace
-
     from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml
     from megatron_jreg.config.model import ModelConfig
     from megatron_jreg.config.run import DataConfig
-    from megatron_jreg.training.trainer import Trainer
+    from megatron_jreg.training.source import run_tokenizer
 
     _, kwargs = flags_and_tokenizer(kind, sp_model, gpt2_files)
     data = DataConfig(data_path=["x_text_document"], tokenizer_type=kind,
                       tokenizer_model=kwargs.get("tokenizer_model"),
                       vocab_file=kwargs.get("vocab_file"), merge_file=kwargs.get("merge_file"))
     model = ModelConfig(vocab_size=kwargs.get("vocab_size"))
-    trainer = SimpleNamespace(cfg=SimpleNamespace(data=data, model=model))
-    trainers = Trainer._build_tokenizer(trainer)
+    trainers, model = run_tokenizer(data, model)
     sections = {"data": DataConfig, "model": ModelConfig}
     return from_yaml_text(to_yaml({"data": data, "model": model}), sections), trainers
 

@@ -93,8 +93,8 @@ def test_a_crafted_earlier_versions_rng_file_runs_nothing(tmp_path):
 
     import numpy as np
 
-    from megatron_jreg.checkpoint.loading import _load_rng_files
-    from megatron_jreg.errors import CheckpointError
+    from crafted_checkpoints import load_rng_files as _load_rng_files
+    from megatron_jreg.errors import UserError as CheckpointError
 
     path = tmp_path / "iter_0000002"
     (path / "rng").mkdir(parents=True)
@@ -126,12 +126,13 @@ def _read(tmp_path, data):
 
     file = tmp_path / ".metadata"
     file.write_bytes(data)
-    return read_metadata(str(file))
+    with open(file, "rb") as f:
+        return read_metadata(f, str(file))
 
 
 @pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
 def test_every_protocol_of_a_reduce_to_exec_is_refused(tmp_path, protocol):
-    from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError
+    from megatron_jreg.checkpoint.faults import UnsafeCheckpoint as UnsafeCheckpointError
 
     marker = tmp_path / "MARKER"
     payload = pickle.dumps(_Runs(exec, f"open({str(marker)!r}, 'w').close()"), protocol=protocol)
@@ -158,7 +159,7 @@ def _global(module, name):
     (b"ctorch\nload\n.", "torch.load"),
 ])
 def test_other_ways_to_import_are_refused(tmp_path, data, name):
-    from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError
+    from megatron_jreg.checkpoint.faults import UnsafeCheckpoint as UnsafeCheckpointError
 
     with pytest.raises(UnsafeCheckpointError, match=f"would import {name.replace('.', '[.]')},"):
         _read(tmp_path, data)
@@ -168,7 +169,7 @@ def test_a_copyreg_extension_code_is_refused(tmp_path):
     """EXT1 looks its code up in copyreg's registry, then imports through find_class."""
     import copyreg
 
-    from megatron_jreg.checkpoint.safe_pickle import UnsafeCheckpointError
+    from megatron_jreg.checkpoint.faults import UnsafeCheckpoint as UnsafeCheckpointError
 
     copyreg.add_extension("os", "system", 0xF1)
     try:
@@ -183,14 +184,15 @@ def test_genuine_saves_pass_every_allow_list(saved):
     load through them too: test_checkpoint_formats.py, test_megatron_lm_checkpoints.py)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from megatron_jreg.checkpoint import safe_pickle
+    from megatron_jreg.checkpoint import formats, safe_pickle
 
     path = iteration_dir(saved, ITERS)
-    metadata = safe_pickle.read_metadata(os.path.join(path, ".metadata"))
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = safe_pickle.read_metadata(f, os.path.join(path, ".metadata"))
     assert isinstance(metadata, Metadata)
     with open(os.path.join(path, ".metadata"), "rb") as f:
         assert repr(pickle.load(f).state_dict_metadata) == repr(metadata.state_dict_metadata)
-    safe_pickle.check_iteration(path)
+    formats.read(saved, ITERS).opened.check_shards(verify=True)
     assert any(k.startswith("rng_state") for k, _ in safe_pickle._byte_entries(metadata).items())
 
 

@@ -310,7 +310,7 @@ def test_earlier_versions_rng_files_load_and_damage_is_named(tmp_path):
 
     import torch
 
-    from megatron_jreg.checkpoint.loading import _load_rng_files
+    from crafted_checkpoints import load_rng_files as _load_rng_files
     from megatron_jreg.errors import CheckpointError
 
     path = tmp_path / "iter_0000002"

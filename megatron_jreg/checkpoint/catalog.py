@@ -1,0 +1,191 @@
+"""The one catalog of a save directory: which iterations are whole, which to read, what a
+killed save left. Every reader and the writer ask it; nothing else decides wholeness.
+
+An iteration is whole when its directory holds our completion marker (a save of ours), or,
+holding none of our files, dist-checkpointing's last files (another megatron-core program:
+Megatron-LM). A save killed after its marker, in its renames, left its whole copy under a
+temporary name (interrupted.py): readers read that copy where it is (they hold no lock and
+never rename), the next writer renames it. The tracker names the latest save; without one
+(a kill before its update, a copy by hand) the newest whole iteration is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+from typing import Dict, List, Optional, Tuple
+
+from megatron_jreg.checkpoint import faults
+from megatron_jreg.checkpoint.interrupted import COMPLETE, MARKED_SUFFIXES, left_whole_of
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "jreg_manifest.json"
+RUN_CONFIG = "run_config.yaml"
+TOKENIZER_DIR = "tokenizer"  # a Hugging Face tokenizer's files, carried with the weights
+RNG_FILES_DIR = "rng"  # earlier versions' per-rank random state files
+OWN_FILES = (COMPLETE, MANIFEST, RUN_CONFIG, RNG_FILES_DIR)  # any of them: a save of ours
+# what dist-checkpointing writes of every save, metadata.json last
+DIST_CKPT_FILES = (".metadata", "common.pt", "metadata.json")
+TRACKER_BYTES = 64
+
+
+def iteration_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _iteration_of(name: str) -> Optional[int]:
+    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
+def torn_reason(names: set) -> Optional[str]:
+    """None when an iteration directory holding file ``names`` is whole, else what is
+    missing: our completion marker (a save of ours), or dist-checkpointing's last files."""
+    if COMPLETE in names:
+        return None
+    if any(n in names for n in OWN_FILES):
+        return f"no {COMPLETE}"
+    absent = [n for n in DIST_CKPT_FILES if n not in names]
+    return f"no {', '.join(absent)}" if absent else None
+
+
+def _listing(path: str) -> set:
+    try:
+        return set(os.listdir(path))
+    except OSError:
+        return set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """One whole iteration to read: its number and directory (iter_N, or the whole copy a
+    save killed in its renames left), and the note to print when it is such a copy."""
+
+    root: str
+    iteration: int
+    path: str
+    note: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Catalog:
+    """A save directory scanned once (:func:`scan`)."""
+
+    root: str
+    exists: bool
+    is_file: bool
+    whole_dirs: Tuple[int, ...]  # iterations whose iter_N directory is whole
+    whole: Tuple[int, ...]  # iterations readable (iter_N whole, or a left whole copy), ascending
+    torn: Dict[int, str]  # iter_N directories that are not whole: what they miss
+    left_whole: Dict[int, str]  # iteration -> a whole copy a killed save left (the writer renames)
+    leftovers: Tuple[str, ...]  # partials, replaced copies and tracker temp files to clear
+    tracker: Optional[str]  # the tracker's text (stripped), None without one
+    held: Tuple[str, ...]  # the tracker and every iter_N name (whole or not), sorted
+    own_iteration: Optional[int]  # root is itself a whole iteration directory (its number)
+
+    @property
+    def holds_checkpoint(self) -> bool:
+        """A run that names this directory resumes from it (a tracker or a whole iteration)."""
+        return self.tracker is not None or bool(self.whole)
+
+    def newest(self) -> Optional[int]:
+        return self.whole[-1] if self.whole else None
+
+    def read_aside(self, iteration: int) -> Optional[str]:
+        """The name readers read ``iteration`` under when ``iter_N`` is not whole: the
+        whole copy a killed save left; None to read ``iter_N``."""
+        return None if iteration in self.whole_dirs else self.left_whole.get(iteration)
+
+    def path_of(self, iteration: int) -> str:
+        return os.path.join(self.root, self.read_aside(iteration) or iteration_name(iteration))
+
+    def resolve(self, iteration: Optional[int] = None) -> Ref:
+        """The iteration to read: ``iteration``, else the tracker's, else the newest whole
+        one; raises a fault (faults.py) when it is not there or not whole."""
+        if not self.exists:
+            raise faults.NoDirectory(root=self.root, is_file=self.is_file)
+        if iteration is None:
+            if self.tracker is None:
+                if self.own_iteration is not None:
+                    raise faults.IterationDirectoryGiven(root=self.root, iteration=self.own_iteration)
+                if not self.whole:
+                    raise faults.NoCheckpoint(root=self.root)
+                return self._ref(self.whole[-1], f"{self.root}: no {TRACKER}; using the newest "
+                                                 f"whole iteration {self.whole[-1]}")
+            if not self.tracker.isdigit():
+                raise faults.TrackerUnreadable(tracker=os.path.join(self.root, TRACKER),
+                                               text=self.tracker[:20])
+            iteration = int(self.tracker)
+        if iteration in self.torn and self.read_aside(iteration) is None:
+            raise faults.TornIteration(path=os.path.join(self.root, iteration_name(iteration)),
+                                       reason=self.torn[iteration],
+                                       earlier=faults.whole_before(list(self.whole), iteration))
+        if iteration not in self.whole:
+            raise faults.IterationAbsent(root=self.root, iteration=iteration,
+                                         whole=list(self.whole))
+        return self._ref(iteration)
+
+    def _ref(self, iteration: int, note: Optional[str] = None) -> Ref:
+        left = self.read_aside(iteration)
+        if left is not None:
+            note = (f"{self.root}: iteration {iteration} is read from {left}, the whole copy a "
+                    f"save killed in its renames left (the next training run with --save "
+                    f"{self.root} renames it to {iteration_name(iteration)})")
+        return Ref(self.root, iteration, self.path_of(iteration), note)
+
+    def later_than(self, iteration: int) -> List[int]:
+        return [i for i in self.whole if i > iteration]
+
+
+def read_tracker(path: str) -> str:
+    """The tracker file's first bytes as text, read only from a regular file (a FIFO or
+    device there is read as garbage, never waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "(not a regular file)"
+        raw = os.read(fd, TRACKER_BYTES)
+    finally:
+        os.close(fd)
+    return raw.decode("ascii", errors="replace").strip()
+
+
+def scan(root: str) -> Catalog:
+    """``root`` listed once: its iterations, their wholeness, leftovers and tracker."""
+    exists, is_file = os.path.isdir(root), os.path.exists(root) and not os.path.isdir(root)
+    names = _listing(root) if exists else set()
+    whole, torn, leftovers, held = [], {}, [], []
+    for name in names:
+        iteration = _iteration_of(name)
+        path = os.path.join(root, name)
+        if iteration is not None and os.path.isdir(path):
+            held.append(name)
+            reason = torn_reason(_listing(path))
+            if reason is None:
+                whole.append(iteration)
+            else:
+                torn[iteration] = reason
+        elif name.startswith("iter_") and name.split(".")[1:2] and \
+                name.split(".", 1)[1].startswith(MARKED_SUFFIXES):
+            leftovers.append(name)
+        elif name.startswith(TRACKER + ".tmp"):
+            leftovers.append(name)
+    left = left_whole_of(root, names, set(whole) | set(torn))
+    tracker = read_tracker(os.path.join(root, TRACKER)) if TRACKER in names else None
+    if tracker is not None:
+        held.append(TRACKER)
+    base = os.path.basename(os.path.normpath(root))
+    own = _iteration_of(base)
+    own = own if own is not None and exists and torn_reason(names) is None else None
+    return Catalog(root=root, exists=exists, is_file=is_file, whole_dirs=tuple(sorted(whole)),
+                   whole=tuple(sorted(set(whole) | set(left))), torn=torn, left_whole=left,
+                   leftovers=tuple(sorted(leftovers)), tracker=tracker, held=tuple(sorted(held)),
+                   own_iteration=own)
+
+
+def resolve(root: str, iteration: Optional[int] = None) -> Ref:
+    """``scan(root).resolve(iteration)``."""
+    return scan(root).resolve(iteration)

@@ -1,0 +1,292 @@
+"""The one trusted open of an iteration directory, and the only reader of its files.
+
+:func:`open_iteration` checks, before anything is unpickled:
+
+- every entry of the directory is a regular file or a directory, or a link to one inside
+  it (a FIFO, device, socket or link out of it is refused: nothing waits on a writer or
+  reads another run's files);
+- ``.metadata`` and ``common.pt`` are each read once, into memory, from a descriptor that
+  is a regular file, compared with the manifest's size and CRC-32, and unpickled from those
+  bytes under their allow-lists (safe_pickle.py); every storage file ``.metadata`` names is
+  a plain name of a regular file in the directory (no ``..``, no absolute path).
+
+The handle (:class:`Opened`) then serves the common state, the tensors' metadata, the
+earlier versions' random state files, and :meth:`Opened.load`: megatron-core's load, given
+the metadata and common state already read (no second read of either file, nothing read
+but what was checked), after the shards' checksums (collective) and the pickled entries in
+them are checked. This module alone imports dist-checkpointing's and torch DCP's readers
+(``tests/test_package_structure.py``); megatron-core is imported only when a load needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import io
+import os
+import pathlib
+import stat
+import sys
+import types
+import zlib
+from typing import Dict, Optional, Set
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+from megatron_jreg.checkpoint import manifest, safe_pickle
+from megatron_jreg.checkpoint.catalog import Ref
+from megatron_jreg.checkpoint.faults import DamagedFile, UnsafeCheckpoint
+from megatron_jreg.checkpoint.notes import report_once
+
+METADATA_FILE, COMMON_FILE = ".metadata", "common.pt"
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a link"}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _inside(path: str, directory: str) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(directory)
+    return real == top or real.startswith(top + os.sep)
+
+
+def open_regular(file: str, directory: str) -> io.BufferedReader:
+    """``file`` opened for reading, refused unless it lies in ``directory`` (links
+    resolved) and the descriptor opened is a regular file; opening never blocks."""
+    if not _inside(file, directory):
+        raise UnsafeCheckpoint(file, f"it leads out of {directory}")
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise DamagedFile(path=directory, checksum=False,
+                          detail=f"cannot open {file} ({err.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UnsafeCheckpoint(file, f"it is {_kind(mode)}, not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def check_tree(directory: str) -> Set[str]:
+    """The relative names of ``directory``'s files, each a regular file or a link to one
+    inside it; raises UnsafeCheckpoint for anything else."""
+    found, stack = set(), [directory]
+    while stack:
+        here = stack.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    if not _inside(entry.path, directory):
+                        raise UnsafeCheckpoint(entry.path, f"it is a link out of {directory}")
+                    try:
+                        mode = os.stat(entry.path).st_mode
+                    except OSError:
+                        raise UnsafeCheckpoint(entry.path, "it is a broken link") from None
+                    if stat.S_ISDIR(mode):
+                        raise UnsafeCheckpoint(entry.path, "it is a link to a directory")
+                if stat.S_ISDIR(mode):
+                    stack.append(entry.path)
+                elif stat.S_ISREG(mode):
+                    found.add(os.path.relpath(entry.path, directory))
+                else:
+                    raise UnsafeCheckpoint(entry.path, f"it is {_kind(mode)}, not a regular file")
+    return found
+
+
+class _ConfinedFileSystem(FileSystem):
+    """torch DCP's file system, opening only regular files inside the iteration."""
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self.directory = directory
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            raise UnsafeCheckpoint(str(path), "a load asked to write it")
+        with open_regular(str(path), self.directory) as stream:
+            yield stream
+
+
+class _CheckedReader(FileSystemReader):
+    """torch DCP's reader over the metadata already read and checked."""
+
+    def __init__(self, directory: str, metadata):
+        super().__init__(directory)
+        self.fs = _ConfinedFileSystem(directory)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        return self._metadata
+
+
+def _common_from_memory(common: Dict):
+    """megatron-core's common strategy, answering with the common state already read."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class CommonFromMemory(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return copy.deepcopy(common)
+
+    return CommonFromMemory()
+
+
+class Opened:
+    """An iteration directory checked by :func:`open_iteration`."""
+
+    def __init__(self, ref: Ref, files: Set[str], metadata, common: Dict, entries: Dict):
+        self.ref, self.path, self.files = ref, ref.path, files
+        self.metadata, self.common = metadata, common
+        self._entries = entries  # the manifest's entries (empty: none, or not verified)
+        self._shards_checked = False
+
+    def shapes(self) -> Dict[str, tuple]:
+        """{key: global shape} of every tensor saved (read from the metadata in memory)."""
+        return {k: tuple(v.size) for k, v in self.metadata.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata)}
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """megatron-core's torch strategy reading through :class:`_CheckedReader`."""
+        from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+        original = mcore_torch._get_filesystem_reader
+        mcore_torch._get_filesystem_reader = lambda d, cache_metadata=False: _CheckedReader(
+            self.path, copy.deepcopy(self.metadata))
+        try:
+            yield
+        finally:
+            mcore_torch._get_filesystem_reader = original
+
+    def entries(self) -> Dict[str, Optional[tuple]]:
+        """{key: global shape} of each saved tensor, {unique key: None} of each sharded
+        object (megatron-core's keys: ``KEY/shard_OFFSET_SHAPE``)."""
+        shapes = self.shapes()
+        return {k: shapes.get(k) for k in self.metadata.state_dict_metadata}
+
+    def content_metadata(self) -> Dict:
+        return dict(self.common.get("content_metadata") or {})
+
+    def read_text(self, name: str) -> Optional[str]:
+        if name not in self.files:
+            return None
+        with open_regular(os.path.join(self.path, name), self.path) as f:
+            return f.read().decode("utf-8", errors="replace")
+
+    def read_torch(self, name: str, what: str):
+        """A torch file of the directory (an earlier version's random state), read as data."""
+        file = os.path.join(self.path, name)
+        with open_regular(file, self.path) as f:
+            data = f.read()
+        return safe_pickle.load_torch_file(io.BytesIO(data), file, what)
+
+    def check_shards(self, verify: bool) -> None:
+        """Collective: the shards' checksums (``verify``) and every pickled entry in them."""
+        if self._shards_checked:
+            return
+        if verify and self._entries:
+            problem = manifest.verify_files(self.path, self._entries,
+                                            skip=(METADATA_FILE, COMMON_FILE), opener=open_regular)
+            if problem:
+                raise DamagedFile(path=self.path, checksum=True, detail=problem)
+        safe_pickle.check_byte_entries(self.path, self.metadata,
+                                       lambda f: open_regular(f, self.path))
+        self._shards_checked = True
+
+    def load(self, state: Dict, fully_parallel_group=None) -> Dict:
+        """megatron-core's load of ``state`` from this directory (collective); with
+        ``fully_parallel_group``, each tensor several data-parallel ranks need is read by
+        one of them and sent to the others."""
+        from megatron.core.dist_checkpointing import load as mcore_load
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_load_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
+
+        with self._reading():
+            strategy = get_default_load_sharded_strategy(self.path)
+            if fully_parallel_group is not None:
+                strategy = FullyParallelLoadStrategyWrapper(strategy, fully_parallel_group)
+            return mcore_load(state, self.path, strategy, _common_from_memory(self.common))
+
+
+def _read_checked(path: str, name: str, entries: Dict) -> Optional[bytes]:
+    """File ``name`` of ``path`` read once, compared with its manifest entry; None when
+    the directory has no such file."""
+    file = os.path.join(path, name)
+    if not os.path.lexists(file):
+        return None
+    with open_regular(file, path) as f:
+        data = f.read()
+    entry = entries.get(name)
+    if entry is not None and (len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]):
+        why = (f"{file} has {len(data)} bytes, the manifest {entry['size']}"
+               if len(data) != entry["size"] else f"{file} changed since it was saved (CRC-32 mismatch)")
+        raise DamagedFile(path=path, checksum=True, detail=why)
+    return data
+
+
+def _read_common(file: str, data: bytes) -> Dict:
+    """The common state from ``data``: our args are a SimpleNamespace of plain values;
+    Megatron-LM's hold argparse's Namespace and megatron-core's enums, which megatron-core's
+    allow-list (registered at its import, done here) admits."""
+    torch.serialization.add_safe_globals([types.SimpleNamespace, pathlib.PosixPath])
+    what = "megatron-core's common state (common.pt)"
+    try:
+        try:
+            state = safe_pickle.load_torch_file(io.BytesIO(data), file, what)
+        except UnsafeCheckpoint:
+            if "megatron.core" in sys.modules:
+                raise
+            importlib.import_module("megatron.core")  # registers its allow-list
+            state = safe_pickle.load_torch_file(io.BytesIO(data), file, what)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as err:
+        raise safe_pickle.damaged(file, err) from None
+    if not isinstance(state, dict):
+        raise DamagedFile(path=os.path.dirname(file), checksum=False,
+                          detail=f"{file} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def _check_storage_names(path: str, metadata, files: Set[str]) -> None:
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or os.path.isabs(name) or os.sep in name or name in (".", ".."):
+            raise UnsafeCheckpoint(os.path.join(path, METADATA_FILE),
+                                   f"it names the storage file {name!r}, outside the directory")
+        if name not in files:
+            raise DamagedFile(path=path, checksum=False,
+                              detail=f"{os.path.join(path, name)} is missing")
+
+
+def open_iteration(ref: Ref, verify: bool = True) -> Opened:
+    """Check and open iteration ``ref`` (catalog.py); not collective."""
+    path = ref.path
+    files = check_tree(path)
+    entries = manifest.read_entries(path) if verify else {}
+    meta_bytes = _read_checked(path, METADATA_FILE, entries)
+    if meta_bytes is None:
+        raise DamagedFile(path=path, checksum=False, detail=f"{path} holds no {METADATA_FILE}")
+    metadata = safe_pickle.read_metadata(io.BytesIO(meta_bytes), os.path.join(path, METADATA_FILE))
+    _check_storage_names(path, metadata, files)
+    common_bytes = _read_checked(path, COMMON_FILE, entries)
+    if common_bytes is None:
+        raise DamagedFile(path=path, checksum=False, detail=f"{path} holds no {COMMON_FILE}")
+    common = _read_common(os.path.join(path, COMMON_FILE), common_bytes)
+    if ref.note:
+        report_once(ref.note)
+    return Opened(ref, files, metadata, common, entries)

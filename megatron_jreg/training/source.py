@@ -1,0 +1,99 @@
+"""What a run starts from, each made once before the run is resolved: the checkpoint it
+loads (chosen and read once) and its tokenizer.
+
+The checkpoint:
+
+``--load`` when it holds a checkpoint (a resumed run, also one begun from
+``--pretrained-checkpoint``: a requeued fine-tuning job continues exactly); else
+``--pretrained-checkpoint``, weights only. ``--finetune`` without ``--pretrained-checkpoint``
+loads ``--load``'s weights only (Megatron-LM's meaning). The choice and the read (catalog,
+trusted open, descriptor: ``checkpoint.formats.read``) happen once per process, at parse
+time under ``--use-checkpoint-args`` or when the plan is made; everything after reads the
+frozen :class:`StartingPoint`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron_jreg.checkpoint import catalog, formats
+from megatron_jreg.checkpoint.faults import CheckpointFault, Wording
+from megatron_jreg.config.resolve import NULL_TOKENIZER, model_vocab
+from megatron_jreg.data.tokenizers.build import build_tokenizer
+from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Which directory a run loads, before anything in it is read."""
+
+    flag: str  # --load or --pretrained-checkpoint
+    root: str
+    step: Optional[int]
+    weights_only: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StartingPoint:
+    """A :class:`Choice` read: the iteration found, opened and described."""
+
+    choice: Choice
+    source: formats.Source
+
+    @property
+    def flag(self) -> str:
+        return self.choice.flag
+
+    @property
+    def root(self) -> str:
+        return self.choice.root
+
+    @property
+    def weights_only(self) -> bool:
+        return self.choice.weights_only
+
+
+def choose(c) -> Optional[Choice]:
+    """The directory the checkpoint section ``c`` loads, or None (a run from scratch)."""
+    if c.load and (not c.pretrained_checkpoint or catalog.scan(c.load).holds_checkpoint):
+        return Choice("--load", c.load, c.ckpt_step, bool(c.finetune and not c.pretrained_checkpoint))
+    if c.pretrained_checkpoint:
+        return Choice("--pretrained-checkpoint", c.pretrained_checkpoint, None, True)
+    return None
+
+
+def read(choice: Choice, verify: bool) -> StartingPoint:
+    """``choice`` read through the checkpoint pipeline; a fault is phrased with the
+    trainer's flag for that directory."""
+    try:
+        return StartingPoint(choice, formats.read(choice.root, choice.step, verify=verify))
+    except CheckpointFault as fault:
+        raise fault.reword(Wording(root=choice.flag))
+
+
+def starting_point(c, already: Optional[StartingPoint] = None) -> Optional[StartingPoint]:
+    """The run's starting point: ``already`` (read at parse time) when it is the one
+    ``c`` chooses, else read now."""
+    choice = choose(c)
+    if choice is None:
+        return None
+    if already is not None and already.choice == choice:
+        return already
+    return read(choice, verify=not c.no_verify_checkpoint)
+
+
+def run_tokenizer(data, model):
+    """The run's tokenizer, from the data and model settings as given (before the run is
+    resolved), and the model settings as the checks read them (a new object when they
+    change: NullTokenizer's vocabulary counts its end-of-document id)."""
+    if data.tokenizer_type not in MEGATRON_LM_TOKENIZERS:
+        return build_tokenizer(data.tokenizer_type, data.tokenizer_model), model
+    tokenizer = build_megatron_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                                         model.vocab_size, data.vocab_file, data.merge_file)
+    if data.tokenizer_type == NULL_TOKENIZER:
+        # --vocab-size counts the ids before the end-of-document id (Megatron-LM's rule);
+        # the settings say so before they are checked and resolved
+        vocab = model_vocab(model.vocab_size, data.tokenizer_type, tokenizer.vocab_size)
+        model = dataclasses.replace(model, vocab_size=vocab)
+    return tokenizer, model
