@@ -25,9 +25,8 @@ from trainer_runs import base_args, read_metrics, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 from megatron_jreg.checkpoint.manifest import MANIFEST, verify_manifest
-from megatron_jreg.checkpoint.run_configs import checkpoint_iterations
+from megatron_jreg.checkpoint.run_configs import checkpoint_sources
 from megatron_jreg.commands.train import from_argv
-from megatron_jreg.errors import InputError
 
 COMMON = dict(train_iters=6, save_interval=2, lr_decay_iters=6)
 
@@ -186,24 +185,24 @@ def test_a_save_killed_between_its_renames_is_finished(demo_data, runs, tmp_path
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in full[4:]]
 
 
-def test_a_tool_names_the_whole_copy_and_the_rename(runs, tmp_path):
-    """Readers do not rename (they hold no lock); the error leads to the copy, not to
-    deleting it."""
+def test_a_tool_reads_the_whole_copy_as_the_trainer_does(runs, tmp_path, capsys):
+    """Was: eval_jump refused the directory and asked for a rename while the trainer read
+    the whole copy. Readers do not rename (they hold no lock): every reader reads the copy
+    where it is and says so in one line, without deleting anything."""
     ckpt = _killed_between_renames(runs, tmp_path)
-    with pytest.raises(InputError) as err:
-        checkpoint_iterations(str(ckpt), iteration=4)
-    message = str(err.value)
-    assert f"its whole copy is {ckpt / 'iter_0000004.partial-y'}: rename it to iter_0000004" in message
-    assert "delete" not in message and "remove" not in message
-    # the interrupted save's copy is the directory's only whole iteration: the same lead,
-    # not "not a checkpoint directory"
+    copy = ckpt / "iter_0000004.partial-y"
+    (source,) = checkpoint_sources(str(ckpt), iteration=4)
+    assert source.path == str(copy) and source.iteration == 4
+    assert f"iteration 4 is read from {copy.name}" in capsys.readouterr().out
+    # the interrupted save's copy is the directory's only whole iteration (and no tracker):
+    # still read
     for name in os.listdir(ckpt):
         if name.startswith("iter_") and name[5:].isdigit():
             shutil.rmtree(ckpt / name)
-    with pytest.raises(InputError) as err:
-        checkpoint_iterations(str(ckpt))
-    assert f"its whole copy is {ckpt / 'iter_0000004.partial-y'}: rename it to iter_0000004" \
-        in str(err.value)
+    os.remove(ckpt / TRACKER)
+    (source,) = checkpoint_sources(str(ckpt))
+    assert source.path == str(copy)
+    assert copy.is_dir()
 
 
 # ---- a resume names the --pretrained-checkpoint its run began from --------------------------
