@@ -211,3 +211,54 @@ def test_every_command_refuses_in_one_line(checkpoint, other, tmp_path, kind, co
         assert not (tmp_path / output).exists()
     assert os.path.basename(file) in os.listdir(path)  # nothing of the checkpoint removed
     assert stat.S_ISDIR(os.stat(path).st_mode)
+
+
+# the readers of a checkpoint's files that megatron-core and torch DCP offer
+READERS = {"load", "load_common_state_dict", "load_sharded_metadata", "load_tensors_metadata",
+           "load_content_metadata", "load_plain_tensors", "get_default_load_sharded_strategy",
+           "FileSystemReader", "CachedMetadataFileSystemReader", "TorchCommonLoadStrategy",
+           "FullyParallelLoadStrategyWrapper", "TorchDistLoadShardedStrategy", "load_state_dict",
+           "read_metadata"}
+READER_MODULES = ("megatron.core.dist_checkpointing", "torch.distributed.checkpoint")
+
+
+def _reader_uses(source: str):
+    """(line, what) of each import of a reader from those modules, and each
+    ``dist_checkpointing.<reader>`` attribute use, in Python ``source``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(READER_MODULES):
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
+                      if a.name in READERS or a.name in ("torch", "dist_checkpointing")]
+        elif isinstance(node, ast.Attribute) and node.attr in READERS and \
+                isinstance(node.value, ast.Name) and node.value.id in ("dist_checkpointing", "dcp"):
+            found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+    return found
+
+
+def test_only_the_trusted_open_imports_a_checkpoint_reader():
+    """Read from the source: megatron-core's and torch DCP's readers are imported by
+    checkpoint/trusted.py alone (safe_pickle.py reads the allow-listed entries with DCP's
+    file view, no reader)."""
+    package = os.path.join(REPO, "megatron_jreg")
+    offenders = []
+    for base, _, files in os.walk(package):
+        for name in files:
+            path = os.path.join(base, name)
+            if not name.endswith(".py") or path.endswith(os.path.join("checkpoint", "trusted.py")):
+                continue
+            for line, what in _reader_uses(open(path).read()):
+                offenders.append(f"{os.path.relpath(path, REPO)}:{line}: {what}")
+    assert offenders == []
+
+
+def test_the_reader_scan_finds_one():
+    planted = ("from megatron.core.dist_checkpointing import load_common_state_dict\n"
+               "from megatron.core import dist_checkpointing\n"
+               "x = dist_checkpointing.load(1, 2)\n"
+               "from torch.distributed.checkpoint import FileSystemReader\n")
+    assert sorted(w for _, w in _reader_uses(planted)) == [
+        "dist_checkpointing.load", "megatron.core.dist_checkpointing.load_common_state_dict",
+        "torch.distributed.checkpoint.FileSystemReader"]
