@@ -110,6 +110,7 @@ def measure(args) -> dict:
 
     from megatron_jreg.checkpoint.async_save import AsyncSaver
     from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir, save_checkpoint
+    from megatron_jreg.checkpoint import formats
     from megatron_jreg.checkpoint.loading import load_checkpoint
     from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
     from megatron_jreg.config.run import OptimConfig
@@ -185,7 +186,7 @@ def measure(args) -> dict:
                             for p in c.parameters():
                                 p.zero_()
                     _, loads[parallel] = _timed(lambda: load_checkpoint(
-                        target, None, chunks, optimizer, fully_parallel=parallel))
+                        formats.read(target), chunks, optimizer, fully_parallel=parallel))
                     back = [p for c in chunks for p in c.parameters()]
                     if not all(torch.equal(a, b) for a, b in zip(back, saved)):
                         raise SystemExit(f"{kind} {fmt}: the loaded weights differ from the saved")

@@ -61,7 +61,7 @@ class NoDirectory(CheckpointFault):
         if self.is_file:
             return (f"{w.root} {self.root!r} is a file, not a checkpoint directory; pass the "
                     "directory the run saved into (its --save)")
-        return f"{w.root} {self.root!r} does not exist"
+        return f"{w.root} {self.root!r} does not exist: no such directory; check the path"
 
 
 class IterationDirectoryGiven(CheckpointFault):

@@ -42,7 +42,7 @@ class IterationFormat:
     sharding: Mapping[str, object]  # the content metadata (the optimizer's format)
     saved_layout: Optional[Tuple[int, int]]  # (TP, PP) from Megatron-LM's args
     saved_world: Optional[int]  # ranks that saved it (our completion marker)
-    embedding_rows: int
+    embedding_rows: Optional[int]  # None: no .metadata (a load names it)
     has_run_config: bool
     carried_tokenizer: Optional[str]  # the tokenizer/ directory inside the iteration
 
@@ -110,7 +110,7 @@ def describe(opened: trusted.Opened) -> IterationFormat:
     common, entries = opened.common, opened.entries()
     configs, has_run_config = _configs(opened)
     rows = entries.get(EMBEDDING_KEY)
-    if not rows:
+    if not rows and opened.metadata is not None:
         raise faults.NotAModel(root=opened.ref.root,
                                detail=f"{opened.path} holds no {EMBEDDING_KEY}; not a GPT checkpoint")
     grid = rng_state.saved_grid(entries)
@@ -127,7 +127,7 @@ def describe(opened: trusted.Opened) -> IterationFormat:
         rng="sharded" if grid is not None else "files" if rng_files else "none", rng_grid=grid,
         holds_optimizer="optimizer" in common or any(k.startswith("optimizer.") for k in entries),
         sharding=opened.content_metadata(), saved_layout=_saved_layout(common),
-        saved_world=_saved_world(opened), embedding_rows=int(rows[0]),
+        saved_world=_saved_world(opened), embedding_rows=int(rows[0]) if rows else None,
         has_run_config=has_run_config, carried_tokenizer=_carried(opened))
 
 

@@ -154,3 +154,14 @@ def verify_files(directory: str, entries: Dict[str, Dict], skip=(), opener=None)
     merged = _gather_to_all({str(rank): problems})
     everything = [p for r in sorted(merged, key=int) for p in merged[r]]
     return everything[0] if everything else None
+
+
+def verify_manifest(directory: str) -> Optional[str]:
+    """None when every file the manifest of ``directory`` lists has its recorded size and
+    CRC-32 (collective when distributed), or it has no manifest; else one line naming the
+    first that differs (the benches' and tests' check of a whole directory)."""
+    try:
+        entries = read_entries(directory)
+    except DamagedFile as err:
+        return err.detail
+    return verify_files(directory, entries) if entries else None

@@ -41,6 +41,7 @@ def checkpoint_sources(
 
 def saved_vocab_rows(source: formats.Source) -> int:
     """Rows of the saved embedding: the padded vocabulary the run was built with."""
+    source.opened.require_metadata()
     rows, model_cfg = source.format.embedding_rows, source.format.configs["model"]
     if model_cfg.vocab_size is not None and rows < model_cfg.vocab_size:
         raise InputError(

@@ -150,8 +150,15 @@ class Opened:
         self._entries = entries  # the manifest's entries (empty: none, or not verified)
         self._shards_checked = False
 
+    def require_metadata(self) -> None:
+        if self.metadata is None:
+            raise DamagedFile(path=self.path, checksum=False,
+                              detail=f"{self.path} holds no {METADATA_FILE}")
+
     def shapes(self) -> Dict[str, tuple]:
         """{key: global shape} of every tensor saved (read from the metadata in memory)."""
+        if self.metadata is None:
+            return {}
         return {k: tuple(v.size) for k, v in self.metadata.state_dict_metadata.items()
                 if isinstance(v, TensorStorageMetadata)}
 
@@ -172,7 +179,7 @@ class Opened:
         """{key: global shape} of each saved tensor, {unique key: None} of each sharded
         object (megatron-core's keys: ``KEY/shard_OFFSET_SHAPE``)."""
         shapes = self.shapes()
-        return {k: shapes.get(k) for k in self.metadata.state_dict_metadata}
+        return {k: shapes.get(k) for k in getattr(self.metadata, "state_dict_metadata", {})}
 
     def content_metadata(self) -> Dict:
         return dict(self.common.get("content_metadata") or {})
@@ -192,6 +199,7 @@ class Opened:
 
     def check_shards(self, verify: bool) -> None:
         """Collective: the shards' checksums (``verify``) and every pickled entry in them."""
+        self.require_metadata()
         if self._shards_checked:
             return
         if verify and self._entries:
@@ -278,15 +286,17 @@ def open_iteration(ref: Ref, verify: bool = True) -> Opened:
     path = ref.path
     files = check_tree(path)
     entries = manifest.read_entries(path) if verify else {}
+    # a missing file is named where it is needed (formats.py, the load), after what the
+    # directory holds is described
     meta_bytes = _read_checked(path, METADATA_FILE, entries)
-    if meta_bytes is None:
-        raise DamagedFile(path=path, checksum=False, detail=f"{path} holds no {METADATA_FILE}")
-    metadata = safe_pickle.read_metadata(io.BytesIO(meta_bytes), os.path.join(path, METADATA_FILE))
-    _check_storage_names(path, metadata, files)
+    metadata = None
+    if meta_bytes is not None:
+        metadata = safe_pickle.read_metadata(io.BytesIO(meta_bytes),
+                                             os.path.join(path, METADATA_FILE))
+        _check_storage_names(path, metadata, files)
     common_bytes = _read_checked(path, COMMON_FILE, entries)
-    if common_bytes is None:
-        raise DamagedFile(path=path, checksum=False, detail=f"{path} holds no {COMMON_FILE}")
-    common = _read_common(os.path.join(path, COMMON_FILE), common_bytes)
+    common = {} if common_bytes is None else _read_common(os.path.join(path, COMMON_FILE),
+                                                          common_bytes)
     if ref.note:
         report_once(ref.note)
     return Opened(ref, files, metadata, common, entries)

@@ -134,6 +134,10 @@ class Checkpointer:
         if (self.experiment.optim.scheduler_mode() == "checkpoint"
                 and not (self.cfg.no_load_optim or start.weights_only)):
             schedule = start.source.format.schedule
+        try:
+            start.source.opened.require_metadata()
+        except CheckpointFault as fault:
+            raise fault.reword(Wording(root=start.flag))
         return {"checkpoint": f"{start.flag} {start.root}",
                 "saved_embedding_rows": start.source.format.embedding_rows,
                 "saved_schedule": schedule}

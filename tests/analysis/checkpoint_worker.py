@@ -13,7 +13,6 @@ import sys
 
 import torch
 
-from megatron_jreg.config.yaml_settings import from_yaml_text
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
     initialize_model_parallel,
@@ -22,25 +21,20 @@ from megatron_jreg.distributed.setup import (
 from megatron_jreg.model.builder import build_model, causal_attention_mask
 from megatron_jreg.config.model import JregConfig, ParallelConfig
 from megatron_jreg.model.jreg_layer import JregTracker
-from megatron_jreg.checkpoint.dist_checkpoint import (
-    iteration_dir,
-    read_run_config,
-    resolve_iteration,
-)
+from megatron_jreg.checkpoint import formats
 from megatron_jreg.checkpoint.loading import load_checkpoint
-from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.training.step import forward_backward
 
 
 def reference(root, tokens):
-    path = iteration_dir(root, resolve_iteration(root))
-    configs = from_yaml_text(read_run_config(path), SECTIONS)
+    source = formats.read(root)
+    configs = source.format.configs
     model_cfg, parallel = configs["model"], ParallelConfig()
     initialize_model_parallel(model_cfg, parallel)
     seed_everything(configs["training"].seed)
     tracker = JregTracker(JregConfig(lam=0.0), model_cfg.num_layers)
     chunks = build_model(model_cfg, parallel, tracker)
-    load_checkpoint(root, None, chunks)
+    load_checkpoint(source, chunks)
     for chunk in chunks:
         chunk.eval()
     b, s = tokens.shape

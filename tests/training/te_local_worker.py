@@ -25,7 +25,8 @@ from megatron_lm_shaped import TE_EXTRA_STATE, te_shape  # noqa: E402
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt  # noqa: E402
 from megatron_jreg.checkpoint.loading import load_checkpoint  # noqa: E402
 from megatron_jreg.checkpoint.model_loader import eval_model_config  # noqa: E402
-from megatron_jreg.checkpoint.run_configs import read_run_configs, saved_vocab_rows  # noqa: E402
+from megatron_jreg.checkpoint import formats  # noqa: E402
+from megatron_jreg.checkpoint.run_configs import saved_vocab_rows  # noqa: E402
 from megatron_jreg.config.model import ParallelConfig  # noqa: E402
 from megatron_jreg.distributed.setup import (  # noqa: E402
     initialize_distributed,
@@ -38,9 +39,9 @@ from megatron_jreg.model.builder import build_model, causal_attention_mask  # no
 def main():
     root, out_dir = sys.argv[1:]
     initialize_distributed()
-    path = ckpt.iteration_dir(root, ckpt.resolve_iteration(root))
-    configs = read_run_configs(path)
-    model_cfg = eval_model_config(configs["model"], saved_vocab_rows(path, configs["model"]))
+    source = formats.read(root)
+    configs = source.format.configs
+    model_cfg = eval_model_config(configs["model"], saved_vocab_rows(source))
     parallel = ParallelConfig(tensor_model_parallel_size=dist.get_world_size())
     initialize_model_parallel(model_cfg, parallel)
     tokens = torch.arange(2 * 24).reshape(2, 24) % 200
@@ -53,7 +54,7 @@ def main():
             te_shape(chunks)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            load_checkpoint(source, None, chunks)
+            load_checkpoint(source, chunks)
         chunks[0].eval()
         with torch.no_grad():
             logits = chunks[0](tokens, positions, causal_attention_mask(24))
@@ -63,7 +64,7 @@ def main():
     results = {}
     te_chunks, logits, printed = load(root, te=True)
     results["te_from_local"] = (logits, printed)
-    ckpt.save_checkpoint(out_dir, 4, te_chunks, None, None, ckpt.read_run_config(path),
+    ckpt.save_checkpoint(out_dir, 4, te_chunks, None, None, source.opened.read_text("run_config.yaml"),
                          {"consumed_samples": 0})
     chunks, logits, printed = load(out_dir, te=False)
     results["local_from_te"] = (logits, printed)

@@ -13,7 +13,7 @@ from trainer_runs import REPO, base_args, run_env, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
 from megatron_jreg.checkpoint.megatron_lm_args import sections_from_args
-from megatron_jreg.checkpoint.run_configs import read_run_configs
+from megatron_jreg.checkpoint import formats
 from megatron_jreg.checkpoint.state_keys import compare
 from megatron_jreg.training.checkpoint_args import architecture_differences
 
@@ -41,7 +41,7 @@ def test_checkpoint_carries_what_megatron_lm_reads(demo_data, tmp_path, fully):
     path = iteration_dir(str(save), 2)
     common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 2
-    args, run = common["args"], read_run_configs(path)
+    args, run = common["args"], formats.read(str(save), 2).format.configs
     fields = loader_fields()
     assert len(fields) == 72
     assert [n for n, _ in fields if not hasattr(args, n)] == []
