@@ -24,6 +24,7 @@ from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.errors import (CheckpointError, ConfigError, InputError, os_write_error,
                                   write_error_at)
 from megatron_jreg.training.experiment import ExperimentConfig
+from megatron_jreg.training import source as starting
 from megatron_jreg.training.source import StartingPoint
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
@@ -86,14 +87,14 @@ class Checkpointer:
         self.run_id, self.save_lock = "0", None
         if not self.cfg.save:
             return
-        outcome = [None, None, None]  # error, warning, run id
+        outcome = [None, None, None, False]  # error, warning, run id, a save put back
         if dist.get_rank() == 0:
             lock = SaveLock(self.cfg.save)
             try:
                 outcome[1] = lock.acquire()
                 self.save_lock = lock
                 outcome[2] = lock.run_id
-                cleared = self._clear_stale_saves(lock.run_id)
+                cleared, outcome[3] = self._clear_stale_saves(lock.run_id)
                 outcome[1] = "\n".join(filter(None, [outcome[1], cleared])) or None
             except (ValueError, OSError) as err:
                 outcome[0] = (str(err) if isinstance(err, ValueError)
@@ -104,16 +105,22 @@ class Checkpointer:
         if outcome[1]:
             print_rank_0(outcome[1])
         self.run_id = outcome[2]
+        start = self.start
+        if outcome[3] and start is not None and \
+                os.path.realpath(start.root) == os.path.realpath(self.cfg.save):
+            # a killed save's whole copy was renamed into place: read it where it is now
+            self.start = starting.read(start.choice, verify=not self.cfg.no_verify_checkpoint)
         if self.background is not None:  # its results queue's process: before training
             self.background.start()
 
-    def _clear_stale_saves(self, run_id: str) -> Optional[str]:
+    def _clear_stale_saves(self, run_id: str) -> Tuple[Optional[str], bool]:
         """Holding the lock, no other run writes here: a save killed in its renames is
         finished first (interrupted.py: its whole copy becomes iter_N), then the temporary
         directories and tracker files left by killed runs are removed: partials that never
         got their completion marker and replaced copies of a present iter_N."""
         root = self.cfg.save
         lines = finish_interrupted_saves(root, catalog.scan(root).left_whole, run_id)
+        recovered = bool(lines)
         stale = catalog.scan(root).leftovers
         for name in stale:
             path = os.path.join(root, name)
@@ -121,7 +128,7 @@ class Checkpointer:
         if stale:
             lines.append(f"removed {len(stale)} unfinished save(s) of earlier runs: "
                          f"{', '.join(sorted(stale))}")
-        return "\n".join(lines) or None
+        return "\n".join(lines) or None, recovered
 
     def facts(self) -> dict:
         """What the checkpoint setup loads holds, for ``config.resolve.RunFacts``: its

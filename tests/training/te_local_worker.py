@@ -60,15 +60,15 @@ def main():
             logits = chunks[0](tokens, positions, causal_attention_mask(24))
         return chunks, logits, printed.getvalue()
 
-    _, reference, _ = load(root, te=False)
+    _, reference, _ = load(formats.read(root), te=False)
     results = {}
-    te_chunks, logits, printed = load(root, te=True)
+    te_chunks, logits, printed = load(formats.read(root), te=True)
     results["te_from_local"] = (logits, printed)
     ckpt.save_checkpoint(out_dir, 4, te_chunks, None, None, source.opened.read_text("run_config.yaml"),
                          {"consumed_samples": 0})
-    chunks, logits, printed = load(out_dir, te=False)
+    chunks, logits, printed = load(formats.read(out_dir), te=False)
     results["local_from_te"] = (logits, printed)
-    chunks, logits, printed = load(out_dir, te=True)
+    chunks, logits, printed = load(formats.read(out_dir), te=True)
     extra = [m.loaded_extra_state for m in chunks[0].modules() if hasattr(m, "loaded_extra_state")]
     results["te_from_te"] = (logits, printed)
     report = {}
