@@ -1,8 +1,10 @@
 """Checkpoints: Megatron's directory layout on dist-checkpointing, written and read.
 
-``dist_checkpoint`` saves and loads an iteration (torn saves, trackers, schedules, RNG),
-``manifest`` checks each file's bytes, ``save_lock`` keeps one writer per directory.
-``model_loader.load_model`` opens an iteration as a model at any TP/PP layout for the
-tools (one process is its TP1 PP1 case), and ``to_hf`` writes it as a Hugging Face
-``LlamaForCausalLM`` directory (``tools/convert_to_hf.py``).
+Reading is one pipeline: ``catalog`` (which iterations of a save directory are whole, which
+to read), ``trusted`` (the one open of an iteration and the only reader of its files),
+``formats`` (what kind of iteration it is), ``loading`` (the load). ``dist_checkpoint``
+saves, ``manifest`` checks each file's bytes, ``save_lock`` keeps one writer per directory,
+``faults`` says what went wrong. ``model_loader.load_model`` opens an iteration as a model
+at any TP/PP layout for the tools; ``to_hf`` and ``from_hf`` move models to and from
+Hugging Face (docs/design.md, "Checkpoints as one pipeline").
 """

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import stat
 from typing import Dict, List, Optional, Tuple
 
 from megatron_jreg.checkpoint import faults
+from megatron_jreg.checkpoint.files import open_regular
 from megatron_jreg.checkpoint.interrupted import COMPLETE, MARKED_SUFFIXES, left_whole_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -141,15 +141,12 @@ def read_tracker(path: str) -> str:
     """The tracker file's first bytes as text, read only from a regular file (a FIFO or
     device there is read as garbage, never waited on)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
+        with open_regular(path, os.path.dirname(path)) as f:
+            raw = f.read(TRACKER_BYTES)
+    except faults.UnsafeCheckpoint:
+        return "(not a regular file)"
+    except faults.DamagedFile:  # gone since the listing
         return ""
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return "(not a regular file)"
-        raw = os.read(fd, TRACKER_BYTES)
-    finally:
-        os.close(fd)
     return raw.decode("ascii", errors="replace").strip()
 
 
@@ -168,10 +165,8 @@ def scan(root: str) -> Catalog:
                 whole.append(iteration)
             else:
                 torn[iteration] = reason
-        elif name.startswith("iter_") and name.split(".")[1:2] and \
-                name.split(".", 1)[1].startswith(MARKED_SUFFIXES):
-            leftovers.append(name)
-        elif name.startswith(TRACKER + ".tmp"):
+        elif (name.startswith("iter_") and name.partition(".")[2].startswith(MARKED_SUFFIXES)) \
+                or name.startswith(TRACKER + ".tmp"):
             leftovers.append(name)
     left = left_whole_of(root, names, set(whole) | set(torn))
     tracker = read_tracker(os.path.join(root, TRACKER)) if TRACKER in names else None
@@ -185,7 +180,3 @@ def scan(root: str) -> Catalog:
                    leftovers=tuple(sorted(leftovers)), tracker=tracker, held=tuple(sorted(held)),
                    own_iteration=own)
 
-
-def resolve(root: str, iteration: Optional[int] = None) -> Ref:
-    """``scan(root).resolve(iteration)``."""
-    return scan(root).resolve(iteration)

@@ -78,12 +78,6 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, iteration_name(iteration))
 
 
-def read_run_config(path: str) -> Optional[str]:
-    """The YAML run config saved with iteration directory ``path`` (as written), or None."""
-    file = os.path.join(path, RUN_CONFIG)
-    return open(file, encoding="utf-8").read() if os.path.isfile(file) else None
-
-
 def model_keys(count: int) -> List[str]:
     """The state keys of ``count`` model chunks (Megatron-LM's: ``model``, or ``model0``...)."""
     return ["model"] if count == 1 else [f"model{i}" for i in range(count)]

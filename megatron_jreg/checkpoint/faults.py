@@ -36,6 +36,11 @@ def phrase(err: BaseException, wording: Wording) -> str:
     return str(err)
 
 
+def _skip_rng(w: Wording) -> str:
+    """The way on without the saved random state, where the command has that flag."""
+    return f", or pass {w.skip_rng} to resume without the saved random state" if w.skip_rng else ""
+
+
 class CheckpointFault(CheckpointError):
     """A checkpoint that cannot be used as asked. Subclasses set :meth:`phrase`."""
 
@@ -115,8 +120,7 @@ class DamagedFile(CheckpointFault):
             skip = f" (or pass {w.skip_verify} to load it anyway)" if w.skip_verify else ""
             return (f"checkpoint {self.path} fails its checksum: {self.detail}; load an earlier "
                     f"one with {w.step}{skip}")
-        skip = (f", or pass {w.skip_rng} to resume without the saved random state"
-                if self.facts.get("rng") and w.skip_rng else "")
+        skip = _skip_rng(w) if self.facts.get("rng") else ""
         return f"{self.detail}; the directory is damaged: load an earlier one with {w.step}{skip}"
 
 
@@ -124,8 +128,7 @@ class MissingRngFile(CheckpointFault):
     """An earlier version's per-rank random state file ``file`` is missing."""
 
     def phrase(self, w):
-        skip = (f", or pass {w.skip_rng} to resume without the saved random state"
-                if w.skip_rng else "")
+        skip = _skip_rng(w)
         return (f"{self.file} is missing (saved by {self.world} ranks, as many as now); the "
                 f"directory is damaged: load an earlier one with {w.step}{skip}")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
@@ -23,6 +22,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from megatron_jreg.checkpoint.faults import DamagedFile
+from megatron_jreg.checkpoint.files import open_regular
 
 MANIFEST = "jreg_manifest.json"
 CHUNK = 8 << 20
@@ -81,16 +81,6 @@ def _gather_to_all(local: Dict) -> Dict:
     return merged
 
 
-def open_json(path: str):
-    """A small file of the manifest's kind, opened only as a regular file (never waits)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "r")
-
-
 def write_manifest(directory: str) -> None:
     """Hash every file of ``directory`` (collective when distributed) and write the
     manifest from rank 0. The caller writes the completion marker after this returns."""
@@ -115,7 +105,7 @@ def read_entries(directory: str) -> Dict[str, Dict]:
     if not os.path.lexists(path):
         return {}
     try:
-        with open_json(path) as f:
+        with open_regular(path, directory) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as err:
         raise DamagedFile(path=directory, checksum=True,
@@ -133,6 +123,16 @@ def read_entries(directory: str) -> Dict[str, Dict]:
     return entries
 
 
+def mismatch(file: str, size: int, crc32: Optional[int], entry: Dict) -> Optional[str]:
+    """What differs between ``file`` (``size`` bytes, ``crc32``: None when not hashed) and
+    its manifest ``entry``, in one line; None when nothing does."""
+    if size != entry["size"]:
+        return f"{file} has {size} bytes, the manifest {entry['size']}"
+    if crc32 != entry["crc32"]:
+        return f"{file} changed since it was saved (CRC-32 mismatch)"
+    return None
+
+
 def verify_files(directory: str, entries: Dict[str, Dict], skip=(), opener=None) -> Optional[str]:
     """None when every file of ``entries`` but ``skip`` has its recorded size and CRC-32
     (collective when distributed: each rank hashes its share); else one line naming the
@@ -147,10 +147,10 @@ def verify_files(directory: str, entries: Dict[str, Dict], skip=(), opener=None)
     actual = _hash_share(directory, same_size, opener=opener)
     for n in present:
         full = os.path.join(directory, n)
-        if n not in actual:
-            problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest {entries[n]['size']}")
-        elif actual[n]["crc32"] != entries[n]["crc32"]:
-            problems.append(f"{full} changed since it was saved (CRC-32 mismatch)")
+        got = actual.get(n) or {"size": os.path.getsize(full), "crc32": None}
+        why = mismatch(full, got["size"], got["crc32"], entries[n])
+        if why:
+            problems.append(why)
     merged = _gather_to_all({str(rank): problems})
     everything = [p for r in sorted(merged, key=int) for p in merged[r]]
     return everything[0] if everything else None

@@ -39,40 +39,10 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from megatron_jreg.checkpoint import manifest, safe_pickle
 from megatron_jreg.checkpoint.catalog import Ref
 from megatron_jreg.checkpoint.faults import DamagedFile, UnsafeCheckpoint
+from megatron_jreg.checkpoint.files import inside, kind_of, open_regular
 from megatron_jreg.checkpoint.notes import report_once
 
 METADATA_FILE, COMMON_FILE = ".metadata", "common.pt"
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a link"}
-
-
-def _kind(mode: int) -> str:
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-
-
-def _inside(path: str, directory: str) -> bool:
-    real, top = os.path.realpath(path), os.path.realpath(directory)
-    return real == top or real.startswith(top + os.sep)
-
-
-def open_regular(file: str, directory: str) -> io.BufferedReader:
-    """``file`` opened for reading, refused unless it lies in ``directory`` (links
-    resolved) and the descriptor opened is a regular file; opening never blocks."""
-    if not _inside(file, directory):
-        raise UnsafeCheckpoint(file, f"it leads out of {directory}")
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise DamagedFile(path=directory, checksum=False,
-                          detail=f"cannot open {file} ({err.strerror})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise UnsafeCheckpoint(file, f"it is {_kind(mode)}, not a regular file")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
 def check_tree(directory: str) -> Set[str]:
     """The relative names of ``directory``'s files, each a regular file or a link to one
     inside it; raises UnsafeCheckpoint for anything else."""
@@ -83,7 +53,7 @@ def check_tree(directory: str) -> Set[str]:
             for entry in entries:
                 mode = entry.stat(follow_symlinks=False).st_mode
                 if stat.S_ISLNK(mode):
-                    if not _inside(entry.path, directory):
+                    if not inside(entry.path, directory):
                         raise UnsafeCheckpoint(entry.path, f"it is a link out of {directory}")
                     try:
                         mode = os.stat(entry.path).st_mode
@@ -96,7 +66,7 @@ def check_tree(directory: str) -> Set[str]:
                 elif stat.S_ISREG(mode):
                     found.add(os.path.relpath(entry.path, directory))
                 else:
-                    raise UnsafeCheckpoint(entry.path, f"it is {_kind(mode)}, not a regular file")
+                    raise UnsafeCheckpoint(entry.path, f"it is {kind_of(mode)}, not a regular file")
     return found
 
 
@@ -239,9 +209,8 @@ def _read_checked(path: str, name: str, entries: Dict) -> Optional[bytes]:
     with open_regular(file, path) as f:
         data = f.read()
     entry = entries.get(name)
-    if entry is not None and (len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]):
-        why = (f"{file} has {len(data)} bytes, the manifest {entry['size']}"
-               if len(data) != entry["size"] else f"{file} changed since it was saved (CRC-32 mismatch)")
+    why = entry and manifest.mismatch(file, len(data), zlib.crc32(data), entry)
+    if why:
         raise DamagedFile(path=path, checksum=True, detail=why)
     return data
 

@@ -32,6 +32,7 @@ from megatron_jreg.config.run import (
     TrainingConfig,
 )
 from megatron_jreg.training.checkpoint_args import missing_directory
+from megatron_jreg.training.source import choose
 from megatron_jreg.config.megatron_lm import MegatronLMConfig
 from megatron_jreg.data.datasets.sft import SFTDataset
 
@@ -291,11 +292,11 @@ class ExperimentConfig:
     def _restart_from_save(self, found: catalog.Catalog) -> Optional[str]:
         """Why a run whose --load is its --save starts at iteration 0 instead of continuing
         the checkpoint there (the words of the refusal), or None when it continues it. The
-        same choice as Checkpointer.source: --load when it holds a checkpoint, else
+        run's own choice (training.source.choose): --load when it holds a checkpoint, else
         --pretrained-checkpoint; --finetune without --pretrained-checkpoint and
         --no-load-optim take --load's weights only."""
         c = self.checkpoint
-        if c.pretrained_checkpoint and not found.holds_checkpoint:
+        if choose(c, found).flag == "--pretrained-checkpoint":
             return (f"starts at iteration 0 from --pretrained-checkpoint "
                     f"{c.pretrained_checkpoint} (--load holds no whole checkpoint to continue)")
         if c.finetune and not c.pretrained_checkpoint:

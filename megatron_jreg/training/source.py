@@ -54,9 +54,11 @@ class StartingPoint:
         return self.choice.weights_only
 
 
-def choose(c) -> Optional[Choice]:
-    """The directory the checkpoint section ``c`` loads, or None (a run from scratch)."""
-    if c.load and (not c.pretrained_checkpoint or catalog.scan(c.load).holds_checkpoint):
+def choose(c, load_catalog: Optional[catalog.Catalog] = None) -> Optional[Choice]:
+    """The directory the checkpoint section ``c`` loads, or None (a run from scratch);
+    ``load_catalog``: ``--load``'s scan when the caller has one."""
+    if c.load and (not c.pretrained_checkpoint
+                   or (load_catalog or catalog.scan(c.load)).holds_checkpoint):
         return Choice("--load", c.load, c.ckpt_step, bool(c.finetune and not c.pretrained_checkpoint))
     if c.pretrained_checkpoint:
         return Choice("--pretrained-checkpoint", c.pretrained_checkpoint, None, True)

@@ -5,12 +5,13 @@ its checkpoint's schedule and embedding rows."""
 from trainer_runs import base_args, train
 
 from megatron_jreg.commands.train import from_argv
-from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir, read_run_config
+from megatron_jreg.checkpoint import formats
 from megatron_jreg.config.resolve import RunFacts, resolve
 from megatron_jreg.data.tokenizers.build import build_tokenizer, tokenizer_identity
 from megatron_jreg.config.model import resolve_transformer_impl
 from megatron_jreg.training.checkpointing import Checkpointer
 from megatron_jreg.training.experiment import ExperimentConfig
+from megatron_jreg.training.source import starting_point
 
 
 def resolved(argv):
@@ -20,7 +21,7 @@ def resolved(argv):
     facts = RunFacts(tokenizer_vocab_size=tokenizer.vocab_size,
                      tokenizer_identity=tokenizer_identity(tokenizer),
                      transformer_impl=resolve_transformer_impl(raw.model.transformer_impl)[0],
-                     **Checkpointer(raw).facts())
+                     **Checkpointer(raw, starting_point(raw.checkpoint, raw.start)).facts())
     return resolve(raw, facts)
 
 
@@ -29,7 +30,7 @@ def test_saved_run_config_is_the_resolved_run(demo_data, tmp_path):
     argv = base_args(demo_data, train_iters=2, lr_decay_iters=8, save=first,
                      sequence_parallel=True)
     train(argv)
-    saved = read_run_config(iteration_dir(str(first), 2))
+    saved = formats.read(str(first), 2).opened.read_text("run_config.yaml")
     run = resolved(argv)
     assert saved == run.to_yaml()
     assert ExperimentConfig.from_yaml(saved) == run
@@ -40,7 +41,7 @@ def test_saved_run_config_is_the_resolved_run(demo_data, tmp_path):
     argv = base_args(demo_data, train_iters=3, lr_decay_iters=8, load=first, save=second,
                      lr=1e-3, **{"use-checkpoint-opt-param-scheduler": True})
     train(argv)
-    saved = read_run_config(iteration_dir(str(second), 3))
+    saved = formats.read(str(second), 3).opened.read_text("run_config.yaml")
     run = resolved(argv)
     assert saved == run.to_yaml()
     assert run.optim.lr == 3e-3 and run.model.padded_vocab == 384
