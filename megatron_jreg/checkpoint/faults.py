@@ -32,7 +32,7 @@ TOOLS = Wording(step="--iteration", skip_verify=None, skip_rng=None)
 def phrase(err: BaseException, wording: Wording) -> str:
     """``err``'s line in ``wording`` (a fault's own phrasing, else its text)."""
     if isinstance(err, (CheckpointFault, UnsafeCheckpoint)):
-        return err.phrase(wording)
+        return err.phrase(getattr(err, "wording", None) or wording)
     return str(err)
 
 
@@ -54,7 +54,9 @@ class CheckpointFault(CheckpointError):
         raise NotImplementedError
 
     def reword(self, w: Wording) -> "CheckpointFault":
-        """This fault, its text in ``w`` (for a command that re-raises it)."""
+        """This fault, worded in ``w`` from now on (:func:`phrase` keeps it): for a reader
+        that knows which of the command's flags named the directory."""
+        self.wording = w
         self.args = (self.phrase(w),)
         return self
 

@@ -125,13 +125,6 @@ class Opened:
             raise DamagedFile(path=self.path, checksum=False,
                               detail=f"{self.path} holds no {METADATA_FILE}")
 
-    def shapes(self) -> Dict[str, tuple]:
-        """{key: global shape} of every tensor saved (read from the metadata in memory)."""
-        if self.metadata is None:
-            return {}
-        return {k: tuple(v.size) for k, v in self.metadata.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata)}
-
     @contextlib.contextmanager
     def _reading(self):
         """megatron-core's torch strategy reading through :class:`_CheckedReader`."""
@@ -148,8 +141,9 @@ class Opened:
     def entries(self) -> Dict[str, Optional[tuple]]:
         """{key: global shape} of each saved tensor, {unique key: None} of each sharded
         object (megatron-core's keys: ``KEY/shard_OFFSET_SHAPE``)."""
-        shapes = self.shapes()
-        return {k: shapes.get(k) for k in getattr(self.metadata, "state_dict_metadata", {})}
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        return {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+                for k, v in saved.items()}
 
     def content_metadata(self) -> Dict:
         return dict(self.common.get("content_metadata") or {})

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_jreg.checkpoint import catalog
 from megatron_jreg.checkpoint.async_save import AsyncSaver
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir, save_checkpoint
-from megatron_jreg.checkpoint.faults import CheckpointFault, Wording
+from megatron_jreg.checkpoint.faults import TRAINER, Wording
 from megatron_jreg.checkpoint.interrupted import finish_interrupted_saves
 from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_args
@@ -130,6 +130,11 @@ class Checkpointer:
                          f"{', '.join(sorted(stale))}")
         return "\n".join(lines) or None, recovered
 
+    @property
+    def wording(self) -> Wording:
+        """The flags this run's checkpoint faults are phrased with (its source's flag)."""
+        return Wording(root=self.start.flag) if self.start is not None else TRAINER
+
     def facts(self) -> dict:
         """What the checkpoint setup loads holds, for ``config.resolve.RunFacts``: its
         embedding rows (the run keeps them) and, when the run keeps the checkpoint's
@@ -141,10 +146,7 @@ class Checkpointer:
         if (self.experiment.optim.scheduler_mode() == "checkpoint"
                 and not (self.cfg.no_load_optim or start.weights_only)):
             schedule = start.source.format.schedule
-        try:
-            start.source.opened.require_metadata()
-        except CheckpointFault as fault:
-            raise fault.reword(Wording(root=start.flag))
+        start.source.opened.require_metadata()
         return {"checkpoint": f"{start.flag} {start.root}",
                 "saved_embedding_rows": start.source.format.embedding_rows,
                 "saved_schedule": schedule}
@@ -171,15 +173,12 @@ class Checkpointer:
         o = self.experiment.optim
         mode = o.scheduler_mode()
         g = self.experiment.training.global_batch_size
-        try:
-            state = load_checkpoint(
-                start.source, model,
-                optimizer if load_optim else None, scheduler if load_optim else None,
-                verify=not self.cfg.no_verify_checkpoint, scheduler_mode=mode,
-                samples_per_iter=g, load_rng=not self.cfg.no_load_rng,
-                fully_parallel=self.cfg.ckpt_fully_parallel_load)
-        except CheckpointFault as fault:
-            raise fault.reword(Wording(root=flag))
+        state = load_checkpoint(
+            start.source, model,
+            optimizer if load_optim else None, scheduler if load_optim else None,
+            verify=not self.cfg.no_verify_checkpoint, scheduler_mode=mode,
+            samples_per_iter=g, load_rng=not self.cfg.no_load_rng,
+            fully_parallel=self.cfg.ckpt_fully_parallel_load)
         resumed = None
         if load_optim:
             resumed = iteration, state

@@ -42,6 +42,7 @@ from megatron_jreg.config.model import resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.training import data_parallel
+from megatron_jreg.checkpoint.faults import phrase
 from megatron_jreg.training.checkpointing import Checkpointer
 from megatron_jreg.training.source import run_tokenizer, starting_point
 from megatron_jreg.training.experiment import ExperimentConfig
@@ -377,7 +378,7 @@ def run(experiment: ExperimentConfig) -> int:
         code = trainer.train()
         trainer.checkpoints.finish_background()  # the last save is whole before the exit
     except (UserError, FileNotFoundError) as err:  # anything else keeps its traceback
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {phrase(err, trainer.checkpoints.wording)}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
