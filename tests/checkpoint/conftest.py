@@ -1,6 +1,7 @@
-"""Fixtures of the checkpoint tests: one tiny trained run (3 steps, byte tokenizer) that the
-tests copy and take apart. The helpers that train and run the tools live beside the
-analysis and training tests."""
+"""Fixtures of the checkpoint tests: the training tests' demo dataset (one build for the
+whole run, shared with tests/training) and one tiny trained run (3 steps, byte tokenizer)
+that the tests copy and take apart. The helpers that train and run the tools live beside
+the analysis and training tests."""
 
 import os
 import sys
@@ -24,3 +25,11 @@ def checkpoint(tmp_path_factory):
         return train(make_dataset(str(root)), str(root / "ckpt"))
 
     return build_once(tmp_path_factory, "one_writer_checkpoint", build)
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    from session_cache import build_once
+    from trainer_runs import build_demo_data
+
+    return build_once(tmp_path_factory, "demo_data", build_demo_data)

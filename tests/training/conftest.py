@@ -2,32 +2,15 @@
 docstrings, byte tokenizer), the README demo's data, SFT chat data. The helpers that run the
 trainer are in trainer_runs.py."""
 
-import forked_trainer
 import pytest
 from session_cache import build_once
-from trainer_runs import run_env
-
-
-def _tool(cmd):
-    proc = forked_trainer.run_tool(cmd[0], cmd[1:], run_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+from trainer_runs import build_demo_data
+from trainer_runs import run_tool_ok as _tool
 
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory):
-    return build_once(tmp_path_factory, "demo_data", _build_demo_data)
-
-
-def _build_demo_data(root):
-    corpus = root / "corpus.jsonl"
-    prefix = root / "demo"
-    for cmd in (
-        ["tools/make_demo_corpus.py", "--output", str(corpus), "--max-mb", "0.6"],
-        ["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
-         str(prefix), "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"],
-    ):
-        _tool(cmd)
-    return str(prefix) + "_text_document"
+    return build_once(tmp_path_factory, "demo_data", build_demo_data)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,25 @@ def run_env():
     return env
 
 
+def run_tool_ok(cmd):
+    """One of tools/ (``cmd``: script and flags), which must succeed."""
+    proc = forked_trainer.run_tool(cmd[0], cmd[1:], run_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def build_demo_data(root):
+    """The training tests' small demo dataset (byte tokenizer) under ``root``; its prefix."""
+    corpus = root / "corpus.jsonl"
+    prefix = root / "demo"
+    for cmd in (
+        ["tools/make_demo_corpus.py", "--output", str(corpus), "--max-mb", "0.6"],
+        ["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+         str(prefix), "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"],
+    ):
+        run_tool_ok(cmd)
+    return str(prefix) + "_text_document"
+
+
 def base_args(data_prefix, **overrides):
     """Flags of a tiny fp32 run on the demo data; overrides use flag names without dashes."""
     args = {

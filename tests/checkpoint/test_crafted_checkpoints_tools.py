@@ -26,18 +26,6 @@ CRAFT = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """One tiny run of the trainer (3 steps, byte tokenizer); test_one_writer_tools' too."""
-    from checkpoint_runs import make_dataset, train
-    from session_cache import build_once
-
-    def build(root):
-        return train(make_dataset(str(root)), str(root / "ckpt"))
-
-    return build_once(tmp_path_factory, "one_writer_checkpoint", build)
-
-
 def crafted_copy(checkpoint, tmp_path, kind):
     root = tmp_path / "ckpt"
     shutil.copytree(checkpoint, root)
