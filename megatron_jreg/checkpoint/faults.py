@@ -84,7 +84,7 @@ class NoCheckpoint(CheckpointFault):
 
     def phrase(self, w):
         return (f"{w.root} {self.root}: not a torch_dist checkpoint directory (no tracker and no "
-                "complete iter_XXXXXXX directory), or no save there finished; give the --save "
+                "whole iter_XXXXXXX directory), or no save there finished; give the --save "
                 "directory of a training run")
 
 

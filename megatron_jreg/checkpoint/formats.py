@@ -40,6 +40,7 @@ class IterationFormat:
     rng_grid: Optional[Tuple[int, ...]]
     holds_optimizer: bool
     sharding: Mapping[str, object]  # the content metadata (the optimizer's format)
+    unnamed_sharding: str  # a distributed optimizer's format where the metadata names none
     saved_layout: Optional[Tuple[int, int]]  # (TP, PP) from Megatron-LM's args
     saved_world: Optional[int]  # ranks that saved it (our completion marker)
     embedding_rows: Optional[int]  # None: no .metadata (a load names it)
@@ -97,6 +98,14 @@ def _saved_layout(common: Mapping) -> Optional[Tuple[int, int]]:
             int(getattr(args, "pipeline_model_parallel_size", 1) or 1))
 
 
+def unnamed_sharding(common: Mapping) -> str:
+    """The distributed optimizer's format of a save whose content metadata names none
+    (megatron-core < 0.13 wrote none): Megatron-LM's rule, from its args."""
+    args = common.get("args")
+    return ("fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", False)
+            else "dp_zero_gather_scatter")
+
+
 def _saved_world(opened: trusted.Opened) -> Optional[int]:
     try:
         world = json.loads(opened.read_text(COMPLETE) or "null")
@@ -126,7 +135,8 @@ def describe(opened: trusted.Opened) -> IterationFormat:
         schedule=saved_schedule(common),
         rng="sharded" if grid is not None else "files" if rng_files else "none", rng_grid=grid,
         holds_optimizer="optimizer" in common or any(k.startswith("optimizer.") for k in entries),
-        sharding=opened.content_metadata(), saved_layout=_saved_layout(common),
+        sharding=opened.content_metadata(), unnamed_sharding=unnamed_sharding(common),
+        saved_layout=_saved_layout(common),
         saved_world=_saved_world(opened), embedding_rows=int(rows[0]) if rows else None,
         has_run_config=has_run_config, carried_tokenizer=_carried(opened))
 

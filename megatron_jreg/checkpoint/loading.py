@@ -48,11 +48,7 @@ def _optimizer_metadata(source: Source, optimizer, fully_parallel: bool = False)
     metadata = dict(fmt.sharding)
     if not ckpt.is_distributed_optimizer(optimizer):
         return metadata  # the sharding type is the distributed optimizer's alone
-    # megatron-core < 0.13 wrote none: Megatron-LM's rule for those
-    args = source.opened.common.get("args")
-    metadata.setdefault("distrib_optim_sharding_type",
-                        "fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", False)
-                        else "dp_zero_gather_scatter")
+    metadata.setdefault("distrib_optim_sharding_type", fmt.unnamed_sharding)
     kind = metadata["distrib_optim_sharding_type"]
     if fully_parallel and kind == "dp_zero_gather_scatter":  # Megatron-LM refuses it too
         raise CheckpointError(

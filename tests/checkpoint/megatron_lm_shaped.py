@@ -154,7 +154,9 @@ def write_megatron_lm_checkpoint(trainer, target, sharding, rng=True):
 def main(argv):
     split = argv.index("--")
     target, sharding, spec = argv[:split]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # the training tests' helper that builds a trainer from flags
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "training"))
     from set_up_trainer import set_up
 
     with set_up(argv[split + 1:]) as run:

@@ -185,13 +185,16 @@ def test_fully_parallel_load_refuses_what_megatron_lm_refuses(monkeypatch):
     named, before any tensor is read."""
     from types import SimpleNamespace
 
-    from megatron_jreg.checkpoint import loading
+    from megatron_jreg.checkpoint import formats, loading
     from megatron_jreg.errors import CheckpointError
 
     monkeypatch.setattr(loading.ckpt, "is_distributed_optimizer", lambda optimizer: True)
     common = {"args": SimpleNamespace(ckpt_fully_parallel_save=False)}
+    fmt = SimpleNamespace(sharding={}, saved_layout=None,
+                          unnamed_sharding=formats.unnamed_sharding(common))
+    source = SimpleNamespace(path="ckpt/iter_0000004", format=fmt)
     with pytest.raises(CheckpointError) as err:
-        loading._optimizer_metadata("ckpt/iter_0000004", common, object(), fully_parallel=True)
+        loading._optimizer_metadata(source, object(), fully_parallel=True)
     assert str(err.value) == (
         "checkpoint ckpt/iter_0000004 holds the distributed optimizer's state as "
         "dp_zero_gather_scatter (Megatron-LM before megatron-core 0.13), which a fully parallel "
