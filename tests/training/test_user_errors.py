@@ -1,9 +1,12 @@
 """The trainer's exit statuses: a user error (a setting, an input, a checkpoint) is one line
 and exit 2; any other exception is a bug and keeps its traceback."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from megatron_jreg.checkpoint.dist_checkpoint import CheckpointError
+from megatron_jreg.checkpoint.faults import TRAINER
 from megatron_jreg.errors import ConfigError, InputError, UserError
 from megatron_jreg.training import trainer
 
@@ -11,6 +14,8 @@ from megatron_jreg.training import trainer
 def _trainer_raising(exc):
     class Raising:
         closed = False
+        # the flags run() phrases a checkpoint's fault with (Checkpointer.wording)
+        checkpoints = SimpleNamespace(wording=TRAINER)
 
         def __init__(self, experiment):
             pass
