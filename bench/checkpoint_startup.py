@@ -28,8 +28,11 @@ innermost megatron_jreg frames (and the first outside megatron_jreg/checkpoint/)
 library function they called, the frame that opened (the manifest's checksums are read in
 a thread pool: their stacks end there).
 
-    cd /path/to/checkout && python bench/checkpoint_startup.py        # ~1-2 min on 2 CPU cores
-    python bench/checkpoint_startup.py --repo /tmp/before --repeats 5
+    python bench/checkpoint_startup.py --repeats 1     # ~30 s on 2 CPU cores
+
+(the default, 3 timed launches per start: ~1-2 min). ``--repo DIR`` runs the trainer of
+another checkout (e.g. a worktree of an earlier commit, with its directory on PYTHONPATH)
+for a side-by-side count.
 """
 
 from __future__ import annotations
