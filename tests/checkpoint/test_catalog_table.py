@@ -5,14 +5,16 @@ eval_jump, convert_to_hf, eval_downstream). Each either reads the same iteration
 same directory, or raises the same fault with the same facts, phrased in its own flags: the
 catalog's fault in the trainer's words (``--ckpt-step``) or the tools' (``--iteration``)."""
 
+import json
 import os
 import shutil
+import zlib
 
 import pytest
 
 from checkpoint_runs import ITERS
 
-from megatron_jreg.checkpoint import catalog, faults
+from megatron_jreg.checkpoint import catalog, faults, formats
 from megatron_jreg.checkpoint.interrupted import COMPLETE
 from megatron_jreg.checkpoint.run_configs import checkpoint_sources
 from megatron_jreg.config.run import CheckpointConfig
@@ -34,6 +36,17 @@ def _marked_partial(root):
     os.replace(root / NAME, root / f"{NAME}.partial-y")
 
 
+def _hf_import(root):
+    """What tools/convert_from_hf.py writes: a run config naming the imported model, the
+    manifest's entry for it updated (a whole save of ours otherwise)."""
+    config, manifest = root / NAME / catalog.RUN_CONFIG, root / NAME / catalog.MANIFEST
+    data = config.read_bytes().replace(b"imported_from: null", b"imported_from: SmolLM2-135M")
+    config.write_bytes(data)
+    entries = json.loads(manifest.read_text())
+    entries["files"][catalog.RUN_CONFIG] = {"size": len(data), "crc32": zlib.crc32(data)}
+    manifest.write_text(json.dumps(entries))
+
+
 def _megatron_lm(root):
     for name in (COMPLETE, catalog.MANIFEST, catalog.RUN_CONFIG):
         os.remove(root / NAME / name)
@@ -50,6 +63,7 @@ STATES = {
     "tracker_missing": (_no_tracker, ITERS),
     "tracker_garbage": (lambda r: _tracker(r, "\x00\xffxyz"), faults.TrackerUnreadable),
     "megatron_lm": (_megatron_lm, ITERS),
+    "hf_import": (_hf_import, ITERS),
     "empty": (lambda r: shutil.rmtree(r) or os.makedirs(r), faults.NoCheckpoint),
     "foreign": (lambda r: shutil.rmtree(r) or os.makedirs(r) or (r / "notes.txt").write_text("x"),
                 faults.NoCheckpoint),
@@ -72,6 +86,7 @@ def _tools(root):
     return source
 
 
+KINDS = {"megatron_lm": formats.MEGATRON_LM, "hf_import": formats.HF_IMPORT}
 READERS = {"trainer": (_trainer, faults.TRAINER), "use_checkpoint_args": (_checkpoint_args, faults.TRAINER),
            "tools": (_tools, faults.TOOLS)}
 
@@ -82,7 +97,7 @@ def _verdict(read, root):
     except (faults.CheckpointFault, faults.UnsafeCheckpoint) as err:
         return err
     source = getattr(got, "source", got)
-    return source.iteration, source.path
+    return source.iteration, source.path, source.format.kind
 
 
 @pytest.mark.parametrize("state", list(STATES))
@@ -100,6 +115,8 @@ def test_every_reader_gives_the_same_verdict(checkpoint, tmp_path, state):
         assert all(not isinstance(v, BaseException) and v[0] == expected
                    for v in verdicts.values()), verdicts
         assert len(paths) == 1 and os.path.isdir(paths.pop())
+        kinds = {v[2] for v in verdicts.values()}
+        assert kinds == {KINDS.get(state, formats.OURS)}, kinds
         return
     truth = catalog.scan(str(root))
     with pytest.raises(expected) as caught:
