@@ -2,28 +2,35 @@
 provably gone.
 
 The lock is created with ``O_CREAT | O_EXCL`` (of two processes starting together exactly
-one wins) and holds the holder's host, pid, start time, run id, temporary-name tag
-(:func:`atomic_write.temp_marker`), Slurm job id and restart count, and its lease. While it
-holds the lock, the holder refreshes the file's modification time every
-``lease / 10`` seconds (the heartbeat). A lock is taken over when its holder is gone:
+one wins) and holds the holder's host, pid, who that pid is (the host's boot id, the pid
+namespace and the process's start time, :func:`process_identity`), run id, temporary-name
+tag (:func:`atomic_write.temp_marker`), Slurm job id and restart count, and its lease. The
+holder also keeps an ``flock`` on the file for as long as it lives: the kernel drops it when
+the process ends, however it ends, in whatever pid namespace it ran. While it holds the
+lock, the holder refreshes the file's modification time every ``lease / 10`` seconds (the
+heartbeat). A lock is taken over when its holder is gone (:func:`takeover_reason`):
 
-- same host, and the pid is no longer running (a SIGKILL, an OOM kill);
 - the same Slurm job (``SLURM_JOB_ID``) requeued, on any host: this process's
-  ``SLURM_RESTART_COUNT`` is higher than the holder's (Slurm requeues a job after its
-  processes ended, wherever the new allocation lands);
+  ``SLURM_RESTART_COUNT`` is higher than the holder's;
+- the same host, and the holder ran before the host's last boot, or no process holds the
+  file's ``flock`` any more (a SIGKILL, an OOM kill, a container restarted with the same
+  pid 1), or, for a record without the ``flock``: its pid is not running, is this very
+  process, or belongs to a process that started at another time;
 - another host, and the heartbeat is older than the lease (:data:`LEASE_S`, 600 s, or
   ``MEGATRON_JREG_LOCK_LEASE_S``): the node died or lost the file system.
 
-A live holder keeps its lock: on the same host its pid runs, on another its heartbeat is
-fresh. A lock of an earlier version (no lease) on another host cannot be judged and holds.
-Each takeover prints one line naming the holder and the rule that applied. A holder whose
-lock was taken over (its lease lapsed while it was stopped, say) learns it from
-:meth:`WriterLock.still_held` and writes nothing more (the trainer checks before each save).
+A live holder keeps its lock. A lock of an earlier version (no lease) on another host
+cannot be judged and holds. Each takeover prints one line naming the holder and the rule
+that applied. A holder whose lock was taken over (its lease lapsed while it was stopped,
+say) learns it from :meth:`WriterLock.still_held` and writes nothing more (the trainer
+checks before each save).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -32,7 +39,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_jreg.atomic_write import check_output_dir, temp_marker, writer_tag
 from megatron_jreg.errors import InputError
@@ -87,6 +94,70 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _read_small(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read(256).strip() or None
+    except OSError:
+        return None
+
+
+def _start_ticks(pid) -> Optional[int]:
+    """When process ``pid`` (of this pid namespace) started, in clock ticks since boot."""
+    text = _read_small(f"/proc/{pid}/stat")
+    try:
+        return int(text.rsplit(")", 1)[1].split()[19]) if text else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_namespace(pid="self") -> Optional[str]:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def process_identity() -> Dict:
+    """What tells this process from any other on its host, across restarts: the host's boot
+    id, the pid namespace and the start time (None where /proc does not say)."""
+    return {"boot_id": _read_small("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": _pid_namespace(), "start_ticks": _start_ticks("self")}
+
+
+# the lock files this process holds an flock on (fd -> path): a child forked by the holder
+# (a data loader worker) closes its copies, so only the holder's own end keeps the flock
+_FLOCKED: Dict[int, str] = {}
+
+
+def _close_in_child() -> None:
+    for fd in list(_FLOCKED):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _FLOCKED.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _flock_free(path: str) -> Optional[bool]:
+    """Whether no process holds an flock on ``path`` (True: its holder ended), False while
+    one does, None when this file system cannot say."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        return False if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+    finally:
+        os.close(fd)  # also drops the flock this call may have taken
+    return True
+
+
 def _read_record(path: str) -> Optional[Dict]:
     try:
         with open(path) as f:
@@ -119,20 +190,54 @@ def describe_holder(holder: Dict) -> str:
             f"{holder.get('start_time')}")
 
 
-def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict) -> Optional[str]:
-    """Why ``holder`` (a lock record whose heartbeat is ``age`` seconds old) is gone, seen
-    from a process on ``host`` in Slurm ``job``; None when it may be alive."""
+def _judge_same_host(holder: Dict, path: str) -> Tuple[bool, Optional[str]]:
+    """``(judged, reason)`` for ``holder``, a record written on this host: ``reason`` says why
+    it is gone (None: alive); not ``judged`` when nothing here can tell (a pid of another pid
+    namespace, without an flock to ask)."""
+    if not holder:
+        return True, None  # unreadable: may be alive
+    here = process_identity()
+    boot = holder.get("boot_id")
+    if isinstance(boot, str) and here["boot_id"] and boot != here["boot_id"]:
+        return True, "it ran before this host last started (another boot id)"
+    if holder.get("flock") is True:
+        free = _flock_free(path)
+        if free is not None:  # the kernel's answer, in any pid namespace
+            return True, ("no process holds its lock file any more (it ended)" if free else None)
     pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return True, None
+    space = holder.get("pid_namespace")
+    if space is not None and space != here["pid_namespace"]:
+        return False, None  # another pid namespace's pid: not one this process can look up
+    if pid == os.getpid():
+        return True, (f"it names this very process (pid {pid}), which did not take it: a "
+                      "restart that got the same pid")
+    if not _pid_alive(pid):
+        return True, "its process is no longer running"
+    started = holder.get("start_ticks")
+    if isinstance(started, int) and _start_ticks(pid) not in (None, started):
+        return True, f"pid {pid} now belongs to another process, started at another time"
+    return True, None
+
+
+def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict,
+                    path: str = "") -> Optional[str]:
+    """Why ``holder`` (the record of lock file ``path``, whose heartbeat is ``age`` seconds
+    old) is gone, seen from a process on ``host`` in Slurm ``job``; None when it may be
+    alive."""
     theirs, restart = holder.get("slurm_job_id"), holder.get("slurm_restart_count")
     if (theirs and theirs == job["slurm_job_id"] and isinstance(restart, int)
             and job["slurm_restart_count"] > restart):
         # on any host: a pid there may since belong to another process
         return (f"Slurm requeued job {theirs} (this is restart {job['slurm_restart_count']}, "
                 f"the holder ran as restart {restart})")
-    if holder.get("host") == host:
-        if isinstance(pid, int) and not _pid_alive(pid):
-            return "its process is no longer running"
-        return None  # the same host's live pid (or an unreadable record): alive
+    if holder.get("host") == host or not holder:
+        judged, reason = _judge_same_host(holder, path)
+        if judged:
+            return reason
+        # a holder in another pid namespace of this host, without an flock to ask: its
+        # heartbeat decides, as for another host
     lease = holder.get("lease_s")
     if _valid_lease(lease) and age is not None and age > lease:
         return (f"its last heartbeat is {_seconds(age)} s old, past its lease of "
@@ -140,14 +245,18 @@ def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict) ->
     return None
 
 
-def _liveness(holder: Dict, age: Optional[float], host: str) -> str:
+def _liveness(holder: Dict, age: Optional[float], host: str, path: str) -> str:
     """Why a holder counts as alive, for the refusal."""
     if not holder:
         return ("its lock file is empty or unreadable (torn by a full disk or a crash, or not "
                 "this program's), so its holder cannot be judged")
-    if holder.get("host") == host:
-        return "its process is running on this host"
     lease = holder.get("lease_s")
+    if holder.get("host") == host:
+        if _judge_same_host(holder, path)[0]:
+            return "its process is running on this host"
+        if not (_valid_lease(lease) and age is not None):
+            return ("it runs in another pid namespace of this host (a container) and its lock "
+                    "has no lease to judge")
     if _valid_lease(lease) and age is not None:
         return (f"its heartbeat is {_seconds(max(age, 0))} s old, within its lease of "
                 f"{_seconds(lease)} s "
@@ -171,6 +280,7 @@ class WriterLock:
         self.lease = lease_seconds()
         self._stop = threading.Event()
         self._beat: Optional[threading.Thread] = None
+        self._fd: Optional[int] = None  # the open lock file whose flock this holder keeps
 
     def remove_leftovers(self, holder: Dict) -> List[str]:
         """Remove the temporaries the gone ``holder`` left; returns their names."""
@@ -180,19 +290,28 @@ class WriterLock:
         return OutputBusy(f"{self.path} is held by {describe_holder(holder)} ({why})")
 
     def _create(self) -> bool:
-        record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "start_time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run_id": self.run_id,
-                  "temp_tag": writer_tag(), "lease_s": self.lease, **_slurm_job()}
+        record = {"host": socket.gethostname(), "pid": os.getpid(), **process_identity(),
+                  "flock": True, "start_time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                  "run_id": self.run_id, "temp_tag": writer_tag(), "lease_s": self.lease,
+                  **_slurm_job()}
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         except FileExistsError:
             return False
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
+            try:  # before the record says so: a record with "flock" is always flocked
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                record["flock"] = False  # a file system without flock: the pid decides
+            data = json.dumps(record).encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
         except BaseException:  # a full disk, say: no empty lock may stay to block later runs
+            os.close(fd)
             os.remove(self.path)
             raise
+        self._fd = fd
+        _FLOCKED[fd] = self.path
         self.held = True
         self._start_heartbeat()
         return True
@@ -246,7 +365,7 @@ class WriterLock:
             return None
         holder = holder or {}
         age = _heartbeat_age(self.path)
-        reason = takeover_reason(holder, age, host, job)
+        reason = takeover_reason(holder, age, host, job, self.path)
         if reason and self._move_aside(holder) and self._create():
             # ours now: no writer of this output can start meanwhile
             removed = self.remove_leftovers(holder)
@@ -255,7 +374,7 @@ class WriterLock:
                     f"{reason}{gone}")
         if reason:  # another process took it first
             holder, age = _read_record(self.path) or {}, _heartbeat_age(self.path)
-        raise self.busy(holder, _liveness(holder, age, host))
+        raise self.busy(holder, _liveness(holder, age, host, self.path))
 
     def release(self) -> None:
         if not self.held:
@@ -270,6 +389,10 @@ class WriterLock:
                 os.remove(self.path)
             except FileNotFoundError:
                 pass
+        if self._fd is not None:  # after the removal: until then the flock says "alive"
+            _FLOCKED.pop(self._fd, None)
+            os.close(self._fd)
+            self._fd = None
 
 
 def lock_path(path: str) -> str:

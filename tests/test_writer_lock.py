@@ -170,7 +170,7 @@ def test_a_requeue_on_the_same_host_is_not_fooled_by_a_reused_pid(tmp_path, slur
     lock = SaveLock(str(tmp_path))
     assert "Slurm requeued job 4242 (this is restart 2, the holder ran as restart 1)" in lock.acquire()
     lock.release()
-    write_record(tmp_path / "jreg_writer.lock", host=socket.gethostname(), pid=os.getpid(),
+    write_record(tmp_path / "jreg_writer.lock", host=socket.gethostname(), pid=os.getppid(),
                  slurm_job_id="4242", slurm_restart_count=2)
     with pytest.raises(SaveDirectoryBusy, match="its process is running on this host"):
         SaveLock(str(tmp_path)).acquire()
@@ -202,7 +202,109 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, slurm, monke
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writer_lock.json, "dump", full)
+    monkeypatch.setattr(writer_lock.json, "dumps", full)
     with pytest.raises(OSError, match="No space left"):
         SaveLock(str(tmp_path)).acquire()
     assert os.listdir(tmp_path) == []
+
+
+# ---- the same host: who the pid is ---------------------------------------------------------
+
+def _here(**fields):
+    """A record written on this host by an earlier version (no flock), with ``fields``."""
+    return dict(dict(host=socket.gethostname(), pid=os.getppid()), **fields)
+
+
+def test_a_record_naming_this_very_process_is_a_restart_with_the_same_pid(tmp_path, slurm):
+    """Was: a container's trainer, pid 1 after every restart, found the dead holder's pid 1
+    running (itself) and stopped for good: "its process is running on this host"."""
+    write_record(tmp_path / "jreg_writer.lock", **_here(pid=os.getpid()))
+    lock = SaveLock(str(tmp_path))
+    assert lock.acquire().endswith(
+        f": it names this very process (pid {os.getpid()}), which did not take it: a restart "
+        f"that got the same pid (in {tmp_path})")
+    lock.release()
+
+
+@pytest.mark.parametrize("fields,reason", [
+    ({"boot_id": "00000000-0000-0000-0000-000000000000"},
+     "it ran before this host last started (another boot id)"),
+    ({"start_ticks": 1}, f"pid {os.getppid()} now belongs to another process, started at "
+                         "another time"),
+], ids=["earlier-boot", "reused-pid"])
+def test_a_live_pid_of_another_process_is_not_the_holder(tmp_path, slurm, fields, reason):
+    """The holder's pid runs (this test's parent), but the record says it was another
+    process: of an earlier boot, or started at another time."""
+    write_record(tmp_path / "jreg_writer.lock", **_here(**fields))
+    lock = SaveLock(str(tmp_path))
+    assert lock.acquire().endswith(f": {reason} (in {tmp_path})")
+    lock.release()
+
+
+def test_the_same_pid_started_at_the_same_time_is_the_holder(tmp_path, slurm):
+    from megatron_jreg.writer_lock import process_identity
+    parent = process_identity()  # this process's boot and namespace; the parent's start below
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        started = int(f.read().rsplit(")", 1)[1].split()[19])
+    write_record(tmp_path / "jreg_writer.lock", **_here(
+        boot_id=parent["boot_id"], pid_namespace=parent["pid_namespace"], start_ticks=started))
+    with pytest.raises(SaveDirectoryBusy, match="its process is running on this host"):
+        SaveLock(str(tmp_path)).acquire()
+
+
+def test_a_pid_of_another_pid_namespace_without_an_flock_waits_for_its_lease(tmp_path, slurm):
+    path = tmp_path / "jreg_writer.lock"
+    write_record(path, age_s=30, **_here(pid=1, pid_namespace="pid:[1]"))
+    with pytest.raises(SaveDirectoryBusy, match="its heartbeat is 30 s old, within its lease"):
+        SaveLock(str(tmp_path)).acquire()
+    write_record(path, age_s=700, **_here(pid=1, pid_namespace="pid:[1]"))
+    lock = SaveLock(str(tmp_path))
+    assert "past its lease of 600 s" in lock.acquire()
+    lock.release()
+
+
+HOLD = """
+import sys, time
+from megatron_jreg.writer_lock import WriterLock
+lock = WriterLock(sys.argv[1])
+assert lock.acquire() is None
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _unshare_works():
+    import subprocess
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "true"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs `unshare --pid` (root or user namespaces)")
+def test_a_holder_in_another_pid_namespace_is_judged_by_its_flock(tmp_path, slurm):
+    """pid 1 of another namespace holds the lock: its flock says it runs; once it is killed,
+    the flock is gone and the lock is taken over at once."""
+    import signal
+    import subprocess
+    import sys
+    path = str(tmp_path / "out.lock")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c",
+                               HOLD, path], stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert json.load(open(path))["pid"] == 1
+        with pytest.raises(OutputBusy, match="its process is running on this host"):
+            WriterLock(path).acquire()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=60)
+    lock = WriterLock(path)
+    warning = lock.acquire()
+    assert warning.startswith("warning: took over the lock of pid 1 on host ") and warning.endswith(
+        ": no process holds its lock file any more (it ended)"), warning
+    lock.release()
+    assert not os.path.exists(path)

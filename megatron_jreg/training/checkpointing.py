@@ -24,7 +24,6 @@ from megatron_jreg.distributed.setup import print_rank_0
 from megatron_jreg.errors import (CheckpointError, ConfigError, InputError, os_write_error,
                                   write_error_at)
 from megatron_jreg.training.experiment import ExperimentConfig
-from megatron_jreg.training import source as starting
 from megatron_jreg.training.source import StartingPoint
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
@@ -82,19 +81,23 @@ class Checkpointer:
         self.background = AsyncSaver() if self.cfg.async_save else None
 
     def take_save_lock(self) -> None:
-        """One writer per --save (rank 0 holds the lock for the job); every rank learns the
-        outcome and the run id that names this run's temporary files."""
+        """One writer per --save (rank 0 holds the lock for the job), taken before anything
+        about --save is judged: under it, the run's lineage is checked
+        (ExperimentConfig.check_save_lineage) and a killed run's leftovers are cleared, and
+        only then is the starting point read. Every rank learns the outcome and the run id
+        that names this run's temporary files."""
         self.run_id, self.save_lock = "0", None
         if not self.cfg.save:
             return
-        outcome = [None, None, None, False]  # error, warning, run id, a save put back
+        outcome = [None, None, None]  # error, warning, run id
         if dist.get_rank() == 0:
             lock = SaveLock(self.cfg.save)
             try:
                 outcome[1] = lock.acquire()
                 self.save_lock = lock
                 outcome[2] = lock.run_id
-                cleared, outcome[3] = self._clear_stale_saves(lock.run_id)
+                self.experiment.check_save_lineage(catalog.scan(self.cfg.save))
+                cleared = self._clear_stale_saves(lock.run_id)
                 outcome[1] = "\n".join(filter(None, [outcome[1], cleared])) or None
             except (ValueError, OSError) as err:
                 outcome[0] = (str(err) if isinstance(err, ValueError)
@@ -105,22 +108,16 @@ class Checkpointer:
         if outcome[1]:
             print_rank_0(outcome[1])
         self.run_id = outcome[2]
-        start = self.start
-        if outcome[3] and start is not None and \
-                os.path.realpath(start.root) == os.path.realpath(self.cfg.save):
-            # a killed save's whole copy was renamed into place: read it where it is now
-            self.start = starting.read(start.choice, verify=not self.cfg.no_verify_checkpoint)
         if self.background is not None:  # its results queue's process: before training
             self.background.start()
 
-    def _clear_stale_saves(self, run_id: str) -> Tuple[Optional[str], bool]:
+    def _clear_stale_saves(self, run_id: str) -> Optional[str]:
         """Holding the lock, no other run writes here: a save killed in its renames is
         finished first (interrupted.py: its whole copy becomes iter_N), then the temporary
         directories and tracker files left by killed runs are removed: partials that never
         got their completion marker and replaced copies of a present iter_N."""
         root = self.cfg.save
         lines = finish_interrupted_saves(root, catalog.scan(root).left_whole, run_id)
-        recovered = bool(lines)
         stale = catalog.scan(root).leftovers
         for name in stale:
             path = os.path.join(root, name)
@@ -128,7 +125,7 @@ class Checkpointer:
         if stale:
             lines.append(f"removed {len(stale)} unfinished save(s) of earlier runs: "
                          f"{', '.join(sorted(stale))}")
-        return "\n".join(lines) or None, recovered
+        return "\n".join(lines) or None
 
     @property
     def wording(self) -> Wording:

@@ -32,7 +32,7 @@ from megatron_jreg.config.run import (
     TrainingConfig,
 )
 from megatron_jreg.training.checkpoint_args import missing_directory
-from megatron_jreg.training.source import choose
+from megatron_jreg.training.source import choose, loads_own_save
 from megatron_jreg.config.megatron_lm import MegatronLMConfig
 from megatron_jreg.data.datasets.sft import SFTDataset
 
@@ -137,9 +137,8 @@ class ExperimentConfig:
         self._check_layout(world)
         self._check_schedule()
         if (self.checkpoint.load and not self.checkpoint.pretrained_checkpoint
-                and not os.path.isdir(self.checkpoint.load)):
+                and not loads_own_save(self.checkpoint) and not os.path.isdir(self.checkpoint.load)):
             raise ConfigError(missing_directory("--load", self.checkpoint.load))
-        self._check_save_directory()
         if self.logging.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ConfigError("--wandb-project needs wandb installed: pip install wandb "
                              "(or drop --wandb-project)")
@@ -250,17 +249,18 @@ class ExperimentConfig:
             raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
                              f"size {dp} (the experts are split over data-parallel ranks)")
 
-    def _check_save_directory(self) -> None:
-        """One lineage per --save: a run writes into a --save that holds iterations only to
-        continue the latest of them. Any other start (a fresh run, --finetune or
-        --no-load-optim from --save's own weights, which restart at iteration 0, or
-        --ckpt-step of an earlier iteration) would replace that run's iterations with
-        another run's and move its tracker back, unless --overwrite-checkpoints says so."""
+    def check_save_lineage(self, found: catalog.Catalog) -> None:
+        """One lineage per --save, judged on ``found`` (``--save``'s scan, made by the run
+        that holds its lock: training.checkpointing.Checkpointer.take_save_lock): a run
+        writes into a --save that holds iterations only to continue the latest of them. Any
+        other start (a fresh run, --finetune or --no-load-optim from --save's own weights,
+        which restart at iteration 0, or --ckpt-step of an earlier iteration) would replace
+        that run's iterations with another run's and move its tracker back, unless
+        --overwrite-checkpoints says so."""
         c = self.checkpoint
         save, load = c.save, c.load
-        if not save or not os.path.isdir(save) or c.overwrite_checkpoints:
+        if not save or c.overwrite_checkpoints:
             return
-        found = catalog.scan(save)
         held = found.held
         if not held:
             return

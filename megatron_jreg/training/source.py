@@ -15,6 +15,7 @@ frozen :class:`StartingPoint`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 from megatron_jreg.checkpoint import catalog, formats
@@ -22,6 +23,11 @@ from megatron_jreg.checkpoint.faults import CheckpointFault, Wording
 from megatron_jreg.config.resolve import NULL_TOKENIZER, model_vocab
 from megatron_jreg.data.tokenizers.build import build_tokenizer
 from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
+from megatron_jreg.errors import CheckpointError
+
+
+class CheckpointChanged(CheckpointError):
+    """The checkpoint read at parse time is no longer the one its directory gives."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +60,22 @@ class StartingPoint:
         return self.choice.weights_only
 
 
+def loads_own_save(c) -> bool:
+    """``--load`` is the run's ``--save``: the command line a restart repeats. Before its
+    first save there is nothing to load, and the run starts from scratch (Megatron-LM's
+    meaning); any other ``--load`` must hold a checkpoint."""
+    return bool(c.load and c.save and os.path.realpath(c.load) == os.path.realpath(c.save))
+
+
 def choose(c, load_catalog: Optional[catalog.Catalog] = None) -> Optional[Choice]:
-    """The directory the checkpoint section ``c`` loads, or None (a run from scratch);
-    ``load_catalog``: ``--load``'s scan when the caller has one."""
-    if c.load and (not c.pretrained_checkpoint
-                   or (load_catalog or catalog.scan(c.load)).holds_checkpoint):
+    """The directory the checkpoint section ``c`` loads, or None (a run from scratch: also
+    one whose ``--load`` is its own ``--save`` holding no checkpoint yet); ``load_catalog``:
+    ``--load``'s scan when the caller has one."""
+    if c.load and (c.pretrained_checkpoint or loads_own_save(c)):
+        found = (load_catalog or catalog.scan(c.load)).holds_checkpoint
+    else:
+        found = bool(c.load)
+    if found:
         return Choice("--load", c.load, c.ckpt_step, bool(c.finetune and not c.pretrained_checkpoint))
     if c.pretrained_checkpoint:
         return Choice("--pretrained-checkpoint", c.pretrained_checkpoint, None, True)
@@ -75,14 +92,30 @@ def read(choice: Choice, verify: bool) -> StartingPoint:
 
 
 def starting_point(c, already: Optional[StartingPoint] = None) -> Optional[StartingPoint]:
-    """The run's starting point: ``already`` (read at parse time) when it is the one
-    ``c`` chooses, else read now."""
+    """The run's starting point: ``already`` (read at parse time) when it is the one ``c``
+    chooses and the directory still gives that iteration there, else read now. Called
+    holding --save's lock, so a change since the parse is another run's save or a killed
+    save the lock put back in place; the first is refused (the settings were read from the
+    older iteration), the second read where it lies now."""
     choice = choose(c)
     if choice is None:
         return None
-    if already is not None and already.choice == choice:
-        return already
-    return read(choice, verify=not c.no_verify_checkpoint)
+    verify = not c.no_verify_checkpoint
+    if already is None or already.choice != choice:
+        return read(choice, verify)
+    read_then = already.source.ref
+    try:
+        now = catalog.scan(choice.root).resolve(choice.step)
+    except CheckpointFault as fault:
+        raise fault.reword(Wording(root=choice.flag))
+    if now.iteration != read_then.iteration:
+        raise CheckpointChanged(
+            f"{choice.flag} {choice.root} changed while this run started: --use-checkpoint-args "
+            f"read iteration {read_then.iteration}, and it now holds iteration {now.iteration} "
+            "(another run saved it meanwhile); start this run again to continue from there")
+    if os.path.realpath(now.path) != os.path.realpath(read_then.path):
+        return read(choice, verify)  # a killed save's whole copy, renamed into place
+    return already
 
 
 def run_tokenizer(data, model):

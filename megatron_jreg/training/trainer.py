@@ -82,7 +82,14 @@ class Trainer:
     def setup(self) -> None:
         # the plan: the settings, the checkpoint the run starts from (read once) and the
         # tokenizer resolve into the run, which nothing changes afterwards
+        # --save's lock first: its lineage and the checkpoint the run continues are judged
+        # by the one run that holds it, so no other run saves between the two
+        initialize_distributed(self.cfg.parallel.distributed_timeout_minutes)
+        self.checkpoints.take_save_lock()
         self.checkpoints.start = starting_point(self.cfg.checkpoint, self.cfg.start)
+        if self.checkpoints.start is None and self.cfg.checkpoint.load:
+            print_rank_0(f"--load {self.cfg.checkpoint.load}: no checkpoint there yet (it is this "
+                         "run's --save); starting from scratch")
         self.tokenizer, model = run_tokenizer(self.cfg.data, self.cfg.model)
         raw = dataclasses.replace(self.cfg, model=model)
         self.checkpoints.check_source(self.tokenizer)  # first: a changed tokenizer explains the rest
@@ -94,7 +101,6 @@ class Trainer:
             **self.checkpoints.facts()))
         self.train_cfg = cfg.training
         self.checkpoints.experiment = cfg  # each save records the resolved run
-        initialize_distributed(cfg.parallel.distributed_timeout_minutes)
         self.device = platform_device.current_device()
         check_outputs(self.cfg.outputs())
         check_data_against_run(cfg.data_prefixes(), self.tokenizer.vocab_size, cfg.data.data_cache_path,
@@ -104,7 +110,6 @@ class Trainer:
                 f"--jreg-impl fused: the fused kernel is not built for {self.device.type} "
                 f"({kernel_build()}); reinstall with `pip install --no-build-isolation -e .` "
                 "or pass --jreg-impl torch (or auto)")
-        self.checkpoints.take_save_lock()
         jreg_impl, why = describe_impl(cfg.jreg.impl, self.device)
         print_rank_0(f"JREG implementation: {jreg_impl} ({why})")
         print_rank_0(f"transformer implementation: {impl} ({impl_why})")

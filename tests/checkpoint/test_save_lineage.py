@@ -23,6 +23,7 @@ import pytest
 
 from trainer_runs import base_args, read_metrics, train
 
+from megatron_jreg.checkpoint import catalog
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 from megatron_jreg.checkpoint.manifest import MANIFEST, verify_manifest
 from megatron_jreg.checkpoint.run_configs import checkpoint_sources
@@ -133,10 +134,10 @@ def test_what_may_write_into_its_own_load(demo_data, tmp_path, flags, iterations
                       torn=torn)
     experiment = from_argv(base_args(demo_data, load=save, save=save, **flags))
     if refusal is None:
-        experiment.validate(world_size=1)
+        experiment.check_save_lineage(catalog.scan(str(save)))
         return
     with pytest.raises(ValueError) as err:
-        experiment.validate(world_size=1)
+        experiment.check_save_lineage(catalog.scan(str(save)))
     assert refusal.format(save=save, pre=pre) in str(err.value), str(err.value)
     assert str(err.value).startswith(f"--save {save}" if "ckpt_step" not in flags else "--ckpt-step")
 
@@ -149,7 +150,8 @@ def test_an_earlier_step_counts_the_whole_copy_a_killed_save_left(demo_data, tmp
     os.makedirs(partial)
     open(partial / COMPLETE, "w").write("{}")
     with pytest.raises(ValueError, match="holds later ones \\(iter_0000004\\)"):
-        from_argv(base_args(demo_data, load=save, save=save, ckpt_step=2)).validate(world_size=1)
+        from_argv(base_args(demo_data, load=save, save=save, ckpt_step=2)).check_save_lineage(
+            catalog.scan(str(save)))
 
 
 # ---- a save killed between its renames ------------------------------------------------------
