@@ -85,11 +85,20 @@ class PreprocessConfig:
     """Bytes of input per worker message: big enough to amortise the message, small enough
     for load balance and bounded memory."""
 
+    max_line_bytes: int = field(default=1 << 27, metadata={"group": "input"})
+    """Refuse a line (one JSON record or text document) longer than this many bytes, naming
+    it, before reading more of it: a line is held whole, with its tokens, while it is
+    encoded. At least --chunk-bytes; default 128 MiB."""
+
     def __post_init__(self) -> None:
-        for name in ("workers", "partitions", "log_interval", "chunk_bytes"):
+        for name in ("workers", "partitions", "log_interval", "chunk_bytes", "max_line_bytes"):
             value = getattr(self, name)
             if value < 1:
                 raise PreprocessError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.max_line_bytes < self.chunk_bytes:
+            raise PreprocessError(
+                f"--max-line-bytes {self.max_line_bytes} is below --chunk-bytes "
+                f"{self.chunk_bytes}; raise it (or lower --chunk-bytes)")
         if self.tokenizer_type not in TOKENIZER_TYPES:
             raise PreprocessError(
                 f"--tokenizer-type {self.tokenizer_type!r} is not supported; "

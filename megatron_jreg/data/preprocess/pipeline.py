@@ -10,6 +10,10 @@ in flight, so memory does not grow with the corpus.
 With ``--partitions N`` the input is cut into N contiguous line-aligned parts, each
 processed by its own process (with ``workers // N`` workers) into a partial dataset; the
 parts are then merged in order with ``add_index``, which gives the same bytes as one pass.
+
+A line over ``IN_PARENT_BYTES`` (up to ``--max-line-bytes``) is encoded by the parent itself,
+with the same encoder, after the chunks before it: sent to a worker it would be pickled,
+piped and unpickled both ways, several copies of the line alive at once.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ from megatron_jreg.data.preprocess.sources import (
 from megatron_jreg.data.preprocess.workers import encode_chunk_in_worker, init_worker
 from megatron_jreg.data.preprocess.writer import IndexedDatasetOutput
 from megatron_jreg.errors import InputError
+
+# A one-line chunk over this many bytes is encoded in the parent (see the module docstring).
+IN_PARENT_BYTES = 1 << 23
+
 
 def _mp_context() -> multiprocessing.context.BaseContext:
     # fork starts workers in milliseconds; the worker module is spawn-safe where fork is absent.
@@ -124,7 +132,9 @@ def _encode_stream(
 
     def consume() -> None:
         path, first_line, num_bytes, future = pending.popleft()
-        result = future.result()
+        record(path, first_line, num_bytes, future.result())
+
+    def record(path, first_line, num_bytes, result) -> None:
         if result.error is not None:
             line, message = result.error
             raise PreprocessError(
@@ -154,7 +164,17 @@ def _encode_stream(
             for prefix, dtype in zip(prefixes, dtypes):
                 outputs.append(IndexedDatasetOutput(prefix, dtype))
             for segment in segments:
-                for chunk in iter_chunks(segment, config.chunk_bytes, config.read_keys):
+                for chunk in iter_chunks(segment, config.chunk_bytes, config.read_keys,
+                                         config.max_line_bytes):
+                    if chunk.num_lines == 1 and chunk.num_bytes > IN_PARENT_BYTES:
+                        while pending:  # results stay in input order
+                            consume()
+                        if built is None:
+                            built = spec.build()
+                        where = (segment.path, chunk.first_line, chunk.num_bytes)
+                        # encode_chunk takes the chunk's bytes: drop our name for them too
+                        record(*where, built.encode_chunk(chunk, segment.kind))
+                        continue
                     future = executor.submit(encode_chunk_in_worker, chunk)
                     pending.append((segment.path, chunk.first_line, chunk.num_bytes, future))
                     if len(pending) >= window:

@@ -276,22 +276,28 @@ class Chunk:
     segment: Segment
     first_line: int
     """Line (or row) number of the chunk's first line within ``segment.path``."""
-    lines: bytes | None = None
-    """Raw bytes ending at a line boundary (jsonl/text)."""
+    lines: bytes | bytearray | None = None
+    """Raw bytes ending at a line boundary (jsonl/text); the encoder takes them (sets None)
+    so that a long line's bytes go as soon as they are decoded."""
     rows: list[dict] | None = None
     """Parquet rows as dicts (parquet)."""
     num_lines: int = 0
     num_bytes: int = 0
 
 
-def iter_chunks(segment: Segment, chunk_bytes: int, json_keys: list[str]) -> Iterator[Chunk]:
-    """Line-aligned chunks of about ``chunk_bytes`` each; memory is bounded by one chunk."""
+def iter_chunks(segment: Segment, chunk_bytes: int, json_keys: list[str],
+                max_line_bytes: int | None = None) -> Iterator[Chunk]:
+    """Line-aligned chunks of about ``chunk_bytes`` each; memory is bounded by one chunk, or
+    by one line where a line is longer. A line over ``max_line_bytes`` (None: no limit; it
+    should be at least ``chunk_bytes``) is an InputError naming it, raised before more than
+    that is read of it."""
     if segment.kind == "parquet":
         yield from _parquet_chunks(segment, chunk_bytes, json_keys)
         return
     remaining = None if segment.end is None else segment.end - segment.start
     line = segment.first_line
     carry = b""
+    long_line = None  # a line longer than a chunk, as it grows in place (no copy per block)
     with segment.open_binary() as f:
         while True:
             want = chunk_bytes if remaining is None else min(chunk_bytes, remaining)
@@ -305,6 +311,24 @@ def iter_chunks(segment: Segment, chunk_bytes: int, json_keys: list[str]) -> Ite
                 ) from None
             if remaining is not None:
                 remaining -= len(block)
+            if long_line is not None:
+                cut = block.find(b"\n") + 1 if block else len(block)
+                long_line += memoryview(block)[:cut] if cut else block
+                _check_line_length(segment, line, long_line, max_line_bytes)
+                if cut == 0 and block:
+                    continue
+                # the long line is complete: it goes alone; the rest of the block goes on
+                chunk = Chunk(segment, line, lines=long_line, num_lines=1,
+                              num_bytes=len(long_line))
+                long_line = None
+                yield chunk
+                del chunk
+                line += 1
+                block = block[cut:]
+                if not block:
+                    if cut == 0:  # end of input
+                        return
+                    continue
             if not block:
                 if carry:  # last line without a trailing newline
                     yield Chunk(segment, line, lines=carry, num_lines=1, num_bytes=len(carry))
@@ -312,13 +336,34 @@ def iter_chunks(segment: Segment, chunk_bytes: int, json_keys: list[str]) -> Ite
             block = carry + block
             cut = block.rfind(b"\n") + 1
             if cut == 0:  # a line longer than the chunk: keep reading
-                carry = block
+                long_line, carry = bytearray(block), b""
+                del block
+                _check_line_length(segment, line, long_line, max_line_bytes)
                 continue
             carry = block[cut:]
             payload = block[:cut] if carry else block
             n = payload.count(b"\n")
             yield Chunk(segment, line, lines=payload, num_lines=n, num_bytes=len(payload))
             line += n
+
+
+def _check_line_length(segment: Segment, line: int, data: bytearray,
+                       max_line_bytes: int | None) -> None:
+    """InputError when the line read so far (``data``) is over ``max_line_bytes``, its
+    newline not counted."""
+    if max_line_bytes is None:
+        return
+    length = len(data) - (1 if data.endswith(b"\n") else 0)
+    if length > max_line_bytes:
+        raise InputError(
+            f"{segment.path}:{line}: the line is longer than --max-line-bytes "
+            f"{max_line_bytes} ({_mib(max_line_bytes)}); split its document into several "
+            f"lines, or raise --max-line-bytes"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"
 
 
 def _parquet_chunks(segment: Segment, chunk_bytes: int, json_keys: list[str]) -> Iterator[Chunk]:

@@ -100,8 +100,18 @@ class BadLine(Exception):
         self.detail = detail
 
 
-def split_lines(payload: bytes) -> list[str | BadLine]:
+def split_lines(payload: bytes | bytearray) -> list[str | BadLine]:
     """Decoded lines; a line that is not UTF-8 becomes a BadLine in its place."""
+    newline = payload.find(b"\n")
+    if newline in (-1, len(payload) - 1):
+        # One line (a long one comes alone): decoded in place, not split into a second copy.
+        end = len(payload) if newline == -1 else newline
+        try:
+            return [str(memoryview(payload)[:end], "utf-8")]
+        except UnicodeDecodeError as e:
+            return [BadLine(INVALID_UTF8, (
+                f"invalid UTF-8 (byte 0x{payload[e.start]:02x} at byte {e.start + 1} "
+                f"of the line)"))]
     try:
         lines: list = payload.decode("utf-8").split("\n")
     except UnicodeDecodeError:
@@ -203,7 +213,7 @@ class DocumentEncoder:
                 raise BadLine(
                     NON_STRING, f"value of {key!r} is {type(value).__name__}, expected a string"
                 )
-            if not value.strip():
+            if not value or value.isspace():  # strip() would copy a long document
                 raise BadLine(EMPTY_DOCUMENT, f"empty document in {key!r}")
             bad = surrogate_error(value, repr(key))
             if bad is not None:
@@ -221,14 +231,19 @@ class DocumentEncoder:
                 except BadLine as bad:
                     out.append((i, bad))
             return out
-        for i, line in enumerate(split_lines(chunk.lines)):
+        # The chunk's bytes are taken, and go once decoded: a long line is not held twice.
+        payload, chunk.lines = chunk.lines, None
+        lines = split_lines(payload)
+        del payload
+        for i in range(len(lines)):
+            line, lines[i] = lines[i], None  # each line goes once parsed
             if isinstance(line, BadLine):
                 out.append((i, line))
             elif kind == "text":
                 text = line.removesuffix("\r")
-                out.append((i, [text] if text.strip() else BadLine(
+                out.append((i, [text] if text and not text.isspace() else BadLine(
                     EMPTY_DOCUMENT, "empty document (a blank line)")))
-            elif line.strip():  # blank lines between JSON records are not documents
+            elif line and not line.isspace():  # blank lines between records are not documents
                 try:
                     record = json.loads(line)
                 except ValueError as e:
@@ -263,12 +278,10 @@ class DocumentEncoder:
         if self._splitter is None:
             # One call per chunk, as arrays: the tokenizer's batch path skips per-document
             # call overhead, and arrays skip a Python int per token where the library can.
-            ids, lengths = tok.encode_packed(texts)
-            ids = ids.astype(self.dtype, copy=False)
-            if self.spec.append_eod:
-                ends = numpy.cumsum(lengths, dtype=numpy.int64)
-                ids = numpy.insert(ids, ends, numpy.array(tok.eod, self.dtype))
-                lengths = lengths + numpy.int32(1)
+            # It writes the dataset's dtype and the EODs itself: a long document's ids are
+            # then held once, not again for the cast and again for the EODs.
+            ids, lengths = tok.encode_packed(
+                texts, self.dtype, tok.eod if self.spec.append_eod else None)
             return EncodedKey(ids, lengths, None)
         # Megatron-LM's rule: sentences that encode to nothing are dropped, and EOD joins
         # the document's last sentence.

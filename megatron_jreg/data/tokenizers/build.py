@@ -28,7 +28,13 @@ import numpy
 
 # Megatron-LM's types are built by tokenizers.megatron_lm, as Megatron-LM defines them.
 from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
-from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack  # noqa: F401 (the callers' import)
+from megatron_jreg.data.tokenizers.token_arrays import (  # noqa: F401 (pack: the callers' import)
+    LONG_TEXT_CHARS,
+    file_sha256,
+    pack,
+    pack_texts,
+    space_cuts,
+)
 from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
 from megatron_jreg.errors import InputError
 
@@ -69,11 +75,24 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
-    def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        """``encode_batch`` as (ids concatenated, ids per text); no Python int per byte."""
+    def encode_packed(self, texts: Sequence[str], dtype=numpy.uint8,
+                      eod: int | None = None) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``encode_batch`` as (ids concatenated in ``dtype``, each text's followed by
+        ``eod`` when given; ids per text); no Python int per byte."""
+        return pack_texts(texts, self._encode_arrays, self._encode_long, dtype, eod)
+
+    @staticmethod
+    def _encode_arrays(texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
         raw = [t.encode("utf-8") for t in texts]
         lengths = numpy.fromiter(map(len, raw), numpy.int32, count=len(raw))
         return numpy.frombuffer(b"".join(raw), numpy.uint8), lengths
+
+    @staticmethod
+    def _encode_long(text: str):
+        # bytes do not depend on their neighbours: any cut gives the same ids
+        for start in range(0, len(text), LONG_TEXT_CHARS):
+            yield numpy.frombuffer(text[start:start + LONG_TEXT_CHARS].encode("utf-8"),
+                                   numpy.uint8)
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < self.NUM_BYTES).decode("utf-8", errors="replace")
@@ -104,6 +123,7 @@ class SentencePieceTokenizer:
                 f"retrain it with eos_id set (tools/train_tokenizer.py does)"
             )
         self._numpy_out = _sentencepiece_has_numpy(self._sp)
+        self._cuts_at_spaces = _sentencepiece_cuts_at_spaces(self._sp)
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         self.eos = self.eod
@@ -122,8 +142,13 @@ class SentencePieceTokenizer:
         # own thread pool would oversubscribe the cores they use.
         return self._sp.Encode(list(texts), num_threads=1)
 
-    def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        """``encode_batch`` as (ids concatenated, ids per text)."""
+    def encode_packed(self, texts: Sequence[str], dtype=numpy.int32,
+                      eod: int | None = None) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``encode_batch`` as (ids concatenated in ``dtype``, each text's followed by
+        ``eod`` when given; ids per text)."""
+        return pack_texts(texts, self._encode_arrays, self._encode_long, dtype, eod)
+
+    def _encode_arrays(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
         if not self._numpy_out:
             return pack(self.encode_batch(texts))
         # Arrays straight from C++: no Python int per token.
@@ -132,8 +157,39 @@ class SentencePieceTokenizer:
         ids = numpy.concatenate(arrays) if arrays else numpy.zeros(0, numpy.int32)
         return ids, lengths
 
+    def _encode_long(self, text: str):
+        if not self._cuts_at_spaces:
+            yield self._encode_arrays([text])[0]
+            return
+        # The space is dropped at a cut: the next piece's dummy prefix is that space.
+        for piece in space_cuts(text, keep_space=False):
+            yield self._encode_arrays([piece])[0]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.DecodeIds(list(ids))
+
+
+# Normalisations that leave ASCII letters, digits and a space between them as they are.
+_LOCAL_NORMALIZATIONS = ("identity", "nfkc", "nmt_nfkc", "nfkc_cf", "nmt_nfkc_cf")
+
+
+def _sentencepiece_cuts_at_spaces(sp) -> bool:
+    """Whether encoding "... x" and "y ..." apart gives the ids of "... x y ..." (x, y ASCII
+    letters or digits): the space starts a word (split by whitespace, no piece holds U+2581
+    after other characters) and each text starts with a dummy-prefix space. Else long texts
+    are encoded whole."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # needs protobuf
+        return False
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(sp.serialized_model_proto())
+    norm, trainer = model.normalizer_spec, model.trainer_spec
+    if not (norm.add_dummy_prefix and norm.escape_whitespaces
+            and norm.name in _LOCAL_NORMALIZATIONS and trainer.split_by_whitespace
+            and not trainer.treat_whitespace_as_suffix):
+        return False
+    return not any("\u2581" in piece.piece.lstrip("\u2581") for piece in model.pieces)
 
 
 def _sentencepiece_has_numpy(sp) -> bool:
@@ -200,6 +256,8 @@ class HuggingFaceTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = eod
         self.eos = eod
+        self._cuts_before_spaces = _hf_cuts_before_spaces(self._tok)
+        self._added_texts = [tok.content for tok in added.values()]
         self.unique_identifiers = {
             "class": "HuggingFaceTokenizer",
             "tokenizer_sha256": file_sha256(json_path),
@@ -215,12 +273,52 @@ class HuggingFaceTokenizer:
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
-    def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        """``encode_batch`` as (ids concatenated, ids per text)."""
+    def encode_packed(self, texts: Sequence[str], dtype=numpy.int32,
+                      eod: int | None = None) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``encode_batch`` as (ids concatenated in ``dtype``, each text's followed by
+        ``eod`` when given; ids per text)."""
+        return pack_texts(texts, self._encode_arrays, self._encode_long, dtype, eod)
+
+    def _encode_arrays(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
         return pack(self.encode_batch(texts))  # the library gives ids only as lists
+
+    def _encode_long(self, text: str):
+        if not self._cuts_before_spaces:
+            yield self._encode_arrays([text])[0]
+            return
+        special = self._added_texts
+        for piece in _hf_cuts(text, special):
+            yield self._encode_arrays([piece])[0]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _hf_cuts_before_spaces(tok) -> bool:
+    """Whether encoding "... x" and " y ..." apart gives the ids of "... x y ..." (x, y ASCII
+    letters or digits): no normalizer, and GPT-2's byte-level split alone before the model,
+    which always starts a word at " y". Else long texts are encoded whole."""
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True))
+
+
+def _hf_cuts(text: str, added: list[str]):
+    """``space_cuts`` for a Hugging Face tokenizer, but a cut with an added token's text
+    near it is dropped: the library finds those before splitting words, and some take the
+    whitespace beside them."""
+    reach = max(map(len, added), default=0)
+    held: list[str] = []
+    end = 0
+    for piece in space_cuts(text, keep_space=True):
+        held.append(piece)
+        end += len(piece)
+        near = text[max(0, end - reach):end + reach]
+        if end < len(text) and any(t and t in near for t in added):
+            continue  # keep this piece with the next
+        yield held[0] if len(held) == 1 else "".join(held)
+        held = []
 
 
 Tokenizer = ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy
 
 from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS
-from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack
+from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack, pack_texts
 from megatron_jreg.errors import InputError
 
 
@@ -41,8 +41,16 @@ class _Batched:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
-    def encode_packed(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
+    def encode_packed(self, texts: Sequence[str], dtype=numpy.int32,
+                      eod: int | None = None) -> tuple[numpy.ndarray, numpy.ndarray]:
+        # a long text is encoded whole: these are Megatron-LM's tokenizers, as it runs them
+        return pack_texts(texts, self._encode_arrays, self._encode_whole, dtype, eod)
+
+    def _encode_arrays(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
         return pack(self.encode_batch(texts))
+
+    def _encode_whole(self, text: str):
+        yield self._encode_arrays([text])[0]
 
 
 class Llama2Tokenizer(_Batched):
