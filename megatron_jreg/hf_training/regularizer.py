@@ -24,6 +24,11 @@ does.
 Gradient checkpointing runs a layer's forward again during backward: that second pass is
 not recorded (the pairs of the first keep their graph through the checkpoint).
 
+A layer that does not run in a forward (Mllama's cross-attention layers without an image)
+is the identity there: psi 0. PEFT prompt tuning's virtual tokens count as real tokens (the
+model attends to them); a packed forward that Hugging Face did not keep apart (a cache or an
+attention_mask with restarting position_ids) is refused.
+
 ``generate()`` runs the model once per new token: with no training forward before it, the
 pairs recorded are those of its last decode step (one token per row, no graph), so
 :meth:`HFJreg.penalty` then measures that step and its penalty regularizes nothing.
@@ -31,11 +36,12 @@ pairs recorded are those of its last decode step (one token per row, no graph), 
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
+
+import inspect
+import math
 
 import torch
-
-import math
 
 from megatron_jreg.errors import InputError
 from megatron_jreg.hf_training.layers import decoder_layers
@@ -46,6 +52,18 @@ from megatron_jreg.ops.displacement import IMPLS, token_displacement
 def _hidden(output: object) -> torch.Tensor:
     # transformers >= 5 returns the hidden states; earlier versions a tuple starting with them
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or a view of the same memory with the same layout."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__}"
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -97,44 +115,178 @@ class HFJreg:
     def __init__(self, model: torch.nn.Module, lam: float = 1.0, alpha: float = 1.0,
                  weighting: str = "softmax", impl: str = "auto"):
         lam, alpha = check_settings(lam, alpha, weighting, impl)
-        self.path, self.layers = decoder_layers(_unwrapped(model))
+        inner = _unwrapped(model)
+        self.path, self.layers = decoder_layers(inner)
+        # the module whose forward runs the layers: it receives the 2D mask and marks the
+        # start of each forward
+        self._decoder = inner.get_submodule(self.path.rpartition(".")[0])
+        parameters = list(inspect.signature(self._decoder.forward).parameters)
+        self._mask_slot = (parameters.index("attention_mask") if "attention_mask" in parameters
+                           else None)  # where a positional attention_mask arrives
+        self._flash = "flash" in str(getattr(getattr(inner, "config", None),
+                                             "_attn_implementation", "") or "")
         self.num_layers = len(self.layers)
         self.lam, self.impl = lam, impl
         self.weights = layer_weights(self.num_layers, alpha, weighting)
         self._pairs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._with_graph = False  # the recorded pairs come from a forward with autograd on
-        self._handles = [layer.register_forward_hook(self._hook(number), with_kwargs=True)
-                         for number, layer in enumerate(self.layers, start=1)]
+        self._fresh = False  # the decoder's forward began and no layer has run yet
+        self._skipping = False  # this forward (no_grad, after a graph's) is not recorded
+        self._used = False  # the last forward's pairs were taken by penalty()
+        self._arrived: Dict[str, object] = {}  # what the decoder's forward was given
+        self._inputs: Dict[str, object] = {}  # the same, for the recorded forward
+        self._handles = []
+        self.attach()
+
+    @property
+    def attached(self) -> bool:
+        """The hooks are on the model."""
+        return bool(self._handles)
+
+    def attach(self) -> None:
+        """Put the hooks on the model (after :meth:`remove`; a no-op while they are on)."""
+        if self._handles:
+            return
+        self._handles = [self._decoder.register_forward_pre_hook(self._start, with_kwargs=True)]
+        self._handles += [layer.register_forward_hook(self._hook(number), with_kwargs=True)
+                          for number, layer in enumerate(self.layers, start=1)]
+
+    def _start(self, module, args, kwargs):
+        if torch._C._current_graph_task_id() != -1:
+            return None
+        mask = kwargs.get("attention_mask")
+        if mask is None and self._mask_slot is not None and len(args) > self._mask_slot:
+            mask = args[self._mask_slot]
+        self._arrived = {"mask": mask.detach() if isinstance(mask, torch.Tensor) else None}
+        self._fresh = True
+        return None
 
     def _hook(self, number: int):
         def hook(module, args, kwargs, output):
             if torch._C._current_graph_task_id() != -1:
                 return  # a recompute inside backward (gradient checkpointing)
-            if not torch.is_grad_enabled() and self._with_graph:
-                return  # a forward under no_grad (a logit recompute) keeps the graph's pairs
-            if number == 1:
+            if self._fresh or number == 1:  # the first layer of a forward
+                self._fresh = False
+                if not torch.is_grad_enabled() and self._with_graph:
+                    self._skipping = True  # a no_grad forward (a logit recompute) keeps the
+                    return                 # graph's pairs
+                self._skipping = False
+                self._pairs.clear()
                 self._with_graph = torch.is_grad_enabled()
+                self._used = False
+                position_ids = kwargs.get("position_ids")
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))
+                self._inputs = dict(self._arrived, cache=cache is not None, position_ids=(
+                    position_ids.detach() if isinstance(position_ids, torch.Tensor) else None))
+                self._arrived = {}
+            elif self._skipping:
+                return
             h_in = args[0] if args else kwargs["hidden_states"]
             self._pairs[number] = (h_in, _hidden(output))
         return hook
 
+    def _stack(self) -> List[Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+        """The pairs of layers 1..L; None for a layer that did not run (Mllama's
+        cross-attention layers without an image): h_l = h_{l-1}, psi 0. A layer is taken
+        for one that did not run only when the next layer that ran received the very tensor
+        the previous one returned; otherwise RuntimeError."""
+        if not self._pairs:
+            if self._used:
+                raise RuntimeError("HFJreg.penalty: the recorded layers were already used by the "
+                                   "previous penalty() call; run a forward of the model before "
+                                   "each penalty() call")
+            self._missing()
+        numbers = sorted(self._pairs)
+        for number in range(1, self.num_layers + 1):
+            if number in self._pairs:
+                continue
+            before = [n for n in numbers if n < number]
+            after = [n for n in numbers if n > number]
+            if not before or not after or not _same_tensor(
+                    self._pairs[after[0]][0], self._pairs[before[-1]][1]):
+                self._missing()
+        return [self._pairs.get(number) for number in range(1, self.num_layers + 1)]
+
+    def _missing(self) -> None:
+        raise RuntimeError(f"HFJreg.penalty: {len(self._pairs)} of {self.num_layers} layers "
+                           f"were recorded; call it after a forward of the model whose "
+                           f"{self.path} carries the hooks (if another model ran, e.g. "
+                           "one made by Trainer(model_init=...), hook that one)")
+
+    def _real_tokens(self, attention_mask: Optional[torch.Tensor],
+                     tokens: Tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The mask [b, s] of the tokens counted, for hidden states of ``tokens`` = (b, s).
+        A mask shorter than the hidden states (PEFT prompt tuning prepends its virtual
+        tokens) is the trailing part of the mask the decoder itself received, which counts
+        the virtual tokens as real: the model attends to them and every layer moves them."""
+        if attention_mask is None:
+            return None
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            raise InputError("HFJreg.penalty: attention_mask must be a [batch, sequence] tensor "
+                             f"(1 = a real token), got {_describe(attention_mask)}")
+        if tuple(attention_mask.shape) == tokens:
+            return attention_mask.bool()
+        own = self._inputs.get("mask")
+        if (isinstance(own, torch.Tensor) and tuple(own.shape) == tokens
+                and attention_mask.shape[0] == tokens[0]
+                and attention_mask.shape[1] < tokens[1]
+                and torch.equal(own[:, tokens[1] - attention_mask.shape[1]:].bool(),
+                                attention_mask.to(own.device).bool())):
+            return own.bool()
+        raise InputError(f"HFJreg.penalty: attention_mask has shape {tuple(attention_mask.shape)} "
+                         f"but the layers' hidden states have {tokens} tokens and the model's "
+                         "own mask does not extend it; give the mask of the batch the forward ran")
+
+    def _check_packing(self, mask: Optional[torch.Tensor]) -> None:
+        """Refuse a forward that packed several sequences in a row (position_ids restart)
+        where Hugging Face did not keep them apart: it separates them only with no
+        attention_mask and no cache (or with a flash-attention kernel), and otherwise lets
+        each attend to the ones before it, which Psi would then measure."""
+        position_ids = self._inputs.get("position_ids")
+        if self._flash or position_ids is None or position_ids.dim() != 2 \
+                or position_ids.shape[-1] < 2:
+            return
+        ids = position_ids
+        if mask is not None and tuple(mask.shape) == tuple(ids.shape):
+            # only real tokens: left padding's positions (1, 1, 0, 1, ...) are not packing
+            ids = ids.to(mask.device)
+            packed = any(bool((torch.diff(row[keep]) != 1).any())
+                         for row, keep in zip(ids, mask) if int(keep.sum()) > 1)
+        else:
+            packed = bool((torch.diff(ids, dim=-1) != 1).any())
+        if not packed:
+            return
+        if self._inputs.get("cache"):
+            why, fix = "the model kept a cache", "pass use_cache=False to the forward"
+        elif self._inputs.get("mask") is not None:
+            why, fix = ("the forward was given an attention_mask",
+                        "pass position_ids without an attention_mask")
+        else:
+            return  # Hugging Face separated the sequences
+        raise InputError("HFJreg.penalty: the forward packed several sequences in a row "
+                         f"(position_ids restart) but {why}, so Hugging Face let them attend "
+                         f"to each other and Psi would measure that; {fix}")
+
     def penalty(self, attention_mask: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """{"penalty": lambda * R (with its graph), "R", "psi" ([L], detached)} of the last
         forward; ``attention_mask`` [b, s] (1 = a real token) picks the tokens counted.
-        Clears the recorded pairs."""
-        if len(self._pairs) != self.num_layers:
-            raise RuntimeError(f"HFJreg.penalty: {len(self._pairs)} of {self.num_layers} layers "
-                               f"were recorded; call it after a forward of the model whose "
-                               f"{self.path} carries the hooks (if another model ran, e.g. "
-                               "one made by Trainer(model_init=...), hook that one)")
+        Clears the recorded pairs: each call needs a forward of its own."""
+        stack = self._stack()
+        h_last = next(pair for pair in reversed(stack) if pair is not None)[1]
+        mask = self._real_tokens(attention_mask, tuple(h_last.shape[:-1]))
+        self._check_packing(mask)
         psi = []
-        for number in range(1, self.num_layers + 1):
-            h_prev, h_next = self._pairs[number]
+        for pair in stack:
+            if pair is None:  # a layer that did not run: h_l = h_{l-1}
+                psi.append(torch.zeros((), dtype=torch.float32, device=h_last.device))
+                continue
+            h_prev, h_next = pair
             h_prev = h_prev.to(h_next.device)  # a model spread over devices
-            mask = None if attention_mask is None else attention_mask.to(h_next.device).bool()
-            per_token = token_displacement(h_prev, h_next, impl=self.impl, mask=mask)  # [b, s]
-            psi.append(masked_mean(per_token, mask).float())
+            on = None if mask is None else mask.to(h_next.device)
+            per_token = token_displacement(h_prev, h_next, impl=self.impl, mask=on)  # [b, s]
+            psi.append(masked_mean(per_token, on).float())
         self.clear()
+        self._used = True
         device = psi[-1].device
         psi_all = torch.stack([p.to(device) for p in psi])  # [L] fp32
         r = (self.weights.to(device=device, dtype=psi_all.dtype) * psi_all).sum()
@@ -157,11 +309,15 @@ class HFJreg:
     def clear(self) -> None:
         """Drop the recorded pairs (a forward whose penalty is not wanted, e.g. evaluation)."""
         self._pairs.clear()
+        self._inputs = {}
         self._with_graph = False
+        self._used = False
 
     def remove(self) -> None:
-        """Take the hooks off the model."""
+        """Take the hooks off the model and drop what they recorded (:meth:`attach` puts
+        them back)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.clear()
+        self._arrived = {}

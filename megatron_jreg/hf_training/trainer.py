@@ -12,7 +12,9 @@ reporters the user configured (TensorBoard, W&B). Evaluation reports the LM loss
 (``eval_loss`` stays comparable with a run without JREG).
 
 The settings are checked when the Trainer is built (InputError naming ``jreg_lambda`` ...).
-With ``model_init=`` the hooks follow each model it makes (``call_model_init``).
+With ``model_init=`` the hooks follow each model it makes (``call_model_init``). When
+``train()`` returns (or raises) the hooks are taken off the model and what they recorded is
+dropped; the next ``train()`` puts them back.
 """
 
 from __future__ import annotations
@@ -51,8 +53,20 @@ class JregTrainerMixin:
         self.jreg = HFJreg(model, **self._jreg_settings)
         return model
 
+    def train(self, *args, **kwargs):
+        # the hooks sit on the layers while the Trainer trains, and come off after: no
+        # hidden states stay referenced by them, and the model runs as it came. A second
+        # train() puts them back
+        self.jreg.attach()
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.jreg.remove()
+
     def compute_loss(self, model, inputs, return_outputs: bool = False,
                      num_items_in_batch: Optional[int] = None):
+        if model.training:
+            self.jreg.attach()  # a training step called outside train()
         # ask for the outputs only when our caller does: TRL's SFTTrainer (fused LM head)
         # makes them with a second forward under no_grad, whose hidden states would replace
         # the recorded ones and leave the penalty without its gradient

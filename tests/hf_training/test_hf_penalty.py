@@ -122,8 +122,8 @@ def test_the_decoder_layers_are_found_from_the_model_itself():
     class NoLayers(torch.nn.Module):
         config = transformers.LlamaConfig(num_hidden_layers=4)
 
-    with pytest.raises(InputError, match="NoLayers: cannot tell its decoder layers: lists of 4 "
-                                         "layers of one class .its config's layer count. found: none"):
+    with pytest.raises(InputError, match="NoLayers: cannot tell its decoder layers: outermost "
+                                         "lists of 4 layers .its config's layer count. found: none"):
         decoder_layers(NoLayers())
 
 
