@@ -23,6 +23,7 @@ from typing import Optional
 
 from megatron_jreg.atomic_write import temp_dir_beside
 from megatron_jreg.errors import InputError, missing_extra
+from megatron_jreg.hf_claims import check_claims
 
 GGUF_SUFFIX = ".gguf"
 # the --dtype names of the tools that load or write Hugging Face models
@@ -166,7 +167,16 @@ def _cache_dir_shown() -> str:
 
 def resolve_hf_model(reference: str, flag: str = "--hf-model") -> str:
     """The local path of ``reference``: a model directory, a GGUF file, or the cached
-    snapshot of a hub id; InputError naming the fix otherwise."""
+    snapshot of a hub id; InputError naming the fix otherwise. Every reader goes through
+    here, so here the architecture its config claims is checked against the shapes its
+    weight files list (:func:`megatron_jreg.hf_claims.check_claims`), before any model
+    is built or any tensor read."""
+    path = _locate(reference, flag)
+    check_claims(path, f"{flag} {reference}")
+    return path
+
+
+def _locate(reference: str, flag: str) -> str:
     if os.path.isdir(reference):
         if not os.path.isfile(os.path.join(reference, "config.json")):
             raise InputError(

@@ -15,6 +15,7 @@ import torch
 
 from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
 from megatron_jreg.errors import InputError
+from megatron_jreg.hf_claims import count_problem
 from megatron_jreg.hf_models import brief, gguf_architecture
 
 # config.json fields the import reads, by what they must hold. transformers takes some
@@ -36,7 +37,7 @@ def _wrong(value, field: str) -> Optional[str]:
     if value is None:
         return None if field in _OPTIONAL else "a value, not null"
     if field in _COUNTS:
-        return None if number and isinstance(value, int) and value >= 1 else "an integer >= 1"
+        return count_problem(value)
     if field in _POSITIVE + _NON_NEGATIVE:
         zero_ok = field in _NON_NEGATIVE
         if number and math.isfinite(value) and (value >= 0 if zero_ok else value > 0):

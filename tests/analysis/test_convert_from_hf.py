@@ -310,7 +310,8 @@ def test_bfloat16_import_holds_the_rounded_weights(tmp_path):
 
 def test_weights_that_do_not_match_config_are_refused(tmp_path):
     """transformers fills what config.json asks for and the files lack with a random init;
-    the import refuses it instead of converting random layers."""
+    the import refuses it instead of converting random layers: the layer count config.json
+    claims is compared with the safetensors header before any model is built."""
     hf_dir = _save_tiny("llama", tmp_path / "hf")
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     config["num_hidden_layers"] = 5
@@ -318,7 +319,9 @@ def test_weights_that_do_not_match_config_are_refused(tmp_path):
     proc = _run(["tools/convert_from_hf.py", "--hf-model", hf_dir, "--save", tmp_path / "ck"],
                 check=False)
     assert proc.returncode == 2
-    assert "the weight files lack 9 tensors config.json asks for (e.g. model.layers.4." in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"convert_from_hf: error: {os.path.join(hf_dir, 'config.json')}: num_hidden_layers is "
+        "5, but the weights hold layers 0-3 (4); correct it in that file")
     assert not (tmp_path / "ck").exists()
 
 
