@@ -8,8 +8,10 @@ that growth over the line's size. With ``--baseline-repo`` (another checkout, e.
 commit before the fix) the same runs are made with its tool in the same invocation, so the
 two columns share the machine and its load, and the outputs are compared byte for byte.
 
-    python bench/preprocess_long_line.py                          # 100 MB line
-    python bench/preprocess_long_line.py --line-mb 20 --baseline-repo /tmp/base
+    python bench/preprocess_long_line.py --line-mb 2 --tokenizers ByteTokenizer --baseline-repo OTHER_CHECKOUT
+
+(``--line-mb`` is 100 by default, and every tokenizer runs without ``--tokenizers``;
+OTHER_CHECKOUT is another checkout of the repository, e.g. the commit before a change.)
 
 ``--kill-gb`` stops a run whose tree passes that many GB (reported as killed).
 """
