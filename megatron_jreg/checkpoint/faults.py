@@ -142,6 +142,53 @@ class NotAModel(CheckpointFault):
         return f"{w.root} {self.root}: {self.detail}"
 
 
+# Megatron-LM's conversion of a checkpoint to torch_dist: its training script loads the
+# checkpoint and saves it under --ckpt-convert-save/<format> (megatron/training/training.py,
+# core_v0.16.1), then exits
+CONVERT = ("--ckpt-format torch --ckpt-convert-format torch_dist --ckpt-convert-save OUT")
+
+
+class LegacyTorchFormat(CheckpointFault):
+    """Iteration ``path`` (of save directory ``root``; ``step``: its number, None for
+    ``release/``) is Megatron-LM's legacy ``--ckpt-format torch`` save: per-rank
+    ``mp_rank_*/model_optim_rng.pt`` files (``shard``: the first), which dist-checkpointing
+    cannot read."""
+
+    def phrase(self, w):
+        step = f" --ckpt-step {self.step}" if self.facts.get("step") is not None else ""
+        return (f"{self.path} is Megatron-LM's legacy --ckpt-format torch checkpoint "
+                f"({self.shard}), which megatron-core's dist-checkpointing cannot read; convert "
+                f"it with Megatron-LM (its training script with --load {self.root}{step} "
+                f"--use-checkpoint-args {CONVERT}) and pass {w.root} OUT/torch_dist")
+
+
+class UnknownVersion(CheckpointFault):
+    """``file``'s common state carries ``checkpoint_version`` ``version``, not one of
+    ``known`` (Megatron-LM's versions of the layout this project reads)."""
+
+    def phrase(self, w):
+        v, shown = self.version, repr(self.version)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        said = ("NaN" if isinstance(v, float) and v != v
+                else f"{shown} (a {type(v).__name__})" if not isinstance(v, (int, float))
+                or isinstance(v, bool) else shown)
+        known = ", ".join(str(k) for k in self.known)
+        return (f"{self.file}: checkpoint_version is {said}; this project reads Megatron-LM's "
+                f"torch_dist checkpoints of version {known} (what Megatron-LM core_v0.16.1 and "
+                "this trainer write), so this one was written by another program or edited; "
+                f"give a checkpoint saved by Megatron-LM or this project's trainer")
+
+
+class ReleaseMissing(CheckpointFault):
+    """The tracker says ``release`` (Megatron-LM's released weights) but ``path`` is not a
+    whole checkpoint directory (``reason``)."""
+
+    def phrase(self, w):
+        return (f"{self.tracker} says 'release' (Megatron-LM's released weights, read from "
+                f"{self.path}), but {self.reason}; give the directory holding release/, or "
+                f"pick an iteration with {w.step}")
+
+
 class UnsafeCheckpoint(UserError):
     """A checkpoint file that is not plain data in its directory: a pickle naming what it
     never holds (``imports``), a FIFO, device or link out of the directory, or a storage

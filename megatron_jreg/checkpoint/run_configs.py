@@ -29,9 +29,8 @@ def checkpoint_sources(
     phrase them with their flags: faults.TOOLS)."""
     found = catalog.scan(root)
     if all_iterations:
-        if not found.whole:
-            found.resolve()  # the fault that says why there is none
-        chosen: List[Optional[int]] = list(found.whole)
+        # none whole: the catalog's choice (Megatron-LM's release/, or the fault saying why)
+        chosen: List[Optional[int]] = list(found.whole) or [None]
     elif iterations:
         chosen = list(iterations)
     else:

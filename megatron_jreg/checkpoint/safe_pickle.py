@@ -22,16 +22,25 @@ megatron-core's own allow-list (which it registers with torch when imported). A 
 names anything else is refused in one line (``faults.UnsafeCheckpoint``) and nothing in it
 runs; a file these readers cannot read stops the load as damaged (a reader that stops early
 cannot vouch for the rest of the file).
+
+Allow-listed is not yet bounded: ``.metadata``'s reader also refuses a BUILD on anything but
+a fresh instance of its dataclasses (on a class or enum member it would change that object
+for the whole process) and a memo index past the file's size (the C unpickler allocates
+the memo up to the index). torch's weights_only reader already builds only allow-listed
+instances and keeps its memo in a dict (``torch/_weights_only_unpickler.py``).
 """
 
 from __future__ import annotations
 
 import _compat_pickle
+import enum
+import importlib
 import io
 import os
 import pickle
 import re
-from typing import Dict, Tuple
+import struct
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -71,15 +80,46 @@ def _allowed_in_metadata(module: str, name: str) -> bool:
 
 
 class _Refused(pickle.UnpicklingError):
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.name = name
+    """What a .metadata would do that it never does: ``name`` the import, or ``reason``."""
+
+    def __init__(self, name: str, reason: Optional[str] = None):
+        super().__init__(reason or name)
+        self.name, self.reason = name, reason
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that imports only what a dist-checkpointing index holds. Every
-    import of a pickle goes through ``find_class`` (GLOBAL, STACK_GLOBAL, INST, OBJ and the
-    copyreg extension codes); a REDUCE or NEWOBJ can only call what it returned."""
+def _buildable() -> frozenset:
+    """The classes whose instances a .metadata's BUILD may fill in: the allow-listed
+    dataclasses (and OrderedDict), never a class itself, an enum member or a dtype, which
+    are shared by the whole process."""
+    classes = set()
+    for module, name in METADATA_GLOBALS:
+        found = getattr(importlib.import_module(module), name, None)
+        if isinstance(found, type) and not issubclass(found, (enum.Enum, tuple)):
+            classes.add(found)
+    return frozenset(classes)
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - the only one with a dispatch table
+    """Python's own unpickler (``pickle._Unpickler``, the reference the C one mirrors),
+    importing only what a dist-checkpointing index holds. Every import of a pickle goes
+    through ``find_class`` (GLOBAL, STACK_GLOBAL, INST, OBJ and the copyreg extension
+    codes); a REDUCE or NEWOBJ can only call what it returned. Python's unpickler, not the
+    C one, because two opcodes need judging before they act:
+
+    - BUILD sets attributes of the object under it: only of an instance of
+      :func:`_buildable`'s classes (``MetadataIndex.__hash__ = None`` on the class itself
+      would change it for the whole process);
+    - a memo index (PUT, BINPUT, LONG_BINPUT) is at most the file's size (a pickle holds
+      fewer objects than bytes); the C unpickler allocates a memo as long as the index,
+      16 GB for the 9 bytes of ``LONG_BINPUT 2**30``.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: SLF001
+
+    def __init__(self, stream, size: int):
+        super().__init__(stream)
+        self._size = size
+        self._buildable = _buildable()
 
     def find_class(self, module: str, name: str):
         # protocols 0-2 name Python 2's modules, which pickle maps to Python 3's: judge
@@ -92,6 +132,36 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):  # torch's .metadata has none
         raise pickle.UnpicklingError("a persistent id, which a .metadata never holds")
+
+    def load_build(self):
+        target = self.stack[-2]  # under the state
+        if type(target) not in self._buildable:
+            what = (f"the class {target.__module__}.{target.__qualname__}"
+                    if isinstance(target, type) else f"a shared {type(target).__name__} object")
+            raise _Refused(what, f"unpickling it would set attributes of {what} for the whole "
+                                 "process (a BUILD opcode), which a .metadata never does")
+        super().load_build()
+
+    def _memo_index(self, index: int) -> None:
+        if index > self._size:
+            raise _Refused(str(index), f"it puts an object at memo index {index}, past what "
+                                       f"its {self._size} bytes can hold (a pickle that would "
+                                       "take memory for that many objects)")
+        self.memo[index] = self.stack[-1]
+
+    def load_put(self):
+        self._memo_index(int(self.readline()[:-1]))
+
+    def load_binput(self):
+        self._memo_index(self.read(1)[0])
+
+    def load_long_binput(self):
+        self._memo_index(struct.unpack("<I", self.read(4))[0])
+
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.PUT[0]] = load_put
+    dispatch[pickle.BINPUT[0]] = load_binput
+    dispatch[pickle.LONG_BINPUT[0]] = load_long_binput
 
 
 def refusal(file: str, name: str, what: str) -> UnsafeCheckpoint:
@@ -108,12 +178,22 @@ def damaged(file: str, err: BaseException) -> DamagedFile:
                               f"{first}); it is not dist-checkpointing's or")
 
 
+def _remaining(stream) -> int:
+    here = stream.tell()
+    end = stream.seek(0, os.SEEK_END)
+    stream.seek(here)
+    return end - here
+
+
 def read_metadata(stream, file: str):
     """dist-checkpointing's ``Metadata`` from ``stream`` (the bytes of ``file``, a
-    ``.metadata``), read with only :data:`METADATA_GLOBALS` importable."""
+    ``.metadata``), read with only :data:`METADATA_GLOBALS` importable, BUILD only on
+    their instances and memo indices bounded by the file's size (:class:`_MetadataUnpickler`)."""
     try:
-        return _MetadataUnpickler(stream).load()
+        return _MetadataUnpickler(stream, _remaining(stream)).load()
     except _Refused as err:
+        if err.reason:
+            raise UnsafeCheckpoint(file, err.reason) from None
         raise refusal(file, err.name, "dist-checkpointing's index (.metadata)") from None
     except Exception as err:  # a truncated or foreign file; RecursionError included
         raise damaged(file, err) from None

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 
 from megatron_jreg.checkpoint import manifest, safe_pickle
 from megatron_jreg.checkpoint.catalog import Ref
-from megatron_jreg.checkpoint.faults import DamagedFile, UnsafeCheckpoint
+from megatron_jreg.checkpoint.faults import DamagedFile, UnknownVersion, UnsafeCheckpoint
 from megatron_jreg.checkpoint.files import inside, kind_of, open_regular
 from megatron_jreg.checkpoint.notes import report_once
 
@@ -148,11 +148,14 @@ class Opened:
     def content_metadata(self) -> Dict:
         return dict(self.common.get("content_metadata") or {})
 
-    def read_text(self, name: str) -> Optional[str]:
+    def read_text(self, name: str, limit: Optional[int] = None) -> Optional[str]:
+        """File ``name`` as text (None: no such file); with ``limit``, at most ``limit`` + 1
+        bytes of it (the reader refuses one over its bound without reading it all)."""
         if name not in self.files:
             return None
         with open_regular(os.path.join(self.path, name), self.path) as f:
-            return f.read().decode("utf-8", errors="replace")
+            data = f.read() if limit is None else f.read(limit + 1)
+        return data.decode("utf-8", errors="replace")
 
     def read_torch(self, name: str, what: str):
         """A torch file of the directory (an earlier version's random state), read as data."""
@@ -230,7 +233,25 @@ def _read_common(file: str, data: bytes) -> Dict:
     if not isinstance(state, dict):
         raise DamagedFile(path=os.path.dirname(file), checksum=False,
                           detail=f"{file} holds a {type(state).__name__}, not a state dict")
+    _check_version(file, state)
     return state
+
+
+# Megatron-LM's common-state versions of the layout read here: 3.0, what its torch_dist
+# saves carry (megatron/training/checkpointing.py, core_v0.16.1) and so ours; before 3.0 its
+# saves were the legacy torch format, with other argument names and QKV layouts
+KNOWN_VERSIONS = (3.0,)
+
+
+def _check_version(file: str, state: Dict) -> None:
+    """A ``checkpoint_version`` in the common state is one of :data:`KNOWN_VERSIONS` (a
+    state without one: this project's earlier saves and HF imports)."""
+    if "checkpoint_version" not in state:
+        return
+    version = state["checkpoint_version"]
+    if isinstance(version, bool) or not isinstance(version, (int, float)) \
+            or version not in KNOWN_VERSIONS:
+        raise UnknownVersion(file=file, version=version, known=KNOWN_VERSIONS)
 
 
 def _check_storage_names(path: str, metadata, files: Set[str]) -> None:

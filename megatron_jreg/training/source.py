@@ -57,7 +57,8 @@ class StartingPoint:
 
     @property
     def weights_only(self) -> bool:
-        return self.choice.weights_only
+        # Megatron-LM's release/ is weights only, also under --load (as Megatron-LM reads it)
+        return self.choice.weights_only or self.source.ref.release
 
 
 def loads_own_save(c) -> bool:
