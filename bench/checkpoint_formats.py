@@ -114,12 +114,14 @@ def measure(args) -> dict:
     from megatron_jreg.checkpoint.loading import load_checkpoint
     from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
     from megatron_jreg.config.run import OptimConfig
+    from megatron_jreg.config.yaml_settings import to_yaml
     from megatron_jreg.model.jreg_layer import JregTracker
     from megatron_jreg.training.optimizer import build_optimizer
     from megatron_jreg.training.step import forward_backward
 
     model_cfg = ModelConfig.from_preset(args.preset, vocab_size=args.vocab, num_layers=args.layers,
                                         seq_length=args.seq, bf16=args.bf16)
+    run_config = to_yaml({"model": model_cfg})  # a read compares it with the saved tensors
     tracker = JregTracker(JregConfig(lam=1.0, alpha=1.0), model_cfg.num_layers)
     config, chunks = one_device_model.build(model_cfg, ParallelConfig(), tracker, device,
                                             float16_module=args.bf16, distributed_optimizer=True)
@@ -154,8 +156,9 @@ def measure(args) -> dict:
         # save: both timed apart, so that the rows are the saves of a running job
         _, started = _timed(saver.start)
         first = os.path.join(root, "first")
-        _, first_blocked = _timed(lambda: save_checkpoint(first, 1, chunks, optimizer, None, "",
-                                                          {}, fully_parallel=True, background=saver))
+        _, first_blocked = _timed(lambda: save_checkpoint(
+            first, 1, chunks, optimizer, None, run_config, {}, fully_parallel=True,
+            background=saver))
         _, first_whole = _timed(lambda: saver.finalize(blocking=True))
         if dist.get_rank() == 0:
             shutil.rmtree(first)
@@ -166,7 +169,7 @@ def measure(args) -> dict:
                 background = saver if kind == "async" else None
 
                 def save():
-                    return save_checkpoint(target, 1, chunks, optimizer, None, "", {},
+                    return save_checkpoint(target, 1, chunks, optimizer, None, run_config, {},
                                            fully_reshardable=fmt == "fully_reshardable",
                                            fully_parallel=kind != "plain", background=background)
 

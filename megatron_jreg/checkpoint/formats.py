@@ -15,14 +15,19 @@ import json
 import os
 from typing import Dict, Mapping, Optional, Tuple
 
-from megatron_jreg.checkpoint import catalog, faults, rng_state, trusted
+from megatron_jreg.checkpoint import catalog, claims, faults, rng_state, trusted
 from megatron_jreg.checkpoint.catalog import TOKENIZER_DIR
 from megatron_jreg.checkpoint.interrupted import COMPLETE
-from megatron_jreg.checkpoint.megatron_lm_args import is_megatron_lm_state, sections_from_args
+from megatron_jreg.checkpoint.megatron_lm_args import (
+    COMMON_FILE,
+    checked_arg,
+    is_megatron_lm_state,
+    sections_from_args,
+)
 from megatron_jreg.checkpoint.scheduler_state import saved_schedule
 from megatron_jreg.config.run import SECTIONS
-from megatron_jreg.config.yaml_settings import from_yaml_text
-from megatron_jreg.errors import InputError
+from megatron_jreg.config.yaml_settings import MAX_CONFIG_BYTES, from_yaml_text
+from megatron_jreg.errors import InputError, UserError
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 OURS, EARLIER, MEGATRON_LM, HF_IMPORT = "ours", "ours (earlier version)", "Megatron-LM", "HF import"
@@ -49,7 +54,7 @@ class IterationFormat:
 
 
 def _configs(opened: trusted.Opened) -> Tuple[Dict[str, object], bool]:
-    text = opened.read_text(catalog.RUN_CONFIG)
+    text = opened.read_text(catalog.RUN_CONFIG, limit=MAX_CONFIG_BYTES)
     if text is None:
         if is_megatron_lm_state(opened.common):
             return sections_from_args(opened.common["args"], opened.path), False
@@ -58,8 +63,10 @@ def _configs(opened: trusted.Opened) -> Tuple[Dict[str, object], bool]:
             "common state, so the model cannot be rebuilt; give a checkpoint saved by this "
             "project's trainer or by Megatron-LM"))
     try:
-        configs = from_yaml_text(text, SECTIONS)
-    except Exception as err:  # yaml errors, unknown keys (TypeError), validation (ValueError)
+        configs = from_yaml_text(text, SECTIONS, os.path.join(opened.path, catalog.RUN_CONFIG))
+    except UserError as err:  # its bounds, YAML, keys and values, each naming the file
+        raise InputError(str(err)) from None
+    except Exception as err:  # anything else a section's construction raises
         raise InputError(
             f"{os.path.join(opened.path, catalog.RUN_CONFIG)}: cannot rebuild the run config "
             f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
@@ -76,13 +83,13 @@ def _carried(opened: trusted.Opened) -> Optional[str]:
     return os.path.join(opened.path, TOKENIZER_DIR) if name in opened.files else None
 
 
-def _train_state(common: Mapping) -> Dict[str, object]:
+def _train_state(common: Mapping, where: str) -> Dict[str, object]:
     """Samples and tokens consumed and FLOPs so far, from our ``train_state`` or
     Megatron-LM's ``args`` (consumed_tokens None: not recorded)."""
     state = dict(common.get("train_state") or {})
     args = common.get("args")
     if "consumed_samples" not in state and args is not None:
-        state["consumed_samples"] = int(getattr(args, "consumed_train_samples", 0) or 0)
+        state["consumed_samples"] = checked_arg(args, "consumed_train_samples", where, int) or 0
     state.setdefault("consumed_samples", 0)
     state.setdefault("consumed_tokens", None)
     flops = common.get("num_floating_point_operations_so_far")
@@ -90,12 +97,12 @@ def _train_state(common: Mapping) -> Dict[str, object]:
     return state
 
 
-def _saved_layout(common: Mapping) -> Optional[Tuple[int, int]]:
+def _saved_layout(common: Mapping, where: str) -> Optional[Tuple[int, int]]:
     args = common.get("args")
     if args is None:
         return None
-    return (int(getattr(args, "tensor_model_parallel_size", 1) or 1),
-            int(getattr(args, "pipeline_model_parallel_size", 1) or 1))
+    return (checked_arg(args, "tensor_model_parallel_size", where, int) or 1,
+            checked_arg(args, "pipeline_model_parallel_size", where, int) or 1)
 
 
 def unnamed_sharding(common: Mapping) -> str:
@@ -122,6 +129,15 @@ def describe(opened: trusted.Opened) -> IterationFormat:
     if not rows and opened.metadata is not None:
         raise faults.NotAModel(root=opened.ref.root,
                                detail=f"{opened.path} holds no {EMBEDDING_KEY}; not a GPT checkpoint")
+    # the architecture claimed, compared with the tensors listed, before anything is built
+    if has_run_config:
+        claimed_by = f"{os.path.join(opened.path, catalog.RUN_CONFIG)}: model"
+        fix = f"{catalog.RUN_CONFIG} does not describe these weights; restore the one saved with them"
+    else:
+        claimed_by = f"{os.path.join(opened.path, COMMON_FILE)}: args"
+        fix = ("the checkpoint's args do not describe its weights; it was edited or damaged: "
+               "rebuild it with a tool you trust")
+    claims.check(opened, configs["model"], claimed_by, fix)
     grid = rng_state.saved_grid(entries)
     rng_files = any(f.startswith(catalog.RNG_FILES_DIR + os.sep) for f in opened.files)
     if has_run_config and getattr(configs["data"], "imported_from", None):
@@ -131,12 +147,12 @@ def describe(opened: trusted.Opened) -> IterationFormat:
     else:
         kind = MEGATRON_LM
     return IterationFormat(
-        kind=kind, configs=configs, train_state=_train_state(common),
+        kind=kind, configs=configs, train_state=_train_state(common, opened.path),
         schedule=saved_schedule(common),
         rng="sharded" if grid is not None else "files" if rng_files else "none", rng_grid=grid,
         holds_optimizer="optimizer" in common or any(k.startswith("optimizer.") for k in entries),
         sharding=opened.content_metadata(), unnamed_sharding=unnamed_sharding(common),
-        saved_layout=_saved_layout(common),
+        saved_layout=_saved_layout(common, opened.path),
         saved_world=_saved_world(opened), embedding_rows=int(rows[0]) if rows else None,
         has_run_config=has_run_config, carried_tokenizer=_carried(opened))
 

@@ -19,7 +19,10 @@ Imports neither megatron-core nor the model.
 from __future__ import annotations
 
 import dataclasses
+import os
+import reprlib
 import types
+import typing
 from typing import Dict, Optional
 
 import torch
@@ -59,6 +62,50 @@ _PARALLEL_READ = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "expert_model_parallel_size", "sequence_parallel")
 _TOKENIZER_READ = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 _PLAIN = (type(None), bool, int, float, str)
+# Megatron-LM's fields that take several values (nargs='+'): a list of the field's kind
+_LISTED = ("moe_aux_loss_coeff", "moe_router_load_balancing_type")
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _kind(cls, name: str):
+    """bool, int, float or str: the kind of field ``name`` of ``cls``, without Optional."""
+    hint = typing.get_type_hints(cls)[name]
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return kinds[0] if kinds[0] in _KIND_WORDS else None
+
+
+_KINDS = {**{n: _kind(ModelConfig, n) for n in _MODEL_READ},
+          **{n: _kind(ParallelConfig, n) for n in _PARALLEL_READ},
+          "padded_vocab_size": int, "vocab_size": int, "make_vocab_size_divisible_by": int,
+          "seed": int, "consumed_train_samples": int}
+
+# a value as a message shows it: bounded however the pickle nested or repeated it
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 60, 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+
+
+def _is(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+
+
+def checked_arg(args, name: str, where: str, kind=None):
+    """Field ``name`` of Megatron-LM's ``args`` (None when absent or None), checked to be a
+    ``kind`` (the config field's, by default): a checkpoint's claim is not believed before it
+    is typed. Raises InputError naming ``where``/common.pt, the field and its value."""
+    value = getattr(args, name, None)
+    kind = kind or _KINDS.get(name)
+    if value is None or kind is None:
+        return value
+    items = value if name in _LISTED and isinstance(value, (list, tuple)) else [value]
+    if not all(_is(item, kind) for item in items):
+        raise InputError(f"{os.path.join(where, COMMON_FILE)}: args.{name} is "
+                         f"{_SHOWN.repr(value)}, not {_KIND_WORDS[kind]}")
+    return list(items) if items is value else value
 
 
 def _plain(value) -> bool:
@@ -140,20 +187,23 @@ def sections_from_args(args, where: str) -> Dict[str, object]:
                          "cannot build")
 
     def picked(names):
-        return {n: getattr(args, n) for n in names
-                if hasattr(args, n) and getattr(args, n) is not None and _plain(getattr(args, n))}
+        values = {n: checked_arg(args, n, where) for n in names}
+        return {n: v for n, v in values.items() if v is not None and _plain(v)}
 
     model = picked(_MODEL_READ)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    padded = getattr(args, "padded_vocab_size", None)
-    tokenizer = picked(_TOKENIZER_READ)
+    tp = checked_arg(args, "tensor_model_parallel_size", where) or 1
+    padded = checked_arg(args, "padded_vocab_size", where)
+    # the tokenizer's names as text (a path saved as another type is left out)
+    tokenizer = {n: getattr(args, n) for n in _TOKENIZER_READ
+                 if isinstance(getattr(args, n, None), str)}
     if tokenizer.get("tokenizer_type") not in TOKENIZER_TYPES:
         tokenizer = {}
-    vocab = getattr(args, "vocab_size", None)
+    vocab = checked_arg(args, "vocab_size", where)
     if tokenizer.get("tokenizer_type") == "NullTokenizer" and vocab:
-        vocab = int(vocab) + 1  # its EOD, counted in here
+        vocab = vocab + 1  # its EOD, counted in here
+    divisible = checked_arg(args, "make_vocab_size_divisible_by", where) or 128
     model.update(padded_vocab=padded, vocab_size=vocab or padded,
-                 make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128) * tp,
+                 make_vocab_size_divisible_by=divisible * tp,
                  transformer_impl=(args.transformer_impl if getattr(args, "transformer_impl", None)
                                    in TRANSFORMER_IMPLS else "local"))
     if model.get("kv_channels") == model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1)):
@@ -172,8 +222,8 @@ def sections_from_args(args, where: str) -> Dict[str, object]:
         sections["data"] = SECTIONS["data"](**tokenizer)
     except (ConfigError, TypeError, ValueError):
         sections["data"] = SECTIONS["data"]()  # a tokenizer this project has no such type for
-    seed = getattr(args, "seed", None)
-    sections["training"] = SECTIONS["training"](**({"seed": seed} if isinstance(seed, int) else {}))
+    seed = checked_arg(args, "seed", where)
+    sections["training"] = SECTIONS["training"](**({"seed": seed} if seed is not None else {}))
     for name, cls in SECTIONS.items():
         sections.setdefault(name, cls())
     return sections

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Dict, Mapping, Tuple, Type
+from typing import Any, Dict, Mapping, Tuple, Type, Union
 
 import yaml
 
@@ -54,8 +54,17 @@ def load_settings(path: str) -> Any:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
         raise ConfigError(f"--config {path}: cannot read it ({err.strerror})") from None
+    return load_bounded(raw, f"--config {path}")
+
+
+def load_bounded(raw: Union[bytes, str], where: str) -> Any:
+    """YAML text ``raw`` (a settings file, a checkpoint's run config; ``where`` names it in
+    messages) as data, refused in one line when over ``MAX_CONFIG_BYTES`` or when its
+    aliases expand to over ``MAX_CONFIG_NODES`` values: the one reader of both."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", errors="replace")
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"--config {path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a settings "
+        raise ConfigError(f"{where}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a settings "
                          "file is a few KiB: pass the right file")
     loader = yaml.SafeLoader(raw)
     try:
@@ -63,15 +72,15 @@ def load_settings(path: str) -> Any:
         try:
             size = 0 if node is None else _expanded_size(node, {})
         except ConfigError as err:
-            raise ConfigError(f"--config {path}: {err}") from None
+            raise ConfigError(f"{where}: {err}") from None
         if size > MAX_CONFIG_NODES:
-            raise ConfigError(f"--config {path}: its aliases expand to more than "
+            raise ConfigError(f"{where}: its aliases expand to more than "
                              f"{MAX_CONFIG_NODES} values; write the settings out")
         return None if node is None else loader.construct_document(node)
     except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(err).split())})") from None
+        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(err).split())[:300]})") from None
     except RecursionError:
-        raise ConfigError(f"--config {path}: nested too deeply to be a settings file") from None
+        raise ConfigError(f"{where}: nested too deeply to be a settings file") from None
     finally:
         loader.dispose()
 
@@ -139,6 +148,17 @@ def to_yaml(configs: Mapping[str, Any]) -> str:
     return yaml.safe_dump({k: dataclasses.asdict(v) for k, v in configs.items()}, sort_keys=False)
 
 
-def from_yaml_text(text: str, sections: Sections) -> Dict[str, Any]:
-    data = yaml.safe_load(text) or {}
-    return {s: cls(**data.get(s, {})) for s, cls in sections.items()}
+def from_yaml_text(text: str, sections: Sections, where: str = "run_config.yaml") -> Dict[str, Any]:
+    """The sections of a saved run config (``to_yaml``'s text), read with ``--config``'s
+    bounds (:func:`load_bounded`); ``where`` names the file in messages."""
+    data = load_bounded(text, where) or {}
+    if not isinstance(data, dict) or not all(isinstance(data.get(s, {}), dict) for s in sections):
+        raise ConfigError(f"{where}: expected a mapping of sections ({', '.join(sections)}) "
+                         "of settings")
+    out = {}
+    for s, cls in sections.items():
+        try:
+            out[s] = cls(**data.get(s, {}))
+        except (TypeError, ValueError) as err:  # an unknown key, a value out of bounds
+            raise ConfigError(f"{where}: section {s}: {str(err).splitlines()[0][:300]}") from None
+    return out

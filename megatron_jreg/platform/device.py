@@ -74,3 +74,18 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
     return psutil.Process().memory_info().rss / 2**30
+
+
+def memory_capacity() -> int:
+    """Bytes this process can hold on its device: the GPU's memory, else the host's (or
+    the address-space limit, ``ulimit -v``, where lower)."""
+    if not use_cpu():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    total = int(psutil.virtual_memory().total)
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return total
+    return total if limit == resource.RLIM_INFINITY else min(total, int(limit))
