@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -39,14 +38,23 @@ import sys
 import threading
 import time
 import uuid
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from megatron_jreg.atomic_write import check_output_dir, temp_marker, writer_tag
 from megatron_jreg.errors import InputError
+from megatron_jreg.lock_holders import (
+    MAX_LEASE_S,
+    describe_holder,
+    drop_flock,
+    keep_flock,
+    liveness,
+    process_identity,
+    slurm_job,
+    takeover_reason,
+)
 
 LEASE_S = 600.0  # the heartbeat's age after which a holder on another host counts as gone
 LEASE_ENV = "MEGATRON_JREG_LOCK_LEASE_S"
-MAX_LEASE_S = 1e6  # about 11 days: longer is no lease at all
 RECORD_BYTES = 65536  # a lock record is a few hundred bytes: more is not one of ours
 
 
@@ -67,95 +75,8 @@ def lease_seconds() -> float:
     return value
 
 
-def _valid_lease(value) -> bool:
-    """A lease a record may carry: a number of seconds in the range a holder can set."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 1.0 <= value <= MAX_LEASE_S)
-
-
-def _slurm_job() -> Dict:
-    """This process's Slurm job id and restart count (None and 0 outside Slurm)."""
-    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return {"slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
-            "slurm_restart_count": int(restart) if restart.isdigit() else 0}
-
-
 class OutputBusy(InputError):
     """Another live process holds the lock of an output."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
-
-
-def _read_small(path: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return f.read(256).strip() or None
-    except OSError:
-        return None
-
-
-def _start_ticks(pid) -> Optional[int]:
-    """When process ``pid`` (of this pid namespace) started, in clock ticks since boot."""
-    text = _read_small(f"/proc/{pid}/stat")
-    try:
-        return int(text.rsplit(")", 1)[1].split()[19]) if text else None
-    except (IndexError, ValueError):
-        return None
-
-
-def _pid_namespace(pid="self") -> Optional[str]:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
-
-
-def process_identity() -> Dict:
-    """What tells this process from any other on its host, across restarts: the host's boot
-    id, the pid namespace and the start time (None where /proc does not say)."""
-    return {"boot_id": _read_small("/proc/sys/kernel/random/boot_id"),
-            "pid_namespace": _pid_namespace(), "start_ticks": _start_ticks("self")}
-
-
-# the lock files this process holds an flock on (fd -> path): a child forked by the holder
-# (a data loader worker) closes its copies, so only the holder's own end keeps the flock
-_FLOCKED: Dict[int, str] = {}
-
-
-def _close_in_child() -> None:
-    for fd in list(_FLOCKED):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _FLOCKED.clear()
-
-
-os.register_at_fork(after_in_child=_close_in_child)
-
-
-def _flock_free(path: str) -> Optional[bool]:
-    """Whether no process holds an flock on ``path`` (True: its holder ended), False while
-    one does, None when this file system cannot say."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        return False if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
-    finally:
-        os.close(fd)  # also drops the flock this call may have taken
-    return True
 
 
 def _read_record(path: str) -> Optional[Dict]:
@@ -175,94 +96,6 @@ def _heartbeat_age(path: str) -> Optional[float]:
         return time.time() - os.stat(path).st_mtime
     except FileNotFoundError:
         return None
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
-
-
-def describe_holder(holder: Dict) -> str:
-    if not holder:
-        return "an unknown process (unreadable lock)"
-    job = holder.get("slurm_job_id")
-    slurm = f", Slurm job {job} restart {holder.get('slurm_restart_count', 0)}" if job else ""
-    return (f"pid {holder.get('pid')} on host {holder.get('host')}{slurm}, started "
-            f"{holder.get('start_time')}")
-
-
-def _judge_same_host(holder: Dict, path: str) -> Tuple[bool, Optional[str]]:
-    """``(judged, reason)`` for ``holder``, a record written on this host: ``reason`` says why
-    it is gone (None: alive); not ``judged`` when nothing here can tell (a pid of another pid
-    namespace, without an flock to ask)."""
-    if not holder:
-        return True, None  # unreadable: may be alive
-    here = process_identity()
-    boot = holder.get("boot_id")
-    if isinstance(boot, str) and here["boot_id"] and boot != here["boot_id"]:
-        return True, "it ran before this host last started (another boot id)"
-    if holder.get("flock") is True:
-        free = _flock_free(path)
-        if free is not None:  # the kernel's answer, in any pid namespace
-            return True, ("no process holds its lock file any more (it ended)" if free else None)
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool):
-        return True, None
-    space = holder.get("pid_namespace")
-    if space is not None and space != here["pid_namespace"]:
-        return False, None  # another pid namespace's pid: not one this process can look up
-    if pid == os.getpid():
-        return True, (f"it names this very process (pid {pid}), which did not take it: a "
-                      "restart that got the same pid")
-    if not _pid_alive(pid):
-        return True, "its process is no longer running"
-    started = holder.get("start_ticks")
-    if isinstance(started, int) and _start_ticks(pid) not in (None, started):
-        return True, f"pid {pid} now belongs to another process, started at another time"
-    return True, None
-
-
-def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict,
-                    path: str = "") -> Optional[str]:
-    """Why ``holder`` (the record of lock file ``path``, whose heartbeat is ``age`` seconds
-    old) is gone, seen from a process on ``host`` in Slurm ``job``; None when it may be
-    alive."""
-    theirs, restart = holder.get("slurm_job_id"), holder.get("slurm_restart_count")
-    if (theirs and theirs == job["slurm_job_id"] and isinstance(restart, int)
-            and job["slurm_restart_count"] > restart):
-        # on any host: a pid there may since belong to another process
-        return (f"Slurm requeued job {theirs} (this is restart {job['slurm_restart_count']}, "
-                f"the holder ran as restart {restart})")
-    if holder.get("host") == host or not holder:
-        judged, reason = _judge_same_host(holder, path)
-        if judged:
-            return reason
-        # a holder in another pid namespace of this host, without an flock to ask: its
-        # heartbeat decides, as for another host
-    lease = holder.get("lease_s")
-    if _valid_lease(lease) and age is not None and age > lease:
-        return (f"its last heartbeat is {_seconds(age)} s old, past its lease of "
-                f"{_seconds(lease)} s")
-    return None
-
-
-def _liveness(holder: Dict, age: Optional[float], host: str, path: str) -> str:
-    """Why a holder counts as alive, for the refusal."""
-    if not holder:
-        return ("its lock file is empty or unreadable (torn by a full disk or a crash, or not "
-                "this program's), so its holder cannot be judged")
-    lease = holder.get("lease_s")
-    if holder.get("host") == host:
-        if _judge_same_host(holder, path)[0]:
-            return "its process is running on this host"
-        if not (_valid_lease(lease) and age is not None):
-            return ("it runs in another pid namespace of this host (a container) and its lock "
-                    "has no lease to judge")
-    if _valid_lease(lease) and age is not None:
-        return (f"its heartbeat is {_seconds(max(age, 0))} s old, within its lease of "
-                f"{_seconds(lease)} s "
-                "(the lock is taken over once the lease lapses)")
-    return ("it runs on another host and its lock has no lease (an earlier version's, or an "
-            "invalid one) to judge")
 
 
 class WriterLock:
@@ -293,25 +126,23 @@ class WriterLock:
         record = {"host": socket.gethostname(), "pid": os.getpid(), **process_identity(),
                   "flock": True, "start_time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   "run_id": self.run_id, "temp_tag": writer_tag(), "lease_s": self.lease,
-                  **_slurm_job()}
+                  **slurm_job()}
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         except FileExistsError:
             return False
         try:
-            try:  # before the record says so: a record with "flock" is always flocked
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                record["flock"] = False  # a file system without flock: the pid decides
+            # before the record says so: a record with "flock" is always flocked (a file
+            # system without flock: the pid decides)
+            record["flock"] = keep_flock(fd, self.path)
             data = json.dumps(record).encode()
             if os.write(fd, data) != len(data):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
         except BaseException:  # a full disk, say: no empty lock may stay to block later runs
-            os.close(fd)
+            drop_flock(fd)
             os.remove(self.path)
             raise
         self._fd = fd
-        _FLOCKED[fd] = self.path
         self.held = True
         self._start_heartbeat()
         return True
@@ -359,7 +190,7 @@ class WriterLock:
     def acquire(self) -> Optional[str]:
         if self._create():
             return None
-        host, job = socket.gethostname(), _slurm_job()
+        host, job = socket.gethostname(), slurm_job()
         holder = _read_record(self.path)
         if holder is None and self._create():  # released between the two calls
             return None
@@ -374,7 +205,7 @@ class WriterLock:
                     f"{reason}{gone}")
         if reason:  # another process took it first
             holder, age = _read_record(self.path) or {}, _heartbeat_age(self.path)
-        raise self.busy(holder, _liveness(holder, age, host, self.path))
+        raise self.busy(holder, liveness(holder, age, host, self.path))
 
     def release(self) -> None:
         if not self.held:
@@ -390,8 +221,7 @@ class WriterLock:
             except FileNotFoundError:
                 pass
         if self._fd is not None:  # after the removal: until then the flock says "alive"
-            _FLOCKED.pop(self._fd, None)
-            os.close(self._fd)
+            drop_flock(self._fd)
             self._fd = None
 
 
