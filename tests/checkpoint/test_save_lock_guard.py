@@ -23,6 +23,7 @@ import pytest
 from trainer_runs import REPO, base_args, read_until, run_env, step_of, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, iteration_dir
+from megatron_jreg.lock_holders import flock_free
 
 COMMON = dict(train_iters=6, save_interval=2, lr_decay_iters=6)
 
@@ -176,6 +177,9 @@ def test_a_restart_in_a_new_pid_namespace_with_the_same_pid_resumes(demo_data, t
     read_until(first, lambda line: step_of(line) == 3, lines, "iteration 3")
     os.killpg(first.pid, signal.SIGKILL)  # unshare, and pid 1 of the namespace with it
     first.wait(timeout=60)
+    deadline = time.time() + 30  # the namespace's pid 1 may still be exiting after unshare
+    while not flock_free(str(save / "jreg_writer.lock")) and time.time() < deadline:
+        time.sleep(0.05)
     record = json.load(open(save / "jreg_writer.lock"))
     assert record["pid"] == 1 and record["flock"] is True, record
     assert open(save / TRACKER).read() == "2"
