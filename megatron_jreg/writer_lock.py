@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import threading
 import time
@@ -80,11 +81,19 @@ class OutputBusy(InputError):
 
 
 def _read_record(path: str) -> Optional[Dict]:
+    """The lock record at ``path``: None when there is none, {} when it cannot be read as
+    one (torn, garbage, or not a regular file: a FIFO there is never waited on)."""
     try:
-        with open(path) as f:
-            record = json.loads(f.read(RECORD_BYTES))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError:
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return {}
+            record = json.loads(f.read(RECORD_BYTES))
     except (OSError, ValueError, RecursionError):
         return {}  # torn or garbage: treated as a lock of unknown holder
     return record if isinstance(record, dict) else {}

@@ -312,3 +312,31 @@ def test_a_holder_in_another_pid_namespace_is_judged_by_its_flock(tmp_path, slur
         ": no process holds its lock file any more (it ended)"), warning
     lock.release()
     assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_lock_that_is_not_a_regular_file_is_refused_without_waiting(tmp_path, slurm, kind):
+    """Was: a FIFO as SAVE/jreg_writer.lock hung the trainer for good (the record was read
+    with a blocking open)."""
+    import multiprocessing
+    path = tmp_path / "jreg_writer.lock"
+    os.mkfifo(path) if kind == "fifo" else os.mkdir(path)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def attempt():
+        try:
+            SaveLock(str(tmp_path)).acquire()
+            queue.put("acquired")
+        except Exception as err:  # noqa: BLE001 - the child reports what it got
+            queue.put(str(err))
+    child = ctx.Process(target=attempt)
+    child.start()
+    child.join(timeout=20)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("acquiring a lock whose file is a FIFO hung")
+    message = queue.get(timeout=5)
+    assert message.startswith(f"--save {tmp_path} is in use by an unknown run (unreadable "
+                              "lock), its lock file is empty or unreadable"), message
+    assert message.endswith(f"(if that run is gone, delete {path})"), message
