@@ -171,6 +171,24 @@ def test_memory_gib_gpu_arm(monkeypatch):
     assert abs(memory_gib(torch.device("cpu")) - rss) < 0.5  # the CPU arm: resident memory
 
 
+def test_memory_capacity_gpu_arm(fake_gpu, monkeypatch):
+    """The out-of-memory line's capacity on a GPU: the current device's total memory."""
+    asked = []
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    def properties(index):
+        asked.append(index)
+        return Props()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    torch.cuda.set_device(1)
+    assert device.memory_capacity() == 80 * 2**30 and asked == [1]
+    monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")  # the CPU arm: the host's, or ulimit -v
+    import psutil
+    assert 0 < device.memory_capacity() <= psutil.virtual_memory().total
+
+
 def test_kernel_dispatch_gpu_arm(monkeypatch):
     """The trainer's start-up line for a run on a GPU: the CUDA kernel where it was built,
     else the reference and why the install built none (the reason compiled into _C)."""
