@@ -15,8 +15,8 @@ import torch
 
 from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
 from megatron_jreg.errors import InputError
-from megatron_jreg.hf_claims import count_problem
 from megatron_jreg.hf_models import brief, gguf_architecture
+from megatron_jreg.hf_models.claims import count_problem
 
 # config.json fields the import reads, by what they must hold. transformers takes some
 # wrong values silently (rope_theta "abc") and fails on others deep inside its code

@@ -1,6 +1,6 @@
 """Preprocessing, offline: raw text to megatron-core ``.bin``/``.idx`` datasets.
 
-``sources`` reads inputs as line-aligned chunks, ``workers`` (``sft_workers`` for chat data,
+``sources`` reads inputs as line-aligned chunks (``compressed``: gzip and zstd), ``workers`` (``sft_workers`` for chat data,
 rendered with ``chat_templates``) tokenise them in worker processes that end with their
 parent (``parent_death``), ``writer`` writes the indexed datasets under temporary names
 (``sft_files``: an SFT dataset's file names and metadata), ``pipeline`` runs it all with the

@@ -4,15 +4,11 @@ its weight files list, before any model is built or any tensor read.
 transformers builds the model config.json (or a GGUF file's metadata) describes and only
 then loads the weights into it: ``num_hidden_layers: 1000000`` beside the weights of 6
 layers builds for minutes, gigabytes and growing, before any mismatch is seen. The files
-list every tensor's shape in a header that costs next to nothing to read:
-
-- ``model.safetensors`` and the shards of ``model.safetensors.index.json``: the JSON
-  header at the start of each file (8 bytes of length, then the JSON), no tensor data;
-- ``pytorch_model.bin`` (and its index): unpickled by ``torch.load`` onto the meta
-  device with ``weights_only``, which lists shapes without reading a storage;
-- a ``.gguf`` file: the gguf package's reader parses the metadata and tensor index of the
-  memory-mapped file, no tensor data; the metadata keys transformers turns into config
-  fields (its ``GGUF_CONFIG_MAPPING``) are the claims.
+list every tensor's shape in a header that costs next to nothing to read: safetensors and
+``pytorch_model.bin`` files through :mod:`megatron_jreg.hf_models.weight_headers`; a
+``.gguf`` file through the gguf package's reader, which parses the metadata and tensor
+index of the memory-mapped file, no tensor data (the metadata keys transformers turns
+into config fields, its ``GGUF_CONFIG_MAPPING``, are the claims).
 
 Each architecture field (layers, hidden size, heads, key/value heads, head_dim, FFN size,
 vocabulary) is type-checked, then compared with the shapes the weights give for it (the
@@ -35,8 +31,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_jreg.errors import InputError
-
-Shape = Tuple[int, ...]
+from megatron_jreg.hf_models.weight_headers import Shape, directory_shapes, first_line, shown
 
 # the config.json names of each architecture field, across the model types transformers has
 ROLES: Dict[str, Tuple[str, ...]] = {
@@ -55,10 +50,6 @@ LIMITS = {"layers": 4096, "hidden": 1 << 17, "heads": 4096, "kv_heads": 4096,
           "head_dim": 8192, "ffn": 1 << 20, "vocab": 1 << 23}
 # parts of a tensor name that belong to another tower than the text decoder
 _OTHER_TOWERS = ("vision", "visual", "image", "audio", "speech", "encoder", "mm_projector")
-# bytes of a safetensors JSON header: the safetensors library's own bound
-_MAX_HEADER = 100_000_000
-_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
-_PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def count_problem(value) -> Optional[str]:
@@ -67,13 +58,6 @@ def count_problem(value) -> Optional[str]:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return None
     return "an integer >= 1"
-
-
-def shown(value) -> str:
-    """A config value as the messages show it: null for None, the repr otherwise, cut
-    short (a 400-digit integer is still one line)."""
-    text = "null" if value is None else repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -86,108 +70,6 @@ class Claim:
     def refuse(self, what: str) -> InputError:
         return InputError(f"{self.source}: {self.field} is {shown(self.value)}, {what}; "
                           "correct it in that file")
-
-
-# ---- what the weight files list ------------------------------------------------------------
-
-
-def _unreadable(file: str, why: str) -> InputError:
-    return InputError(f"{file}: {why}; the weight file is damaged or not what its name says, "
-                      "replace it")
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-
-
-def safetensors_shapes(file: str) -> Dict[str, Shape]:
-    """The shape of every tensor ``file`` lists, from its JSON header alone."""
-    try:
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            length = int.from_bytes(prefix, "little")
-            text = f.read(length) if len(prefix) == 8 and length <= min(size - 8, _MAX_HEADER) \
-                else None
-    except OSError as err:
-        raise InputError(f"{file}: cannot read it ({_first_line(err)}); check the file") from None
-    if len(prefix) < 8:
-        raise _unreadable(file, f"{size} bytes, shorter than a safetensors header")
-    if text is None:
-        raise _unreadable(file, f"its header claims {length} bytes, the file holds "
-                          f"{size - 8} after the length")
-    try:
-        header = json.loads(text)
-    except ValueError as err:  # not JSON, not UTF-8
-        raise _unreadable(file, f"its header is not JSON ({_first_line(err)})") from None
-    if not isinstance(header, dict):
-        raise _unreadable(file, "its header is not a JSON object")
-    shapes = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (isinstance(shape, list) and all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise _unreadable(file, f"its header lists {name} with shape {shown(shape)}, not a "
-                              "list of sizes")
-        shapes[name] = tuple(shape)
-    return shapes
-
-
-def pickle_shapes(file: str) -> Dict[str, Shape]:
-    """The shape of every tensor of a ``torch.save``d state dict, loaded onto the meta
-    device (``weights_only``): the pickle is read, no storage is."""
-    import torch
-
-    try:
-        state = torch.load(file, map_location="meta", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - anything torch.load raises is a bad file
-        raise _unreadable(file, f"torch.load cannot list its tensors ({_first_line(err)})"
-                          ) from None
-    if not isinstance(state, dict):
-        raise _unreadable(file, f"it holds a {type(state).__name__}, not a state dict")
-    return {str(name): tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
-
-
-def _index_shards(directory: str, index: str) -> List[str]:
-    """The shard files ``index`` (a ``*.index.json``) names, each in ``directory``."""
-    path = os.path.join(directory, index)
-    try:
-        with open(path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-    except (OSError, ValueError, AttributeError) as err:
-        raise InputError(f"{path}: cannot read its weight_map ({_first_line(err)}); fix or "
-                         "replace the file") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise InputError(f"{path}: weight_map is not an object of tensor names to shard files; "
-                         "fix or replace the file")
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
-        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
-            raise InputError(f"{path}: names shard {shard!r}, which is not a file name in "
-                             "the model's directory; fix the index")
-        if not os.path.isfile(os.path.join(directory, shard)):
-            raise InputError(f"{path}: names shard {shard}, which is not in {directory}; "
-                             "copy the missing shard or fix the index")
-    return [os.path.join(directory, shard) for shard in shards]
-
-
-def directory_shapes(directory: str) -> Optional[Tuple[str, Dict[str, Shape]]]:
-    """(the file that lists them, shapes) of the weight files transformers would read in
-    ``directory``, in its order of preference; None when there are none (transformers
-    names that itself)."""
-    for single, index, read in (_SAFETENSORS + (safetensors_shapes,),
-                                _PICKLES + (pickle_shapes,)):
-        if os.path.isfile(os.path.join(directory, single)):
-            return single, read(os.path.join(directory, single))
-        if os.path.isfile(os.path.join(directory, index)):
-            shapes: Dict[str, Shape] = {}
-            for shard in _index_shards(directory, index):
-                shapes.update(read(shard))
-            return index, shapes
-    return None
 
 
 # ---- what the shapes say about each field -----------------------------------------------------
@@ -372,7 +254,7 @@ def _check_directory(directory: str, label: str) -> None:
         with open(source, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError) as err:
-        raise InputError(f"{label}: cannot load {source} ({_first_line(err)}); fix or "
+        raise InputError(f"{label}: cannot load {source} ({first_line(err)}); fix or "
                          "replace the file") from None
     if not isinstance(config, dict):
         raise InputError(f"{label}: cannot load {source}: not a JSON object; fix or replace "
@@ -407,7 +289,7 @@ def _check_gguf(path: str, size: int, mtime_ns: int) -> None:  # noqa: ARG001 - 
         shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist()))
                   for t in reader.tensors}
     except (OSError, ValueError, IndexError, KeyError, UnicodeDecodeError) as err:
-        raise InputError(f"{path}: not a readable GGUF file ({_first_line(err)}); check the "
+        raise InputError(f"{path}: not a readable GGUF file ({first_line(err)}); check the "
                          "file") from None
     try:
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING

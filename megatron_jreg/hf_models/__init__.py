@@ -10,6 +10,9 @@ the three; nothing is downloaded (the hub is read offline, from the cache only).
 - a ``.gguf`` file, which transformers (with the ``gguf`` package) reads and dequantizes;
   :func:`dequantize_gguf` writes it out as a plain directory once, so the other tools and
   the trainer read ordinary safetensors.
+
+Before any of them is built, :mod:`.claims` compares the architecture its config.json (or
+GGUF metadata) claims with the shapes its weight files list (:mod:`.weight_headers`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Optional
 
 from megatron_jreg.atomic_write import temp_dir_beside
 from megatron_jreg.errors import InputError, missing_extra
-from megatron_jreg.hf_claims import check_claims
+from megatron_jreg.hf_models.claims import check_claims
 
 GGUF_SUFFIX = ".gguf"
 # the --dtype names of the tools that load or write Hugging Face models
@@ -169,7 +172,7 @@ def resolve_hf_model(reference: str, flag: str = "--hf-model") -> str:
     """The local path of ``reference``: a model directory, a GGUF file, or the cached
     snapshot of a hub id; InputError naming the fix otherwise. Every reader goes through
     here, so here the architecture its config claims is checked against the shapes its
-    weight files list (:func:`megatron_jreg.hf_claims.check_claims`), before any model
+    weight files list (:func:`megatron_jreg.hf_models.claims.check_claims`), before any model
     is built or any tensor read."""
     path = _locate(reference, flag)
     check_claims(path, f"{flag} {reference}")
