@@ -5,9 +5,11 @@ itself is :mod:`megatron_jreg.writer_lock`'s."""
 
 from __future__ import annotations
 
+import calendar
 import errno
 import fcntl
 import os
+import time
 from typing import Dict, Optional, Tuple
 
 MAX_LEASE_S = 1e6  # about 11 days: longer is no lease at all
@@ -157,7 +159,49 @@ def _judge_same_host(holder: Dict, path: str) -> Tuple[bool, Optional[str]]:
     started = holder.get("start_ticks")
     if isinstance(started, int) and _start_ticks(pid) not in (None, started):
         return True, f"pid {pid} now belongs to another process, started at another time"
+    if started is None:  # an earlier version's record: the time it was taken tells
+        return True, _older_than_its_pid(holder, pid)
     return True, None
+
+
+CLOCK_SLACK_S = 60.0  # wall-clock steps (NTP) a record's time may be off by
+
+
+def _record_time(holder: Dict) -> Optional[float]:
+    """When the lock was taken, from the record's ``start_time`` ("%Y-%m-%d %H:%M:%S %Z")."""
+    text = holder.get("start_time")
+    if not isinstance(text, str) or len(text) > 64:
+        return None
+    try:
+        parsed = time.strptime(text, "%Y-%m-%d %H:%M:%S %Z")
+    except ValueError:
+        return None
+    return calendar.timegm(parsed) if text.endswith((" UTC", " GMT")) else time.mktime(parsed)
+
+
+def _boot_time() -> Optional[float]:
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _older_than_its_pid(holder: Dict, pid: int) -> Optional[str]:
+    """Why a record without a start time is not of the live process ``pid`` now has (it was
+    taken before this host's boot, or before that process started), or None."""
+    taken, boot = _record_time(holder), _boot_time()
+    if taken is None or boot is None:
+        return None
+    if taken < boot - CLOCK_SLACK_S:
+        return "it ran before this host last started (its lock is older than the boot)"
+    ticks = _start_ticks(pid)
+    if ticks is not None and boot + ticks / os.sysconf("SC_CLK_TCK") > taken + CLOCK_SLACK_S:
+        return f"pid {pid} now belongs to another process, started after the lock was taken"
+    return None
 
 
 def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict,

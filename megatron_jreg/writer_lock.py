@@ -15,7 +15,8 @@ heartbeat). A lock is taken over when its holder is gone (:func:`takeover_reason
 - the same host, and the holder ran before the host's last boot, or no process holds the
   file's ``flock`` any more (a SIGKILL, an OOM kill, a container restarted with the same
   pid 1), or, for a record without the ``flock``: its pid is not running, is this very
-  process, or belongs to a process that started at another time;
+  process, or belongs to a process that started at another time (or, for an earlier
+  version's record, after the lock was taken);
 - another host, and the heartbeat is older than the lease (:data:`LEASE_S`, 600 s, or
   ``MEGATRON_JREG_LOCK_LEASE_S``): the node died or lost the file system.
 

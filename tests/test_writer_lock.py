@@ -340,3 +340,43 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_without_waiting(tmp_path, 
     assert message.startswith(f"--save {tmp_path} is in use by an unknown run (unreadable "
                               "lock), its lock file is empty or unreadable"), message
     assert message.endswith(f"(if that run is gone, delete {path})"), message
+
+
+def _boot_time():
+    return float(next(line for line in open("/proc/stat") if line.startswith("btime ")).split()[1])
+
+
+def test_an_earlier_versions_record_older_than_the_boot_is_gone(tmp_path, slurm):
+    """A record without a start time or flock, naming pid 1 (alive: this host's init), taken
+    before this host last started: its holder ran in an earlier boot."""
+    write_record(tmp_path / "jreg_writer.lock", **_here(pid=1, start_time="2001-01-01 00:00:00 UTC"))
+    lock = SaveLock(str(tmp_path))
+    assert lock.acquire().endswith(": it ran before this host last started (its lock is older "
+                                   f"than the boot) (in {tmp_path})")
+    lock.release()
+
+
+def test_an_earlier_versions_record_older_than_its_pids_process_is_gone(tmp_path, slurm):
+    """The record's pid runs, but that process started after the lock was taken: the pid was
+    reused. Taken after that process started, the record is its own and holds."""
+    import subprocess
+    import sys
+    now = time.time()
+    if now - _boot_time() < 300:
+        pytest.skip("this host booted less than 5 minutes ago")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = tmp_path / "jreg_writer.lock"
+        before = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now - 240))
+        write_record(path, **_here(pid=live.pid, start_time=before))
+        lock = SaveLock(str(tmp_path))
+        assert lock.acquire().endswith(f": pid {live.pid} now belongs to another process, started "
+                                       f"after the lock was taken (in {tmp_path})")
+        lock.release()
+        after = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(time.time()))
+        write_record(path, **_here(pid=live.pid, start_time=after))
+        with pytest.raises(SaveDirectoryBusy, match="its process is running on this host"):
+            SaveLock(str(tmp_path)).acquire()
+    finally:
+        live.kill()
+        live.wait()
