@@ -32,38 +32,17 @@ def out_of_memory_line(err: BaseException, experiment: Optional[ExperimentConfig
         return None
     asked = re.search(r"(?:tried|Tried) to allocate ([0-9.]+ ?[A-Za-z]*)", text)
     size = f" ({asked.group(1)} asked for)" if asked else ""
-    too_big = _model_too_big(experiment) if experiment is not None else None
+    from megatron_jreg.training.model_fit import model_fit  # torch: not before the flags
+
+    too_big = model_fit(experiment) if experiment is not None else None
     if too_big:
-        return f"out of memory{size}: {too_big}"
+        return f"out of memory{size}: {too_big.line}"
     where = ""
     if experiment is not None:
         where = (f" at --seq-length {experiment.model.seq_length}, --micro-batch-size "
                  f"{experiment.training.micro_batch_size}")
     return (f"out of memory{where}{size}; lower --seq-length or --micro-batch-size (or use "
             "more devices)")
-
-
-def _model_too_big(experiment: ExperimentConfig) -> Optional[str]:
-    """Why the model itself cannot fit (its parameters, their bytes, the memory here), or
-    None when it fits and the activations are what ran out."""
-    from megatron_jreg.model import weight_shapes as ws
-    from megatron_jreg.platform.device import memory_capacity
-
-    model, p = experiment.model, experiment.parallel
-    split = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    count = ws.parameter_count(model)
-    weights = count * ws.bytes_per_parameter(model, training=False) / split
-    training = count * ws.bytes_per_parameter(model, training=True) / split
-    capacity = memory_capacity()
-    if training <= capacity:
-        return None
-    per_rank = f" per model-parallel rank (of {split})" if split > 1 else ""
-    held = (f"{ws.gib(weights)} of weights{per_rank}, about {ws.gib(training)} with "
-            "gradients and Adam's state")
-    what = "the model does not fit" if weights > capacity else "the model does not fit for training"
-    return (f"{what}: its {ws.size_words(count)} parameters are {held}, more than the "
-            f"{ws.gib(capacity)} here; lower --num-layers or --hidden-size, or split it with "
-            "--tensor-model-parallel-size/--pipeline-model-parallel-size over more devices")
 
 
 def main(argv=None) -> int:

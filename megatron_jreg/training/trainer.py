@@ -44,6 +44,7 @@ from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.training import data_parallel
 from megatron_jreg.checkpoint.faults import phrase
 from megatron_jreg.training.checkpointing import Checkpointer
+from megatron_jreg.training.model_fit import model_fit
 from megatron_jreg.training.source import run_tokenizer, starting_point
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.metrics import (
@@ -101,6 +102,9 @@ class Trainer:
             **self.checkpoints.facts()))
         self.train_cfg = cfg.training
         self.checkpoints.experiment = cfg  # each save records the resolved run
+        misfit = model_fit(cfg)
+        if misfit is not None and misfit.weights_alone:  # no build of it can finish
+            raise ConfigError(misfit.line)
         self.device = platform_device.current_device()
         check_outputs(self.cfg.outputs())
         check_data_against_run(cfg.data_prefixes(), self.tokenizer.vocab_size, cfg.data.data_cache_path,
