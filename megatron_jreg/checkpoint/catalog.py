@@ -158,9 +158,9 @@ class Catalog:
                                                  f"whole iteration {self.whole[-1]}")
             if self.tracker == RELEASE:
                 return self._release(f"{self.root}: {TRACKER} says {RELEASE}; reading")
-            if not self.tracker.isdigit():
+            if not (self.tracker.isascii() and self.tracker.isdigit()):  # ASCII, as saves write
                 raise faults.TrackerUnreadable(tracker=os.path.join(self.root, TRACKER),
-                                               text=self.tracker[:20])
+                                               text=self.tracker)
             iteration = int(self.tracker)
         if iteration in self.legacy:
             raise faults.LegacyTorchFormat(path=os.path.join(self.root, iteration_name(iteration)),
@@ -203,8 +203,9 @@ class Catalog:
 
 
 def read_tracker(path: str) -> str:
-    """The tracker file's first bytes as text, read only from a regular file (a FIFO or
-    device there is read as garbage, never waited on)."""
+    """The tracker file's first bytes as text (UTF-8, a byte that is not UTF-8 kept as a lone
+    surrogate), read only from a regular file (a FIFO or device there is read as garbage,
+    never waited on)."""
     try:
         with open_regular(path, os.path.dirname(path)) as f:
             raw = f.read(TRACKER_BYTES)
@@ -212,7 +213,8 @@ def read_tracker(path: str) -> str:
         return "(not a regular file)"
     except faults.DamagedFile:  # gone since the listing
         return ""
-    return raw.decode("ascii", errors="replace").strip()
+    # undecodable bytes kept (as lone surrogates) for the fault to show as bytes
+    return raw.decode("utf-8", errors="surrogateescape").strip()
 
 
 def scan(root: str) -> Catalog:

@@ -88,12 +88,26 @@ class NoCheckpoint(CheckpointFault):
                 "directory of a training run")
 
 
+def _escaped(text: str, cap: int = 20) -> str:
+    """``text`` (a file's bytes decoded as UTF-8 with surrogateescape) as a message shows
+    it: its first ``cap`` characters with everything but printable ASCII escaped
+    (``'\\u0664'``, not a digit the terminal draws like 4), or as bytes where they are not
+    UTF-8 (``b'\\x00\\xff'``)."""
+    cut = text[:cap]
+    try:
+        cut.encode("utf-8")
+        shown = ascii(cut)
+    except UnicodeEncodeError:  # an undecodable byte, kept as a lone surrogate
+        shown = repr(cut.encode("utf-8", "surrogateescape"))
+    return shown + ("..." if len(text) > cap else "")
+
+
 class TrackerUnreadable(CheckpointFault):
     """The tracker file holds ``text``, not an iteration number."""
 
     def phrase(self, w):
-        return (f"{self.tracker} holds {self.text!r}, not an iteration number; delete it to "
-                f"resume from the newest whole iteration, or pick one with {w.step}")
+        return (f"{self.tracker} holds {_escaped(self.text)}, not an iteration number; delete "
+                f"it to resume from the newest whole iteration, or pick one with {w.step}")
 
 
 class IterationAbsent(CheckpointFault):
@@ -115,7 +129,9 @@ class TornIteration(CheckpointFault):
 
 class DamagedFile(CheckpointFault):
     """A file of iteration ``path`` cannot be read (``detail``: which and why);
-    ``checksum``: its manifest says it changed since it was saved."""
+    ``checksum``: its manifest says it changed since it was saved; ``foreign``: it is not
+    what dist-checkpointing writes (a pickle that does not read, or reads as something
+    else), so it was written by another program or damaged."""
 
     def phrase(self, w):
         if self.checksum:
@@ -123,6 +139,9 @@ class DamagedFile(CheckpointFault):
             return (f"checkpoint {self.path} fails its checksum: {self.detail}; load an earlier "
                     f"one with {w.step}{skip}")
         skip = _skip_rng(w) if self.facts.get("rng") else ""
+        if self.facts.get("foreign"):
+            return (f"{self.detail}; it was not written by dist-checkpointing, or the directory "
+                    f"is damaged: load an earlier one with {w.step}{skip}")
         return f"{self.detail}; the directory is damaged: load an earlier one with {w.step}{skip}"
 
 

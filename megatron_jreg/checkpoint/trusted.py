@@ -275,8 +275,9 @@ def open_iteration(ref: Ref, verify: bool = True) -> Opened:
     meta_bytes = _read_checked(path, METADATA_FILE, entries)
     metadata = None
     if meta_bytes is not None:
-        metadata = safe_pickle.read_metadata(io.BytesIO(meta_bytes),
-                                             os.path.join(path, METADATA_FILE))
+        meta_file = os.path.join(path, METADATA_FILE)
+        metadata = safe_pickle.read_metadata(io.BytesIO(meta_bytes), meta_file)
+        safe_pickle.check_index(metadata, meta_file)  # its root and fields as DCP reads them
         _check_storage_names(path, metadata, files)
     common_bytes = _read_checked(path, COMMON_FILE, entries)
     common = {} if common_bytes is None else _read_common(os.path.join(path, COMMON_FILE),

@@ -70,14 +70,30 @@ def _typed(where: str, value: Any, kind: Any) -> Any:
     else:
         return value
     if not ok:
-        raise ConfigError(f"{where}: expected {_KIND_WORDS[kind]}, got {_shown(value)}")
+        raise ConfigError(f"{where}: expected {_KIND_WORDS[kind]}, got {shown(value)}")
     return value
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """The value as written in a message: its repr, cut short (a message is one line)."""
     text = " ".join(repr(value).split())
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_PLURAL_WORDS = {bool: "true or false values", int: "integers", float: "numbers", str: "strings"}
+
+
+def expected(annotation: Any) -> str:
+    """What a field of ``annotation`` takes, in words: "an integer", "a list of strings or
+    null"."""
+    kind, optional = _unwrap(annotation)
+    origin = typing.get_origin(kind) or kind
+    if origin in (list, tuple):
+        element = (typing.get_args(kind) or (Any,))[0]
+        words = "a list" + (f" of {_PLURAL_WORDS[element]}" if element in _PLURAL_WORDS else "")
+    else:
+        words = _KIND_WORDS.get(kind, "a value")
+    return words + (" or null" if optional else "")
 
 
 def check_type(where: str, value: Any, annotation: Any) -> Any:
@@ -92,12 +108,12 @@ def check_type(where: str, value: Any, annotation: Any) -> Any:
     origin = typing.get_origin(kind) or kind
     if origin in (list, tuple):
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {_shown(value)}")
+            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
         args = typing.get_args(kind)
         element = args[0] if args else Any
         return [_typed(where, v, element) for v in value]
     if isinstance(value, (list, dict)) and kind in _KIND_WORDS:
-        raise ConfigError(f"{where}: expected {_KIND_WORDS[kind]}, got {_shown(value)}")
+        raise ConfigError(f"{where}: expected {_KIND_WORDS[kind]}, got {shown(value)}")
     return _typed(where, value, kind)
 
 
@@ -127,13 +143,13 @@ def check_range(where: str, value: Any, meta: Mapping[str, Any]) -> None:
             continue
         if "choices" in meta and meta["choices"] and item not in meta["choices"]:
             raise ConfigError(f"{where} must be one of {', '.join(map(str, meta['choices']))}, "
-                             f"got {_shown(item)}")
+                             f"got {shown(item)}")
         if not isinstance(item, (int, float)):
             continue
         if isinstance(item, float) and not math.isfinite(item):
             if meta.get("finite", True):
-                shown = allowed(meta)
-                raise ConfigError(f"{where} must be a finite number{' ' + shown if shown else ''}"
+                bounds = allowed(meta)
+                raise ConfigError(f"{where} must be a finite number{' ' + bounds if bounds else ''}"
                                  f", got {item}")
             continue
         if not _in_range(item, meta):

@@ -9,6 +9,7 @@ against its field's type and metadata (``config.values``), named by its key.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Any, Dict, Mapping, Tuple, Type, Union
 
@@ -157,8 +158,36 @@ def from_yaml_text(text: str, sections: Sections, where: str = "run_config.yaml"
                          "of settings")
     out = {}
     for s, cls in sections.items():
+        given = _checked_section(where, s, cls, data.get(s, {}))
         try:
-            out[s] = cls(**data.get(s, {}))
-        except (TypeError, ValueError) as err:  # an unknown key, a value out of bounds
+            out[s] = cls(**given)
+        except (TypeError, ValueError) as err:  # an unknown key, settings that do not go together
             raise ConfigError(f"{where}: section {s}: {str(err).splitlines()[0][:300]}") from None
+    return out
+
+
+def _checked_section(where: str, section: str, cls: Type,
+                     given: Mapping[str, Any]) -> Dict[str, Any]:
+    """``given`` (section ``section`` of the saved run config ``where``) with each known
+    field's value checked as a ``--config`` key's is: its kind first (``num_layers: "4"``
+    would reach the model's arithmetic as text), then its bounds. An unknown key is left to
+    the section's constructor, which names it."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    fix = (f"{os.path.basename(where)} was edited or damaged: restore the one saved with "
+           "these weights")
+    out = dict(given)
+    for name, value in given.items():
+        if name not in fields:
+            continue
+        key = f"{where}: {section}.{name}"
+        try:
+            out[name] = values.check_type(key, value, hints[name])
+        except ConfigError:
+            raise ConfigError(f"{key} is {values.shown(value)}, not "
+                              f"{values.expected(hints[name])}; {fix}") from None
+        try:
+            values.check_range(key, out[name], fields[name].metadata)
+        except ConfigError as err:
+            raise ConfigError(f"{err}; {fix}") from None
     return out
