@@ -36,7 +36,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from megatron_jreg.checkpoint import manifest, safe_pickle
+from megatron_jreg.checkpoint import index_shape, manifest, safe_pickle
 from megatron_jreg.checkpoint.catalog import Ref
 from megatron_jreg.checkpoint.faults import DamagedFile, UnknownVersion, UnsafeCheckpoint
 from megatron_jreg.checkpoint.files import inside, kind_of, open_regular
@@ -277,7 +277,7 @@ def open_iteration(ref: Ref, verify: bool = True) -> Opened:
     if meta_bytes is not None:
         meta_file = os.path.join(path, METADATA_FILE)
         metadata = safe_pickle.read_metadata(io.BytesIO(meta_bytes), meta_file)
-        safe_pickle.check_index(metadata, meta_file)  # its root and fields as DCP reads them
+        index_shape.check_index(metadata, meta_file)  # its root and fields as DCP reads them
         _check_storage_names(path, metadata, files)
     common_bytes = _read_checked(path, COMMON_FILE, entries)
     common = {} if common_bytes is None else _read_common(os.path.join(path, COMMON_FILE),
