@@ -138,21 +138,29 @@ class WriterLock:
                   "run_id": self.run_id, "temp_tag": writer_tag(), "lease_s": self.lease,
                   **slurm_job()}
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        try:
+        held = None  # the read-only descriptor that keeps the flock: no file stays open for
+        try:  # writing, so the file system can still be remounted read-only, say
+            held = os.open(self.path, os.O_RDONLY)
             # before the record says so: a record with "flock" is always flocked (a file
             # system without flock: the pid decides)
-            record["flock"] = keep_flock(fd, self.path)
+            record["flock"] = keep_flock(held, self.path)
+            if not record["flock"]:
+                drop_flock(held)
+                held = None
             data = json.dumps(record).encode()
             if os.write(fd, data) != len(data):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
         except BaseException:  # a full disk, say: no empty lock may stay to block later runs
-            drop_flock(fd)
+            if held is not None:
+                drop_flock(held)
             os.remove(self.path)
             raise
-        self._fd = fd
+        finally:
+            os.close(fd)
+        self._fd = held
         self.held = True
         self._start_heartbeat()
         return True

@@ -225,9 +225,18 @@ def test_negation_restores_the_pre_work_checks(in_file, flag, message, demo_data
         accepted, refused_argv = argv, argv + [flag]
     else:
         accepted, refused_argv = argv + [flag], argv
-    from_argv(accepted).validate(world_size=1)
+    _pre_work_checks(from_argv(accepted))
     with pytest.raises(ValueError, match=message):
-        from_argv(refused_argv).validate(world_size=1)
+        _pre_work_checks(from_argv(refused_argv))
+
+
+def _pre_work_checks(experiment):
+    """The settings' checks, then --save's lineage as the run judges it under its lock."""
+    from megatron_jreg.checkpoint import catalog
+
+    experiment.validate(world_size=1)
+    if experiment.checkpoint.save:
+        experiment.check_save_lineage(catalog.scan(experiment.checkpoint.save))
 
 
 # ---- mixture-of-experts routing --------------------------------------------------------------
