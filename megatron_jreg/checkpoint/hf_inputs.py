@@ -6,7 +6,6 @@ Each problem is one InputError naming the file, the field or tensor, and the val
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Dict, Optional
@@ -16,7 +15,7 @@ import torch
 from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
 from megatron_jreg.errors import InputError
 from megatron_jreg.hf_models import brief, gguf_architecture
-from megatron_jreg.hf_models.claims import count_problem
+from megatron_jreg.hf_models.claims import count_problem, read_config_json
 
 # config.json fields the import reads, by what they must hold. transformers takes some
 # wrong values silently (rope_theta "abc") and fails on others deep inside its code
@@ -66,19 +65,6 @@ def check_config_values(config: Dict[str, object], source: str) -> None:
                              "that file")
 
 
-def _read_config_json(path: str, hf_model: str) -> Dict[str, object]:
-    config_file = os.path.join(path, "config.json")
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        raise InputError(f"--hf-model {hf_model}: cannot read {config_file} ({brief(err)}); "
-                         "fix or replace the file") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{config_file}: not a JSON object; fix or replace the file")
-    return config
-
-
 def config_before_weights(path: str, hf_model: str):
     """The transformers config of ``path`` read without any weight, its values checked:
     a directory's config.json, or a GGUF file's metadata, whose ``general.architecture``
@@ -87,7 +73,8 @@ def config_before_weights(path: str, hf_model: str):
     import transformers
 
     if os.path.isdir(path):
-        check_config_values(_read_config_json(path, hf_model), os.path.join(path, "config.json"))
+        check_config_values(read_config_json(path, f"--hf-model {hf_model}"),
+                            os.path.join(path, "config.json"))
         try:
             return transformers.AutoConfig.from_pretrained(path)
         except Exception as err:

@@ -248,7 +248,8 @@ def _config_claims(config: Dict[str, object], source: str, prefix: str = "") -> 
     return claims
 
 
-def _check_directory(directory: str, label: str) -> None:
+def read_config_json(directory: str, label: str) -> dict:
+    """``directory``'s config.json as a dict; else one InputError opened by ``label``."""
     source = os.path.join(directory, "config.json")
     try:
         with open(source, encoding="utf-8") as f:
@@ -259,6 +260,12 @@ def _check_directory(directory: str, label: str) -> None:
     if not isinstance(config, dict):
         raise InputError(f"{label}: cannot load {source}: not a JSON object; fix or replace "
                          "the file")
+    return config
+
+
+def _check_directory(directory: str, label: str) -> None:
+    source = os.path.join(directory, "config.json")
+    config = read_config_json(directory, label)
     listed = directory_shapes(directory)
     weights = Weights(listed[0], listed[1], HF_NAMING) if listed else None
     extra = config.get("num_nextn_predict_layers")  # DeepSeek-V3's MTP layer is layers.N
