@@ -23,7 +23,9 @@ table at the end has one row per check: status, key figure, seconds.
 Checks, in order (the most telling first, for a run that is cut): the fused kernel's
 largest error against float64 per dtype (bench/kernel_accuracy.py); the GPU-marked tests;
 the trainer saving a checkpoint and resuming from it, lm losses against an uninterrupted
-run (bench/trainer_resume_check.py); save and load time and size per checkpoint format
+run (bench/trainer_resume_check.py), and the same with the checkpoint saved on the CPU
+and resumed on the GPU, with dropout (its random state is the CUDA form of the CPU run's
+seeds: the resume sets it as Megatron-LM does, without --no-load-rng); save and load time and size per checkpoint format
 (plain, fully parallel, async; dp_reshardable, fully_reshardable) and the step time while
 an async save is written (bench/checkpoint_formats.py); the fused op's bandwidth against the GPU's peak;
 JREG's step overhead at the 170m preset's dimensions; the 3B script's model flags (bf16) at
@@ -61,21 +63,23 @@ sys.path.insert(0, REPO)  # the preflight imports this checkout's package, as th
 # time; the model steps take 2 warm-up and 3 timed steps). Their sum leaves 120 s of the
 # 600 s command to preflight and the kernel build. (The checkpoint formats' 40 s came out of
 # the GPU tests' and the trainer resume's ceilings, 10 s each, and the 1b steps', 5 s each;
-# none of them has been timed on a GPU yet.)
+# the resume of a CPU save's 50 s out of the 1b steps', 5 s each, JREG's overhead's, 10 s,
+# and the 3b flags', 10 s each; none of them has been timed on a GPU yet.)
 BUDGET_S = 480
 LIMITS_S = {
     "kernel accuracy": 25,
     "gpu tests": 50,
     "trainer resume": 65,
+    "resume of a CPU save": 50,
     "checkpoint formats": 40,
     "op bandwidth": 35,
-    "JREG step overhead": 55,
-    "3b flags x2, local": 35,
-    "3b flags x2, TE": 35,
-    "1b sdpa, JREG off": 35,
-    "1b sdpa, JREG on": 35,
-    "1b TE, JREG off": 35,
-    "1b TE, JREG on": 35,
+    "JREG step overhead": 45,
+    "3b flags x2, local": 25,
+    "3b flags x2, TE": 25,
+    "1b sdpa, JREG off": 30,
+    "1b sdpa, JREG on": 30,
+    "1b TE, JREG off": 30,
+    "1b TE, JREG on": 30,
 }
 assert sum(LIMITS_S.values()) <= BUDGET_S, f"the checks' limits add up to {sum(LIMITS_S.values())} s > {BUDGET_S} s"
 CPU_LIMIT_S = 300  # per check of the CPU plan (toy sizes on a shared machine; no budget)
@@ -280,9 +284,11 @@ def checks(device: str, quick: bool):
         # -o addopts=: one process (pytest.ini asks for pytest-xdist workers, which the GPU
         # machine may not have)
         plan.append(("gpu tests", [py, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-                                   "-m", "gpu", "tests/ops"]))
+                                   "-m", "gpu", "tests/ops", "tests/platform"]))
     plan += [
         ("trainer resume", [py, "bench/trainer_resume_check.py", "--device", device]),
+        ("resume of a CPU save", [py, "bench/trainer_resume_check.py", "--device", device,
+                                  "--save-device", "cpu", "--dropout", "0.1"]),
         ("checkpoint formats", [py, "bench/checkpoint_formats.py", "--device", device] + formats),
         ("op bandwidth", [py, "bench/displacement_op.py", "--device", device] + op),
         ("JREG step overhead", [py, "bench/jreg_overhead.py", "--device", device] + overhead),
@@ -385,10 +391,12 @@ def key_figure(name: str, output: str, result) -> str:
     if name == "kernel accuracy" and result:
         return "; ".join(f"{d} psi {e['psi']:.1e}, grad {max(e['grad_a'], e['grad_b']):.1e}"
                          for d, e in result["errors"].items())
-    if name == "trainer resume" and result:
+    if name in ("trainer resume", "resume of a CPU save") and result:
         steps = result["steps_compared"]
         return (f"lm loss max abs diff {result['max_abs_diff']:.3g} (rel {result['max_rel_diff']:.3g}), "
-                f"steps {steps[0]}-{steps[-1]} resumed from {result['resumed_from']}, {result['precision']}")
+                f"steps {steps[0]}-{steps[-1]} resumed from {result['resumed_from']}, {result['precision']}"
+                + (f", saved on {result['save_device']}" if result.get("save_device", result["device"])
+                   != result["device"] else ""))
     if name == "checkpoint formats" and result:
         return checkpoint_formats_figure(result)
     if name == "op bandwidth":

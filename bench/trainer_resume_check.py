@@ -10,12 +10,21 @@ run 2 loads run 1's checkpoint of the middle step (--ckpt-step) and trains the r
 write their losses with --metrics-file; each resumed step's lm loss is compared with the
 uninterrupted run's.
 
+With ``--save-device cpu --device cuda`` run 1 trains and saves on the CPU and run 2
+resumes that checkpoint on the GPU, both in fp32: the CUDA generator and the dropout streams
+of a CPU save are the CUDA form of its seeds (checkpoint/rng_state.py), which a GPU run sets
+with ``torch.cuda.set_rng_state`` as Megatron-LM does; run 2 must say so in one line and
+draw its dropout from them (``--dropout``). The GPU draws other dropout masks than the CPU,
+so the losses are compared within 5% (``--rtol``).
+
 Pass: bit-exact on CPU (fp32: the same operations in the same order), within --rtol
 (default 1e-3 relative) on CUDA. The last line is ``RESULT {json}`` with
 ``max_abs_diff`` and ``max_rel_diff`` (read by bench/gpu_checks.py).
 
     python bench/trainer_resume_check.py --device cpu
+    python bench/trainer_resume_check.py --device cpu --dropout 0.1
     python bench/trainer_resume_check.py --device cuda
+    python bench/trainer_resume_check.py --device cuda --save-device cpu --dropout 0.1
 """
 
 from __future__ import annotations
@@ -66,14 +75,16 @@ def build_data(directory: str, env) -> str:
     return prefix + "_text_document"
 
 
-def trainer_flags(device: str, data: str, iters: int) -> list:
+def trainer_flags(device: str, data: str, iters: int, dropout: float = 0.0,
+                  precision: str = "") -> list:
     flags = ["--model-preset", "tiny", "--seq-length", "64", "--data-path", data,
+             "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
              "--tokenizer-type", "ByteTokenizer", "--micro-batch-size", "4",
              "--global-batch-size", "8", "--train-iters", str(iters), "--log-interval", "1",
              "--eval-interval", "0", "--lr", "3e-3", "--lr-warmup-iters", "0", "--seed", "1234",
              "--jreg-lambda", "1.0", "--jreg-alpha", "1.0", "--use-distributed-optimizer"]
     if device == "cuda":
-        return flags + ["--bf16", "--jreg-impl", "fused"]
+        return flags + (["--bf16"] if precision == "bf16" else []) + ["--jreg-impl", "fused"]
     return flags + ["--jreg-impl", "auto"]
 
 
@@ -110,40 +121,58 @@ def main() -> int:
     parser.add_argument("--rtol", type=float, default=None,
                         help="largest relative lm-loss difference that passes (default 0 on CPU, 1e-3 on CUDA)")
     parser.add_argument("--keep", default=None, help="work in this directory and keep it (default: a temporary one)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="hidden and attention dropout of both runs (default 0, the tiny preset's)")
+    parser.add_argument("--save-device", default=None, choices=["cpu", "cuda"],
+                        help="the device of the uninterrupted run that saves (default --device); "
+                             "cpu with --device cuda: a GPU resume of a CPU save, both fp32")
     args = parser.parse_args()
     if args.train_iters < 2 or args.train_iters % 2:
         parser.error(f"--train-iters {args.train_iters}: need an even number >= 2")
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout {args.dropout}: need 0 <= p < 1")
+    save_device = args.save_device or args.device
+    across = save_device != args.device
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit("trainer_resume_check: --device cuda but no CUDA device is visible "
                              "(a CUDA build of torch and a GPU; or --device cpu)")
-    rtol = args.rtol if args.rtol is not None else (0.0 if args.device == "cpu" else 1e-3)
-    env = env_for(args.device)
+    precision = "fp32" if args.device == "cpu" or across else "bf16"
+    rtol = (args.rtol if args.rtol is not None else 0.05 if across and args.dropout
+            else 0.0 if args.device == "cpu" else 1e-3)
+    env, save_env = env_for(args.device), env_for(save_device)
     with tempfile.TemporaryDirectory(prefix="trainer_resume_") as tmp:
         work = args.keep or tmp
         os.makedirs(work, exist_ok=True)
         data = build_data(work, env)
         half = args.train_iters // 2
-        flags = trainer_flags(args.device, data, args.train_iters)
-        train = [sys.executable, "-m", "megatron_jreg.train"] + flags
+        train = [sys.executable, "-m", "megatron_jreg.train"] + trainer_flags(
+            args.device, data, args.train_iters, args.dropout, precision)
+        train_first = [sys.executable, "-m", "megatron_jreg.train"] + trainer_flags(
+            save_device, data, args.train_iters, args.dropout, precision)
         full_metrics, resumed_metrics = (os.path.join(work, n) for n in ("full.jsonl", "resumed.jsonl"))
         for path in (full_metrics, resumed_metrics):  # the sink appends
             if os.path.exists(path):
                 os.remove(path)
         saved = os.path.join(work, "ckpt_full")
-        out = run(train + ["--save", saved, "--save-interval", str(half), "--metrics-file", full_metrics],
-                  env, "the uninterrupted run")
-        print("uninterrupted run: " + out.strip().splitlines()[-1])
+        out = run(train_first + ["--save", saved, "--save-interval", str(half),
+                                 "--metrics-file", full_metrics], save_env, "the uninterrupted run")
+        print(f"uninterrupted run ({save_device}): " + out.strip().splitlines()[-1])
         out = run(train + ["--load", saved, "--ckpt-step", str(half), "--save", os.path.join(work, "ckpt_resumed"),
                            "--save-interval", str(half), "--metrics-file", resumed_metrics],
                   env, "the resumed run")
-        print("resumed run:       " + out.strip().splitlines()[-1])
+        print(f"resumed run ({args.device}):       " + out.strip().splitlines()[-1])
+        streams = [line for line in out.splitlines() if "model-parallel random streams" in line]
+        for line in streams:
+            print("resumed run: " + line.strip())
+        if across and not any("start from the saved seeds" in line for line in streams):
+            raise SystemExit(f"the resumed run on {args.device} did not set the CUDA form of the "
+                             f"{save_device} save's seeds:\n{out[-3000:]}")
         result = compare(losses(full_metrics), losses(resumed_metrics), half, args.train_iters)
-    precision = "bf16" if args.device == "cuda" else "fp32"
     print(f"lm loss per step, resumed from the checkpoint of step {half} vs uninterrupted "
-          f"({args.device}, {precision}):")
+          f"(saved on {save_device}, resumed on {args.device}, {precision}, dropout {args.dropout:g}):")
     print(f"  {'step':>4s} {'uninterrupted':>15s} {'resumed':>15s} {'|diff|':>10s} {'rel':>10s}")
     for it, a, b, diff, rel in result["rows"]:
         print(f"  {it:4d} {a:15.8f} {b:15.8f} {diff:10.3e} {rel:10.3e}")
@@ -151,7 +180,8 @@ def main() -> int:
     print(f"largest |diff| {result['max_abs_diff']:.3e} (relative {result['max_rel_diff']:.3e}); "
           f"tolerance {rtol:g} relative{' (bit-exact)' if rtol == 0 else ''}: {'ok' if ok else 'OVER'}")
     print("RESULT " + json.dumps({
-        "device": args.device, "precision": precision, "resumed_from": half,
+        "device": args.device, "save_device": save_device, "dropout": args.dropout,
+        "precision": precision, "resumed_from": half,
         "steps_compared": [r[0] for r in result["rows"]], "max_abs_diff": result["max_abs_diff"],
         "max_rel_diff": result["max_rel_diff"], "rtol": rtol, "ok": ok}), flush=True)
     return 0 if ok else 1

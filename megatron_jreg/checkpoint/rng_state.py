@@ -8,8 +8,12 @@ does for its own saves). Checkpoints of earlier versions kept one file per rank
 (``rng/rank_NNNNN.pt``, other key names): :func:`set_rng_state` reads those too.
 
 The tracker's streams are generator states of the device that saved them (mt19937 on a
-CPU, Philox on a GPU), so a resume on the other kind of device keeps the streams this run
-seeded from ``--seed`` and says so; the host generators are restored either way.
+CPU, Philox on a GPU). A CPU run saves its CPU streams under a key of ours and, under
+Megatron-LM's names, the CUDA generator and the streams as a GPU run seeded from the same
+seeds holds them before its first draw, so a GPU run (ours or Megatron-LM's, which sets them
+unconditionally) resumes a CPU save without ``--no-load-rng``. A GPU save resumed on a CPU
+keeps the streams this run seeded from ``--seed`` and says so; the host generators are
+restored either way.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ import torch
 from megatron_jreg.platform.device import (
     cuda_generator_state,
     device_type,
+    seeded_cuda_generator_state,
     set_cuda_generator_state,
 )
 
 SHARDED_KEY = "rng_state"  # Megatron-LM's sharded object
 DEVICE_KEY = "jreg_device"  # ours, beside Megatron-LM's keys (which it ignores)
+CPU_STREAMS_KEY = "jreg_cpu_rng_tracker_states"  # ours: a CPU run's own tracker streams
+DATA_PARALLEL_STREAM = "data-parallel-rng"  # megatron-core's stream seeded as the CUDA generator
 # an earlier version's names -> Megatron-LM's
 _OLD_NAMES = {"python": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
               "tracker": "rng_tracker_states", "cuda": "cuda_rng_state", "device": DEVICE_KEY}
@@ -35,15 +42,33 @@ _OLD_NAMES = {"python": "random_rng_state", "numpy": "np_rng_state", "torch": "t
 
 def rng_state() -> Dict:
     """This rank's random state under Megatron-LM's names, and the kind of device its
-    tracker streams belong to. Without CUDA the CUDA generator's entry is an empty tensor
-    (``torch.cuda.set_rng_state`` queues it and never runs it there)."""
+    tracker streams belong to. On a CPU, Megatron-LM's CUDA entries hold the CUDA form of
+    the seeds (:func:`cuda_form`) and the CPU streams go under ``CPU_STREAMS_KEY``."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    tracker = get_cuda_rng_tracker()
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), DEVICE_KEY: device_type()}
     cuda = cuda_generator_state()
-    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(),
-            "cuda_rng_state": cuda if cuda is not None else torch.empty(0, dtype=torch.uint8),
-            "rng_tracker_states": get_cuda_rng_tracker().get_states(), DEVICE_KEY: device_type()}
+    if cuda is not None:
+        state.update(cuda_rng_state=cuda, rng_tracker_states=tracker.get_states())
+    else:
+        state.update(cuda_form(getattr(tracker, "seed_of", {})))
+        state[CPU_STREAMS_KEY] = tracker.get_states()
+    return state
+
+
+def cuda_form(seed_of: Dict[str, int]) -> Dict:
+    """Megatron-LM's CUDA entries for streams seeded with ``seed_of`` (name -> seed) and never
+    drawn from on a GPU: each stream's and the CUDA generator's state as
+    ``torch.cuda.manual_seed`` leaves it (megatron-core seeds the generator with the
+    data-parallel stream's seed). Without that stream the generator's entry is empty, as a
+    CPU save's was before."""
+    seed = seed_of.get(DATA_PARALLEL_STREAM)
+    return {"cuda_rng_state": (seeded_cuda_generator_state(seed) if seed is not None
+                               else torch.empty(0, dtype=torch.uint8)),
+            "rng_tracker_states": {name: seeded_cuda_generator_state(value)
+                                   for name, value in seed_of.items()}}
 
 
 def _megatron_names(state: Dict) -> Dict:
@@ -69,9 +94,18 @@ def saved_device(state: Dict) -> str:
     return "cuda" if torch.is_tensor(cuda) and cuda.numel() else "cpu"
 
 
+def _cuda_streams(state: Dict) -> bool:
+    """Whether a saved state's Megatron-LM entries are CUDA generator states (Philox's 16
+    bytes), as a GPU sets them."""
+    streams = state.get("rng_tracker_states") or {}
+    cuda = state.get("cuda_rng_state")
+    return (bool(streams) and torch.is_tensor(cuda) and cuda.numel() == 16
+            and all(torch.is_tensor(s) and s.numel() == 16 for s in streams.values()))
+
+
 def set_rng_state(state: Dict, report: Callable[[str], None], source: str = "the checkpoint") -> None:
     """Restore :func:`rng_state`'s ``state`` (or an earlier version's); ``report`` says once
-    when the device streams are kept (saved on another kind of device)."""
+    when the device streams are not the ones the saving run drew from."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     saved_on, here = saved_device(state), device_type()
@@ -79,14 +113,23 @@ def set_rng_state(state: Dict, report: Callable[[str], None], source: str = "the
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    if saved_on != here:
-        report(f"model-parallel random streams not restored: {source} was saved on {saved_on}, "
-               f"this run is on {here} (its generators differ); they start from --seed")
+    tracker = get_cuda_rng_tracker()
+    if saved_on == here:
+        tracker.set_states(state.get(CPU_STREAMS_KEY, state["rng_tracker_states"])
+                           if here == "cpu" else state["rng_tracker_states"])
+        cuda = state.get("cuda_rng_state")
+        if here == "cuda" and torch.is_tensor(cuda) and cuda.numel():
+            set_cuda_generator_state(cuda)
         return
-    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-    cuda = state.get("cuda_rng_state")
-    if torch.is_tensor(cuda) and cuda.numel():
-        set_cuda_generator_state(cuda)
+    if here == "cuda" and _cuda_streams(state):
+        # a CPU save: the CUDA form of its seeds, as Megatron-LM would set them
+        tracker.set_states(state["rng_tracker_states"])
+        set_cuda_generator_state(state["cuda_rng_state"])
+        report(f"model-parallel random streams start from the saved seeds: {source} was saved "
+               f"on cpu, whose streams a GPU cannot continue")
+        return
+    report(f"model-parallel random streams not restored: {source} was saved on {saved_on}, "
+           f"this run is on {here} (its generators differ); they start from --seed")
 
 
 def _layout() -> Tuple[Tuple[int, ...], Tuple[int, ...], int, int]:

@@ -133,7 +133,13 @@ def _patch_rng() -> None:
 
     class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
         """tensor_parallel/random.py keeps named CUDA generator states (model-parallel
-        dropout/init streams); here the same named states are CPU generator states."""
+        dropout/init streams); here the same named states are CPU generator states. The
+        seed each stream was added with is kept too: a checkpoint carries the CUDA form of
+        the streams beside them (checkpoint.rng_state)."""
+
+        def reset(self):
+            super().reset()
+            self.seed_of = {}
 
         def add(self, name, seed):
             self._is_initialized = True
@@ -142,6 +148,7 @@ def _patch_rng() -> None:
             if name in self.states_:
                 raise Exception(f"cuda rng state {name} already exists")
             self.seeds_.add(seed)
+            self.seed_of[name] = seed
             generator = torch.Generator()
             generator.manual_seed(seed)
             self.states_[name] = generator.get_state()

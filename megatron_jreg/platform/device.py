@@ -7,6 +7,7 @@ that still branch on the device and the CPU tests that run their GPU arms.
 from __future__ import annotations
 
 import os
+import struct
 from typing import Optional
 
 import psutil
@@ -61,6 +62,13 @@ def cuda_generator_state() -> Optional[torch.Tensor]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.get_rng_state()
     return None
+
+
+def seeded_cuda_generator_state(seed: int) -> torch.Tensor:
+    """The state ``torch.cuda.manual_seed(seed)`` leaves in a CUDA generator, made without
+    CUDA: Philox's seed and a zero offset as two little-endian 64-bit integers, the 16 bytes
+    ``torch.cuda.get_rng_state`` returns (``bench/gpu_checks.py`` compares them on a GPU)."""
+    return torch.frombuffer(bytearray(struct.pack("<Qq", seed, 0)), dtype=torch.uint8)
 
 
 def set_cuda_generator_state(state: torch.Tensor) -> None:

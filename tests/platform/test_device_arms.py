@@ -117,31 +117,84 @@ def test_rng_state_gpu_arm(fake_gpu, monkeypatch):
     assert tracker_set == [state["rng_tracker_states"]]
 
 
-def test_rng_state_across_devices(fake_gpu, monkeypatch):
-    """The tracker's streams are generator states of the device that saved them: a resume
-    on the other kind of device keeps this run's streams, restores the host generators and
-    says so once (a CPU state set into CUDA's generator raised at the first dropout)."""
-    tracker_set, reports = [], []
-    monkeypatch.setattr(get_cuda_rng_tracker(), "set_states", tracker_set.append)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: pytest.fail("CUDA state set"))
+def _philox(seed: int, offset: int = 0) -> list:
+    """A CUDA generator state read back as torch lays it out: (seed, offset), int64 each."""
+    return [seed, offset]
+
+
+def test_cpu_save_carries_the_cuda_form_of_its_seeds(monkeypatch):
+    """A CPU run's checkpoint holds, under Megatron-LM's names, the CUDA generator and the
+    tracker's streams as megatron-core's seeding leaves them on a GPU before any draw (seed
+    = --seed for the generator and the data-parallel stream, --seed + 2718 + TP rank for the
+    model-parallel one, --seed + 1024 + 100 EP rank + expert-TP rank for the experts'), in
+    the 16-byte form torch.cuda.set_rng_state takes; its CPU streams go beside them."""
+    from megatron.core.tensor_parallel import random as mrandom
+
     monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
+    cpu_platform.activate()  # a CPU run's tracker
+    seed = 4321
+    mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=1, ep_rank=2, etp_rank=0)
+    tracker = get_cuda_rng_tracker()
+    cpu_streams = {name: s.clone() for name, s in tracker.get_states().items()}
+    saved = rng_state.rng_state()
+    assert saved["jreg_device"] == "cpu"
+    expected = {"data-parallel-rng": seed, "model-parallel-rng": seed + 2718 + 1,
+                "expert-parallel-rng": seed + 1024 + 100 * 2 + 0}
+    assert saved["cuda_rng_state"].dtype == torch.uint8
+    assert saved["cuda_rng_state"].view(torch.int64).tolist() == _philox(seed)
+    assert {name: s.view(torch.int64).tolist() for name, s in saved["rng_tracker_states"].items()} == {
+        name: _philox(value) for name, value in expected.items()}
+    kept = saved[rng_state.CPU_STREAMS_KEY]
+    assert kept.keys() == cpu_streams.keys()
+    assert all(torch.equal(kept[name], cpu_streams[name]) for name in kept)
+    assert rng_state.saved_device(saved) == "cpu"  # recorded; its CUDA entries do not decide
+
+
+def test_rng_state_across_devices(fake_gpu, monkeypatch):
+    """A CPU save resumed on a GPU sets the CUDA form of the saved seeds with the calls
+    Megatron-LM makes (torch.cuda.set_rng_state, the tracker's set_states) and says so once;
+    resumed on a CPU it continues the CPU streams. A GPU save resumed on a CPU keeps this
+    run's streams (a CUDA state set into a CPU generator raised at the first dropout)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker_set, reports, cuda_set = [], [], []
+    monkeypatch.setattr(get_cuda_rng_tracker(), "set_states", tracker_set.append)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", cuda_set.append)
+    monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
+    cpu_platform.activate()  # a CPU run's tracker
+    mrandom.model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0)
     torch.manual_seed(5)
     saved_on_cpu = rng_state.rng_state()
-    assert saved_on_cpu["jreg_device"] == "cpu" and saved_on_cpu["cuda_rng_state"].numel() == 0
     expected = torch.rand(3)
     monkeypatch.delenv("MEGATRON_JREG_DEVICE")  # the resume runs on the (fake) GPU
     rng_state.set_rng_state(saved_on_cpu, reports.append, "ckpt/iter_0000004")
     assert torch.equal(torch.rand(3), expected)  # the host generator is restored
-    assert tracker_set == []
-    assert reports == ["model-parallel random streams not restored: ckpt/iter_0000004 was saved "
-                       "on cpu, this run is on cuda (its generators differ); they start from --seed"]
+    assert tracker_set == [saved_on_cpu["rng_tracker_states"]]
+    assert len(cuda_set) == 1 and cuda_set[0].view(torch.int64).tolist() == _philox(5)
+    assert reports == ["model-parallel random streams start from the saved seeds: "
+                       "ckpt/iter_0000004 was saved on cpu, whose streams a GPU cannot continue"]
+    # the same save resumed on a CPU: its CPU streams, no CUDA call, nothing to report
+    monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
+    rng_state.set_rng_state(saved_on_cpu, pytest.fail)
+    assert tracker_set[-1] is saved_on_cpu[rng_state.CPU_STREAMS_KEY] and len(cuda_set) == 1
+    # a CPU save of an earlier version (CPU streams under Megatron-LM's name, an empty CUDA
+    # entry) resumed on a GPU: nothing in it a GPU can set
+    monkeypatch.delenv("MEGATRON_JREG_DEVICE")
+    earlier = {k: v for k, v in saved_on_cpu.items() if k != rng_state.CPU_STREAMS_KEY}
+    earlier.update(cuda_rng_state=torch.empty(0, dtype=torch.uint8),
+                   rng_tracker_states=saved_on_cpu[rng_state.CPU_STREAMS_KEY])
+    rng_state.set_rng_state(earlier, reports.append, "ckpt/iter_0000004")
+    assert len(tracker_set) == 2 and len(cuda_set) == 1
+    assert reports[-1] == ("model-parallel random streams not restored: ckpt/iter_0000004 was "
+                           "saved on cpu, this run is on cuda (its generators differ); they "
+                           "start from --seed")
     # an earlier version's file of a GPU run (its own key names, no device), resumed on a CPU
     monkeypatch.setenv("MEGATRON_JREG_DEVICE", "cpu")
     old = {"python": saved_on_cpu["random_rng_state"], "numpy": saved_on_cpu["np_rng_state"],
            "torch": saved_on_cpu["torch_rng_state"], "tracker": saved_on_cpu["rng_tracker_states"],
            "cuda": torch.zeros(16, dtype=torch.uint8)}
     rng_state.set_rng_state(old, reports.append)
-    assert tracker_set == [] and "saved on cuda, this run is on cpu" in reports[-1]
+    assert len(tracker_set) == 2 and "saved on cuda, this run is on cpu" in reports[-1]
     assert torch.equal(torch.rand(3), expected)
 
 
