@@ -46,7 +46,8 @@ for lambda in 0 "$JREG_LAMBDA"; do
     --load "$RUN/checkpoints" --save "$RUN/checkpoints" \
     --data-path "$DATA/train_text_document" --split 98,2,0 \
     --seq-length 128 --micro-batch-size 4 --global-batch-size 4 --train-iters "$TRAIN_ITERS" \
-    --lr 3e-5 --min-lr 3e-5 --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0 \
+    --lr 3e-5 --min-lr 3e-5 --lr-decay-style constant --weight-decay 0.0 --adam-beta1 0.9 \
+    --adam-beta2 0.95 --clip-grad 1.0 \
     --jreg-lambda "$lambda" --jreg-alpha 1.0 --jreg-weighting softmax --seed 1234 \
     --eval-interval "$TRAIN_ITERS" --eval-iters 8 --log-interval 10 \
     --metrics-file "$RUN/metrics.jsonl" --tensorboard-dir "$RUN/tensorboard"

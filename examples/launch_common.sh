@@ -84,7 +84,7 @@ run_paper_recipe() {
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
     --transformer-impl "${TRANSFORMER_IMPL:-auto}" --data-path $DATA_PATH --split 99,1,0 \
-    --tokenizer-type "${TOKENIZER_TYPE:-SentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
+    --tokenizer-type "${TOKENIZER_TYPE:-GPTSentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
     --jreg-lambda "$JREG_LAMBDA" --jreg-alpha "$JREG_ALPHA" --jreg-weighting softmax \
     --save "$RUN_DIR/checkpoints" --save-interval 2000 $(load_args "$RUN_DIR/checkpoints") \
     --eval-interval 2000 --eval-iters 20 --log-interval 10 \

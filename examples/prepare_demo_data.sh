@@ -11,5 +11,5 @@ cd "$REPO"
   --model-prefix "$DATA_DIR/tokenizer" --vocab-size 2000
 [ -f "$DATA_DIR/demo_text_document.idx" ] || python tools/preprocess_data.py \
   --input "$DATA_DIR/corpus.jsonl" --output-prefix "$DATA_DIR/demo" \
-  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" \
+  --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" \
   --workers 2 --append-eod

@@ -7,7 +7,7 @@ DATA_DIR=${DATA_DIR:-$REPO/runs/demo/data}
 if [ -z "${DATA_PATH:-}" ]; then
   DATA_DIR="$DATA_DIR" bash "$REPO/examples/prepare_demo_data.sh"
   DATA_PATH="$DATA_DIR/demo_text_document"
-  TOKENIZER_TYPE=SentencePieceTokenizer
+  TOKENIZER_TYPE=GPTSentencePieceTokenizer
   TOKENIZER_MODEL="$DATA_DIR/tokenizer.model"
 fi
 JREG_LAMBDA=${JREG_LAMBDA:-1.0}
@@ -17,9 +17,9 @@ run_trainer \
   --model-preset "${MODEL_PRESET:-tiny}" --seq-length 128 \
   --micro-batch-size 8 --global-batch-size 16 --train-iters ${TRAIN_ITERS:-300} \
   --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
-  --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --seed 1234 \
   --data-path $DATA_PATH --split 98,2,0 \
-  --tokenizer-type "${TOKENIZER_TYPE:-SentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
+  --tokenizer-type "${TOKENIZER_TYPE:-GPTSentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
   --jreg-lambda "$JREG_LAMBDA" --jreg-alpha "${JREG_ALPHA:-1.0}" \
   --save "$RUN_DIR/checkpoints" --save-interval 100 $(load_args "$RUN_DIR/checkpoints") \
   --eval-interval 100 --eval-iters 4 --log-interval 25 \

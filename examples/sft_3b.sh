@@ -35,7 +35,7 @@ for name in baseline jreg; do
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
     --transformer-impl "${TRANSFORMER_IMPL:-auto}" \
     --data-path "$SFT_DATA_PATH" --split 99,1,0 \
-    --tokenizer-type "${TOKENIZER_TYPE:-SentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
+    --tokenizer-type "${TOKENIZER_TYPE:-GPTSentencePieceTokenizer}" --tokenizer-model "$TOKENIZER_MODEL" \
     --jreg-lambda "${SFT_JREG_LAMBDA:-0}" \
     --save "$run/checkpoints" --save-interval 200 $(load_args "$run/checkpoints") \
     --eval-interval 200 --eval-iters 10 --log-interval 10 \

@@ -24,7 +24,7 @@ echo "== 1/3 chat data: the built-in demo conversations, the demo's tokenizer"
 [ -f "$DATA_DIR/chat.jsonl" ] || python tools/make_demo_corpus.py --chat --output "$DATA_DIR/chat.jsonl"
 [ -f "$DATA_DIR/chat_sft_document.idx" ] || python tools/preprocess_data.py --sft \
   --input "$DATA_DIR/chat.jsonl" --output-prefix "$DATA_DIR/chat" \
-  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" --workers 2
+  --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" --workers 2
 
 for lambda in 0 1.0; do
   run="$OUT/sft_from_lambda$lambda"
@@ -35,7 +35,7 @@ for lambda in 0 1.0; do
     --lr 2e-4 --min-lr 0 --lr-warmup-iters 0 --lr-decay-style linear \
     --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0 --clip-grad 1.0 --seed 1234 \
     --data-path "$DATA_DIR/chat_sft_document" --split 95,5,0 \
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" \
+    --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" \
     --jreg-lambda "${SFT_JREG_LAMBDA:-0}" \
     --save "$run/checkpoints" --save-interval 100 $(load_args "$run/checkpoints") \
     --eval-interval 50 --eval-iters 2 --log-interval 25 \

@@ -24,7 +24,11 @@ from megatron_jreg.checkpoint.catalog import RNG_FILES_DIR
 from megatron_jreg.checkpoint.faults import DamagedFile, MissingRngFile, UnsafeCheckpoint
 from megatron_jreg.checkpoint.formats import Source
 from megatron_jreg.checkpoint.notes import report_once
-from megatron_jreg.checkpoint.scheduler_state import load_scheduler
+from megatron_jreg.checkpoint.scheduler_state import (
+    adam_settings,
+    keep_adam_settings,
+    load_scheduler,
+)
 from megatron_jreg.checkpoint.state_keys import (
     EXTRA_STATE,
     checkpoint_entries,
@@ -172,7 +176,9 @@ def load_checkpoint(source: Source, model_chunks, optimizer=None, scheduler=None
         raise DamagedFile(path=path, checksum=False,
                           detail=f"checkpoint {path} holds non-finite weights {bad}")
     if optimizer is not None:
+        mine = adam_settings(optimizer)
         optimizer.load_state_dict(loaded["optimizer"])
+        keep_adam_settings(optimizer, mine, scheduler_mode)
     if scheduler is not None and fmt.schedule is not None:
         load_scheduler(scheduler, fmt.schedule, scheduler_mode, samples_per_iter)
     if rng_request is not None:

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 from megatron_jreg.checkpoint import catalog, formats
 from megatron_jreg.data.tokenizers.build import build_tokenizer, describe_tokenizer, tokenizer_identity
+from megatron_jreg.data.tokenizers.records import earlier_record_fix, holds_same_ids
 from megatron_jreg.errors import InputError
 
 # the pinned-tokenizer warnings already printed in this process (each is said once)
@@ -83,8 +84,14 @@ def build_run_tokenizer(configs: Dict[str, object], tokenizer_model: Optional[st
                 f"--tokenizer-model {tokenizer_model}: a GPT2BPETokenizer run needs the "
                 "directory holding its vocab.json and merges.txt"
             )
+    legacy = bool(getattr(data, "legacy_tokenizer", False))
     try:
-        tokenizer = build_tokenizer(kind, model_file, **kwargs)
+        tokenizer = build_tokenizer(kind, model_file, legacy=legacy, **kwargs)
+        pinned = getattr(data, "tokenizer_identity", None)
+        if earlier_record_fix(tokenizer, pinned):
+            # a run saved before records named their ids: the tokenizer that gives its ids
+            earlier = tokenizer.earlier_record
+            tokenizer = build_tokenizer(earlier.kind, model_file, legacy=earlier.legacy, **kwargs)
     except (FileNotFoundError, ValueError) as err:
         raise InputError(f"cannot build the run's {kind} ({err}); {fix}") from None
     _check_pinned(configs, tokenizer, model_file, tokenizer_model)
@@ -97,7 +104,7 @@ def _check_pinned(configs, tokenizer, model_file, override: Optional[str]) -> No
     data, vocab = configs["data"], configs["model"].vocab_size
     pinned = getattr(data, "tokenizer_identity", None)
     now = tokenizer_identity(tokenizer)
-    if not pinned or now == pinned:
+    if not pinned or holds_same_ids(tokenizer, pinned):
         return
     was = describe_tokenizer(data.tokenizer_type, vocab, pinned)
     got = describe_tokenizer(data.tokenizer_type, tokenizer.vocab_size, now)

@@ -5,7 +5,7 @@ flags (Megatron-LM's rule)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron_jreg.errors import CheckpointError
 
@@ -21,14 +21,16 @@ def saved_schedule(state: Optional[Dict]) -> Optional[Dict]:
     return None
 
 
-SCHEDULER_FLAGS = {  # scheduler state key -> (flag, unit: samples per flag unit or None)
+SCHEDULER_FLAGS = {  # scheduler state key -> (flag, its samples form when a length, or None)
     "max_lr": ("--lr", None), "min_lr": ("--min-lr", None),
-    "lr_warmup_steps": ("--lr-warmup-iters", "iters"),
-    "lr_decay_steps": ("--lr-decay-iters", "iters"), "lr_decay_style": ("--lr-decay-style", None),
-    "wsd_decay_steps": ("--lr-wsd-decay-iters", "iters"),
+    "lr_warmup_steps": ("--lr-warmup-iters", "--lr-warmup-samples"),
+    "lr_decay_steps": ("--lr-decay-iters", "--lr-decay-samples"),
+    "lr_decay_style": ("--lr-decay-style", None),
+    "wsd_decay_steps": ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples"),
     "lr_wsd_decay_style": ("--lr-wsd-decay-style", None),
     "start_wd": ("--weight-decay", None),
 }
+WSD_KEYS = ("wsd_decay_steps", "lr_wsd_decay_style")  # compared only where a schedule is WSD
 
 
 def scheduler_state(scheduler) -> Dict:
@@ -39,19 +41,27 @@ def scheduler_state(scheduler) -> Dict:
     return state
 
 
-def scheduler_differences(scheduler, saved: Dict, samples_per_iter: int) -> List[str]:
-    """'flag: flags give X, the checkpoint Y' for each schedule value that differs."""
+def scheduler_differences(scheduler, saved: Dict, samples_per_iter: int) -> List[Tuple[str, str, str]]:
+    """(flag, the flags' value, the checkpoint's value as a flag) for each schedule value
+    that differs; a length is in steps (``--lr-decay-iters 100``) where whole, else in
+    samples. The WSD values count only where the flags or the checkpoint decay by WSD."""
+    wsd = "WSD" in (scheduler.lr_decay_style, saved.get("lr_decay_style"))
     out = []
-    for key, (flag, unit) in SCHEDULER_FLAGS.items():
-        if key not in saved:
+    for key, (flag, samples_flag) in SCHEDULER_FLAGS.items():
+        if key not in saved or (key in WSD_KEYS and not wsd):
             continue
         mine, theirs = getattr(scheduler, key), saved[key]
         if mine == theirs:
             continue
-        if unit and isinstance(mine, int) and isinstance(theirs, int):
-            mine, theirs = mine / samples_per_iter, theirs / samples_per_iter
-            mine, theirs = (int(v) if float(v).is_integer() else v for v in (mine, theirs))
-        out.append(f"{flag} {mine} (the checkpoint's {theirs})")
+        if samples_flag and isinstance(mine, int) and isinstance(theirs, int):
+            shown = []
+            for value in (mine, theirs):
+                whole = value % samples_per_iter == 0
+                shown.append(f"{flag} {value // samples_per_iter}" if whole
+                             else f"{samples_flag} {value}")
+            out.append((flag, shown[0], shown[1]))
+        else:
+            out.append((flag, f"{flag} {mine}", f"{flag} {theirs}"))
     return out
 
 
@@ -62,9 +72,11 @@ def load_scheduler(scheduler, saved: Dict, mode: str, samples_per_iter: int) -> 
         diffs = scheduler_differences(scheduler, saved, samples_per_iter)
         if diffs:
             raise CheckpointError(
-                "the learning-rate schedule differs from the checkpoint's: " + "; ".join(diffs)
-                + ". Pass --override-opt-param-scheduler to use the flags or "
-                "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+                "the learning-rate schedule differs from the checkpoint's ("
+                + "; ".join(f"{mine} here, {theirs} in the checkpoint" for _, mine, theirs in diffs)
+                + "): to continue it pass " + " ".join(theirs for _, _, theirs in diffs)
+                + " or --use-checkpoint-opt-param-scheduler; --override-opt-param-scheduler "
+                "takes this run's values instead")
     scheduler.override_opt_param_scheduler = mode == "override"
     scheduler.use_checkpoint_opt_param_scheduler = mode != "override"
     scheduler.load_state_dict(saved)
@@ -80,3 +92,35 @@ def load_scheduler(scheduler, saved: Dict, mode: str, samples_per_iter: int) -> 
         for key in ("wsd_decay_steps", "lr_wsd_decay_style"):
             if key in saved:
                 setattr(scheduler, key, saved[key])
+
+
+_ADAM_FLAGS = ("--adam-beta1", "--adam-beta2", "--adam-eps")
+
+
+def adam_settings(optimizer) -> List[Tuple[float, float, float]]:
+    """Each parameter group's (beta1, beta2, eps): this run's before a load, the
+    checkpoint's after it (loading an optimizer's state brings back its groups' settings)."""
+    return [(*group["betas"], group["eps"]) for group in optimizer.param_groups
+            if "betas" in group]
+
+
+def keep_adam_settings(optimizer, mine: List[Tuple[float, float, float]], mode: str) -> None:
+    """After the optimizer's state is loaded: with ``override`` (--override-opt-param-scheduler)
+    this run's Adam settings go back into its groups; otherwise a setting the checkpoint was
+    trained with other than this run's is an error naming the flags that continue it (a
+    resume would train with the checkpoint's while the run records its flags')."""
+    theirs = adam_settings(optimizer)
+    if mode == "override":
+        for group, (beta1, beta2, eps) in zip(
+                (g for g in optimizer.param_groups if "betas" in g), mine):
+            group["betas"], group["eps"] = (beta1, beta2), eps
+        return
+    for here, saved in zip(mine, theirs):
+        diffs = [(flag, a, b) for flag, a, b in zip(_ADAM_FLAGS, here, saved) if a != b]
+        if diffs:
+            raise CheckpointError(
+                "the optimizer's Adam settings differ from the checkpoint's ("
+                + "; ".join(f"{flag} {a:g} here, {flag} {b:g} in the checkpoint"
+                            for flag, a, b in diffs)
+                + "): to continue it pass " + " ".join(f"{flag} {b:g}" for flag, _, b in diffs)
+                + "; --override-opt-param-scheduler takes this run's values instead")

@@ -51,6 +51,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_jreg.config.tokenizer_names import SENTENCEPIECE_TOKENIZERS
+from megatron_jreg.data.tokenizers.records import LEGACY_IDS
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.model_loader import load_model
 from megatron_jreg.checkpoint.run_configs import (
@@ -136,17 +138,24 @@ def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = Non
             "pass --no-tokenizer"
         )
     run_tokenizer = build_run_tokenizer(configs, tokenizer_model)
+    if data.tokenizer_type in SENTENCEPIECE_TOKENIZERS and run_tokenizer.split_tokens():
+        raise InputError(
+            f"the run's --legacy-tokenizer {data.tokenizer_type} cuts texts at "
+            f"{', '.join(run_tokenizer.split_tokens())} and encodes each piece with its own "
+            "leading space, which the Hugging Face tokenizers here do not reproduce; pass "
+            "--no-tokenizer (the weights convert) and tokenize with the run's tokenizer")
     if data.tokenizer_type == "ByteTokenizer":
         hf = byte_tokenizer_fast(run_tokenizer.eod, run_tokenizer.bos, run_tokenizer.pad)
-    elif data.tokenizer_type == "SentencePieceTokenizer":
+    elif data.tokenizer_type in SENTENCEPIECE_TOKENIZERS:
         hf = _sentencepiece_tokenizer(tokenizer_model or data.tokenizer_model, out_dir)
     elif data.tokenizer_type == "Llama2Tokenizer":
         from transformers import LlamaTokenizer
 
         shutil.copyfile(tokenizer_model or data.tokenizer_model,
                         os.path.join(out_dir, "tokenizer.model"))
-        # Megatron-LM's Llama2Tokenizer starts every text with BOS (no EOS): so does this one
-        hf = LlamaTokenizer.from_pretrained(out_dir, add_bos_token=True, add_eos_token=False)
+        # BOS first where the run's ids have it (--legacy-tokenizer), as the trainer's
+        legacy = run_tokenizer.unique_identifiers.get("ids") == LEGACY_IDS
+        hf = LlamaTokenizer.from_pretrained(out_dir, add_bos_token=legacy, add_eos_token=False)
     elif data.tokenizer_type == "GPT2BPETokenizer":
         from transformers import GPT2TokenizerFast
 

@@ -1,7 +1,7 @@
 """Tokenise raw text into megatron-core .bin/.idx datasets (Megatron-LM's flags).
 
     python tools/preprocess_data.py --input DATA.jsonl --output-prefix OUT \\
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \\
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model \\
         --workers 8 --append-eod
 
 The flags are the fields of :class:`PreprocessConfig`; the work is

@@ -19,7 +19,10 @@ def from_argv(argv: Optional[Sequence[str]] = None) -> ExperimentConfig:
     read: Dict[str, object] = {}  # the checkpoint --use-checkpoint-args read, kept for the run
     sections = flags.parse(SECTIONS, argv, description=DESCRIPTION, build=BUILDERS,
                            given=given, resolve=lambda values: apply_checkpoint_args(values, read))
-    return ExperimentConfig.from_sections(sections, given, start=read.get("start"))
+    try:  # the experiment's own settings (the global batch of this launch) checked as flags are
+        return ExperimentConfig.from_sections(sections, given, start=read.get("start"))
+    except ValueError as err:
+        flags.build_parser(SECTIONS, DESCRIPTION).error(str(err))
 
 
 def out_of_memory_line(err: BaseException, experiment: Optional[ExperimentConfig]) -> Optional[str]:

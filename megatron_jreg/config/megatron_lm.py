@@ -164,9 +164,11 @@ SECTION_FLAGS: Dict[str, List[str]] = {
     "optim": ["--lr-warmup-fraction", "--lr-warmup-samples", "--lr-warmup-init",
               "--lr-decay-samples", "--lr-wsd-decay-samples"],
     "training": ["--train-samples", "--rampup-batch-size", "--exit-signal",
-                 "--exit-duration-in-mins", "--eval-iters"],
+                 "--exit-duration-in-mins", "--eval-iters", "--eval-interval",
+                 "--global-batch-size"],
+    "logging": ["--log-interval"],
     "data": ["--dataloader-type", "--tokenizer-type", "--vocab-file", "--merge-file",
-             "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"],
+             "--legacy-tokenizer", "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"],
     "checkpoint": ["--save-interval", "--use-checkpoint-args", "--no-ckpt-fully-parallel-save",
                    "--ckpt-fully-parallel-load", "--async-save", "--use-persistent-ckpt-worker"],
 }

@@ -333,6 +333,14 @@ class ParallelConfig:
             object.__setattr__(self, "recompute_method", self.recompute_method or "uniform")
             object.__setattr__(self, "recompute_num_layers", self.recompute_num_layers or 1)
 
+    def data_parallel_size(self, world: int) -> int:
+        """Data-parallel ranks of ``world`` processes: what TP x PP x CP leaves, as in
+        Megatron-LM (at least 1; a world they do not divide is refused by the experiment's
+        layout check)."""
+        model_ranks = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                       * self.context_parallel_size)
+        return max(1, world // model_ranks)
+
     def virtual_stages(self, num_layers: int) -> Optional[int]:
         """Model chunks per pipeline rank, or None without interleaving; validates the split."""
         pp = self.pipeline_model_parallel_size

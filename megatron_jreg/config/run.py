@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron_jreg.config import values as config_values
 from megatron_jreg.config.resolve import kept_schedule
 from megatron_jreg.config.schema import option
-from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES
+from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES, tokenizer_type_error
 from megatron_jreg.errors import ConfigError
 from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.config.megatron_lm import MegatronLMConfig
@@ -38,17 +39,17 @@ class OptimConfig:
         "--lr-decay-iters", "steps of decay; default --train-iters", min=1))
     lr_decay_samples: Optional[int] = field(default=None, metadata=option(
         "--lr-decay-samples", "samples of decay; default --train-samples", min=1))
-    lr_decay_style: str = field(default="cosine", metadata=option(
-        "--lr-decay-style", "cosine, linear, constant or WSD"))
+    lr_decay_style: str = field(default="linear", metadata=option(
+        "--lr-decay-style", "linear, cosine, constant or WSD"))
     lr_wsd_decay_iters: Optional[int] = field(default=None, metadata=option(
         "--lr-wsd-decay-iters", "WSD: steps of the final decay; default 10% of decay", min=1))
     lr_wsd_decay_samples: Optional[int] = field(default=None, metadata=option(
         "--lr-wsd-decay-samples", "WSD: samples of the final decay", min=1))
-    lr_wsd_decay_style: str = field(default="linear", metadata=option(
+    lr_wsd_decay_style: str = field(default="exponential", metadata=option(
         "--lr-wsd-decay-style", "WSD: exponential, linear, cosine or minus_sqrt"))
-    weight_decay: float = field(default=0.1, metadata=option("--weight-decay", "AdamW weight decay", min=0))
+    weight_decay: float = field(default=0.01, metadata=option("--weight-decay", "AdamW weight decay", min=0))
     adam_beta1: float = field(default=0.9, metadata=option("--adam-beta1", "Adam beta1", min=0, lt=1))
-    adam_beta2: float = field(default=0.95, metadata=option("--adam-beta2", "Adam beta2", min=0, lt=1))
+    adam_beta2: float = field(default=0.999, metadata=option("--adam-beta2", "Adam beta2", min=0, lt=1))
     adam_eps: float = field(default=1e-8, metadata=option("--adam-eps", "Adam epsilon", gt=0))
     clip_grad: float = field(default=1.0, metadata=option(
         "--clip-grad", "global grad-norm clip (0 = off)", min=0))
@@ -128,8 +129,9 @@ class TrainingConfig:
 
     micro_batch_size: int = field(default=4, metadata=option(
         "--micro-batch-size", "sequences per micro-batch", min=1))
-    global_batch_size: int = field(default=16, metadata=option(
-        "--global-batch-size", "sequences per step over all data-parallel ranks", min=1))
+    global_batch_size: Optional[int] = field(default=None, metadata=option(
+        "--global-batch-size", "sequences per step over all data-parallel ranks; default "
+        "--micro-batch-size x data-parallel size, as in Megatron-LM", min=1))
     train_iters: Optional[int] = field(default=None, metadata=option(
         "--train-iters", "optimizer steps; default 100, or --train-samples / --global-batch-size",
         min=1))
@@ -138,9 +140,10 @@ class TrainingConfig:
         "(a partial last batch is dropped, as in Megatron-LM)", min=1))
     rampup_batch_size: Optional[list] = field(default=None, metadata=option(
         "--rampup-batch-size", "batch-size ramp-up: not supported yet", nargs=3))
-    eval_interval: int = field(default=50, metadata=option(
-        "--eval-interval", "steps between validation runs (0 = never)", min=0))
-    eval_iters: int = field(default=4, metadata=option(
+    eval_interval: Optional[int] = field(default=None, metadata=option(
+        "--eval-interval", "steps between validation runs; unset or 0: no validation (as in "
+        "Megatron-LM, no validation during training)", min=0))
+    eval_iters: int = field(default=100, metadata=option(
         "--eval-iters", "validation batches per run (0 = no validation, as --eval-interval 0)",
         min=0))
     seed: int = field(default=1234, metadata=option(
@@ -169,12 +172,17 @@ class TrainingConfig:
             raise ConfigError("--rampup-batch-size: not supported yet (the global batch is "
                              "constant); drop it")
         if self.train_samples is not None:
-            steps = self.train_samples // max(self.global_batch_size, 1)
+            # the steps --train-samples stands for, once the global batch is known (a config
+            # built again from its own values holds both, equal)
+            steps = (None if self.global_batch_size is None
+                     else self.train_samples // max(self.global_batch_size, 1))
             if self.train_iters is not None and self.train_iters != steps:
                 raise ConfigError("--train-iters and --train-samples: pass one (as in Megatron-LM)")
             _normalize(self, train_iters=steps)
         elif self.train_iters is None:
             _normalize(self, train_iters=100)
+        if self.global_batch_size is None:
+            return  # --micro-batch-size x data-parallel size: with_data_parallel, at the launch
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1"
@@ -184,6 +192,14 @@ class TrainingConfig:
             raise ConfigError(
                 f"--global-batch-size {self.global_batch_size} is not divisible by "
                 f"--micro-batch-size {self.micro_batch_size}")
+
+    def with_data_parallel(self, data_parallel_size: int) -> "TrainingConfig":
+        """This section on ``data_parallel_size`` data-parallel ranks: a global batch left
+        out is --micro-batch-size x data-parallel size, as in Megatron-LM."""
+        if self.global_batch_size is not None:
+            return self
+        return dataclasses.replace(
+            self, global_batch_size=self.micro_batch_size * data_parallel_size)
 
 
 @dataclass(kw_only=True)
@@ -204,6 +220,11 @@ class DataConfig:
         "--vocab-file", "GPT2BPETokenizer: vocab.json"))
     merge_file: Optional[str] = field(default=None, metadata=option(
         "--merge-file", "GPT2BPETokenizer: merges.txt"))
+    legacy_tokenizer: bool = field(default=False, metadata=option(
+        "--legacy-tokenizer", "the data holds Megatron-LM's legacy tokenizer ids "
+        "(preprocess_data.py --legacy-tokenizer): SentencePieceTokenizer's with <EOD> as the "
+        "end of document, Llama2Tokenizer's with BOS first, HuggingFaceTokenizer's with its "
+        "special tokens; the model's vocabulary is the same either way", const=True))
     dataloader_type: str = field(default="single", metadata=option(
         "--dataloader-type", "single (in order) or cyclic (Megatron-LM's shuffled order, reshuffled "
         "each epoch)"))
@@ -227,9 +248,8 @@ class DataConfig:
         "and files (data.tokenizers.tokenizer_identity); resume and the tools compare it"})
 
     def __post_init__(self):
-        if self.tokenizer_type not in TOKENIZER_TYPES:
-            raise ConfigError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of "
-                             f"{', '.join(TOKENIZER_TYPES)}")
+        if tokenizer_type_error(self.tokenizer_type):
+            raise ConfigError(tokenizer_type_error(self.tokenizer_type))
         if self.dataloader_type not in ("single", "cyclic"):
             raise ConfigError(f"--dataloader-type {self.dataloader_type!r}: single or cyclic "
                              "(external is not supported)")
@@ -331,7 +351,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
-    log_interval: int = field(default=10, metadata=option(
+    log_interval: int = field(default=100, metadata=option(
         "--log-interval", "steps between log lines", min=1))
     tensorboard_dir: Optional[str] = field(default=None, metadata=option(
         "--tensorboard-dir", "write TensorBoard scalars here"))

@@ -27,6 +27,7 @@ from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.source import StartingPoint
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
+from megatron_jreg.data.tokenizers.records import earlier_record_fix, holds_same_ids
 from megatron_jreg.training.checkpoint_args import architecture_differences
 
 
@@ -148,6 +149,19 @@ class Checkpointer:
                 "saved_embedding_rows": start.source.format.embedding_rows,
                 "saved_schedule": schedule}
 
+    def report_global_batch(self) -> None:
+        """Say so when a resumed run's global batch, left out (--micro-batch-size x the
+        data-parallel size, as in Megatron-LM), differs from the checkpoint's run's."""
+        start, t = self.start, self.experiment.training
+        if (start is None or start.weights_only
+                or "global_batch_size" in self.experiment.given.get("training", {})):
+            return
+        saved = getattr(start.source.format.configs.get("training"), "global_batch_size", None)
+        if saved is not None and saved != t.global_batch_size:
+            print_rank_0(f"--global-batch-size left out: {t.global_batch_size} (--micro-batch-size "
+                         f"{t.micro_batch_size} x the data-parallel size), the checkpoint's run "
+                         f"had {saved}; pass --global-batch-size {saved} to continue it as it was")
+
     def report_padded_vocab(self) -> None:
         """Say so when the run keeps a checkpoint's embedding rows that differ from the
         vocabulary padded to --make-vocab-size-divisible-by."""
@@ -229,6 +243,9 @@ class Checkpointer:
         if flag == "--load" and not weights_only:
             self._check_resumed_run(saved, start.source.format.has_run_config, root)
         differ = architecture_differences(saved["model"], mine)
+        earlier = earlier_record_fix(tokenizer, saved["data"].tokenizer_identity)
+        if earlier and (differ or not self.cfg.allow_tokenizer_change):
+            raise ConfigError(f"{flag} {root}: {earlier}")
         if differ:
             fix = ("pass the pretraining run's model flags (or its --model-preset)" if weights_only
                    else "pass the model flags the checkpoint was trained with (or --use-checkpoint-args)")
@@ -240,7 +257,7 @@ class Checkpointer:
                          f"tokenizer {theirs.tokenizer_model} cannot be read: this run's is not "
                          "checked against it")
             return
-        if pinned == identity:
+        if holds_same_ids(tokenizer, pinned):
             return
         was = describe_tokenizer(theirs.tokenizer_type, saved["model"].vocab_size, pinned)
         now = describe_tokenizer(ours.tokenizer_type, tokenizer.vocab_size, identity)

@@ -18,6 +18,7 @@ from typing import Dict, List, Mapping, Optional
 from megatron_jreg.config import yaml_settings
 from megatron_jreg.checkpoint import catalog
 from megatron_jreg.checkpoint.catalog import TRACKER
+from megatron_jreg.checkpoint.run_configs import launched_world_size
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
 from megatron_jreg.errors import ConfigError
@@ -58,6 +59,12 @@ class ExperimentConfig:
     # the checkpoint the run starts from when the settings already read it (under
     # --use-checkpoint-args, at parse time: training.source.StartingPoint). Not saved.
     start: Optional[object] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        # the one place a global batch left out is decided: --micro-batch-size x the
+        # data-parallel size of this launch (Megatron-LM's rule)
+        dp = self.parallel.data_parallel_size(launched_world_size())
+        object.__setattr__(self, "training", self.training.with_data_parallel(dp))
 
     # ---- construction and YAML ----------------------------------------------------------
     @classmethod
@@ -133,7 +140,7 @@ class ExperimentConfig:
         world_size: the processes launched (default: the launcher's WORLD_SIZE, 1 without
         torchrun). tokenizer_vocab_size: the built tokenizer's, to check ``--vocab-size``.
         """
-        world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        world = launched_world_size() if world_size is None else world_size
         self._check_layout(world)
         self._check_schedule()
         if (self.checkpoint.load and not self.checkpoint.pretrained_checkpoint
@@ -224,7 +231,7 @@ class ExperimentConfig:
             raise ConfigError(f"--no-position-embedding with --position-embedding-type "
                              f"{model.position_embedding_type}: a model without position "
                              "information is not supported; drop --no-position-embedding")
-        per_step = self.training.micro_batch_size * (world // (tp * pp))
+        per_step = self.training.micro_batch_size * parallel.data_parallel_size(world)
         if self.training.global_batch_size % per_step:
             raise ConfigError(
                 f"--global-batch-size {self.training.global_batch_size} is not divisible by "

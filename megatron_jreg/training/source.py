@@ -124,9 +124,11 @@ def run_tokenizer(data, model):
     resolved), and the model settings as the checks read them (a new object when they
     change: NullTokenizer's vocabulary counts its end-of-document id)."""
     if data.tokenizer_type not in MEGATRON_LM_TOKENIZERS:
-        return build_tokenizer(data.tokenizer_type, data.tokenizer_model), model
+        return build_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                               legacy=data.legacy_tokenizer), model
     tokenizer = build_megatron_tokenizer(data.tokenizer_type, data.tokenizer_model,
-                                         model.vocab_size, data.vocab_file, data.merge_file)
+                                         model.vocab_size, data.vocab_file, data.merge_file,
+                                         legacy=data.legacy_tokenizer)
     if data.tokenizer_type == NULL_TOKENIZER:
         # --vocab-size counts the ids before the end-of-document id (Megatron-LM's rule);
         # the settings say so before they are checked and resolved

@@ -128,6 +128,7 @@ class Trainer:
         for line in notes(asked, cfg.given, impl, platform_device.backend()):
             print_rank_0(line)
         self.checkpoints.report_padded_vocab()
+        self.checkpoints.report_global_batch()
         initialize_model_parallel(cfg.model, cfg.parallel)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()

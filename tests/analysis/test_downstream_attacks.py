@@ -135,7 +135,7 @@ def test_cache_key_follows_the_tokenizer_model_flag(tmp_path):
     sp, kept = tmp_path / "tok.model", tmp_path / "kept.model"
     sp.write_bytes(b"retrained")
     kept.write_bytes(b"trained with")
-    data = SimpleNamespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(sp))
+    data = SimpleNamespace(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=str(sp))
     it_dir = tmp_path / "iter"
     it_dir.mkdir()
     plain = checkpoint_identity(str(it_dir), str(tmp_path), 1, data)
@@ -157,7 +157,7 @@ def sp_checkpoint(tmp_path_factory):
     sp = str(root / "sp")
     run_tool("train_tokenizer.py", ["--input", corpus, "--model-prefix", sp,
                                     "--vocab-size", "420", "--overwrite"])
-    save = train(data, str(root / "ck"), tokenizer_type="SentencePieceTokenizer",
+    save = train(data, str(root / "ck"), tokenizer_type="GPTSentencePieceTokenizer",
                  tokenizer_model=sp + ".model", vocab_size=None)
     return save, sp + ".model", corpus, write_tasks(str(root / "tasks"), n=8)
 

@@ -244,7 +244,7 @@ def test_cache_key_follows_the_tokenizer_files(tiny_hf_model, tmp_path):
     # a checkpoint's run config names its tokenizer file, which lives outside it
     sp = tmp_path / "tok.model"
     sp.write_bytes(b"first tokenizer")
-    data = SimpleNamespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(sp))
+    data = SimpleNamespace(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=str(sp))
     it_dir = tmp_path / "iter"
     it_dir.mkdir()
     before = checkpoint_identity(str(it_dir), str(tmp_path), 1, data)

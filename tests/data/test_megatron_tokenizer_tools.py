@@ -43,6 +43,7 @@ def flags_and_tokenizer(kind, sp_model, gpt2_files):
     vocab, merges = gpt2_files
     return {
         "Llama2Tokenizer": (["--tokenizer-model", sp_model], {"tokenizer_model": sp_model}),
+        "SentencePieceTokenizer": (["--tokenizer-model", sp_model], {"tokenizer_model": sp_model}),
         "GPT2BPETokenizer": (["--vocab-file", vocab, "--merge-file", merges],
                              {"vocab_file": vocab, "merge_file": merges}),
         "NullTokenizer": (["--vocab-size", str(NULL_VOCAB)], {"vocab_size": NULL_VOCAB}),
@@ -66,15 +67,15 @@ def read_documents(prefix):
 
 
 def expected_ids(kind, text, files):
-    """The ids by another route than ours: sentencepiece itself with BOS first (Megatron-LM's
-    Llama2Tokenizer.tokenize), transformers' GPT-2 tokenizer on the same two files (GPT-2's
+    """The ids by another route than ours: sentencepiece itself (Megatron-LM's default
+    Llama2Tokenizer; its legacy one puts BOS first), transformers' GPT-2 tokenizer on the same two files (GPT-2's
     byte-level BPE), the numbers themselves."""
     sp_model, (vocab, merges) = files
     if kind == "Llama2Tokenizer":
         import sentencepiece
 
         sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
-        return [sp.bos_id()] + sp.encode(text)
+        return sp.encode(text)
     if kind == "GPT2BPETokenizer":
         from transformers import GPT2TokenizerFast
 
@@ -183,7 +184,7 @@ def test_the_tool_imports_neither_torch_nor_megatron(tmp_path, kind, sp_model, g
 # -- reading a run back -----------------------------------------------------------------------
 
 
-def run_configs(kind, sp_model, gpt2_files):
+def run_configs(kind, sp_model, gpt2_files, legacy=False):
     """(configs as a checkpoint's run_config.yaml gives them back, the trainer's tokenizer).
 
     The trainer's own ``run_tokenizer`` runs on the flags (it sets NullTokenizer's
@@ -196,7 +197,8 @@ def run_configs(kind, sp_model, gpt2_files):
     _, kwargs = flags_and_tokenizer(kind, sp_model, gpt2_files)
     data = DataConfig(data_path=["x_text_document"], tokenizer_type=kind,
                       tokenizer_model=kwargs.get("tokenizer_model"),
-                      vocab_file=kwargs.get("vocab_file"), merge_file=kwargs.get("merge_file"))
+                      vocab_file=kwargs.get("vocab_file"), merge_file=kwargs.get("merge_file"),
+                      legacy_tokenizer=legacy)
     model = ModelConfig(vocab_size=kwargs.get("vocab_size"))
     trainers, model = run_tokenizer(data, model)
     sections = {"data": DataConfig, "model": ModelConfig}
@@ -255,10 +257,33 @@ def test_export_tokenizer_gives_the_runs_ids(tmp_path, kind, sp_model, gpt2_file
     texts = TEXTS + make_documents(5, seed=4)
     assert [hf(t)["input_ids"] for t in texts] == [trainers.encode(t) for t in texts]
     assert hf.eos_token_id == trainers.eod
-    if kind == "Llama2Tokenizer":  # every text starts with BOS, as Megatron-LM's tokenize
-        assert hf("hello")["input_ids"][0] == trainers.bos == 1
+    if kind == "Llama2Tokenizer":  # no BOS, as Megatron-LM's default Llama2Tokenizer
+        assert hf("hello")["input_ids"][0] != trainers.bos == 1
     else:
         assert hf.decode(hf(TEXTS[2])["input_ids"]) == TEXTS[2]
+
+
+def test_export_of_legacy_sentencepiece_is_refused(tmp_path, sp_model, gpt2_files):
+    """--legacy-tokenizer SentencePieceTokenizer cuts texts at its special tokens and encodes
+    each piece with sentencepiece's own leading space (" c" after <SEP> is two pieces), which
+    no Hugging Face tokenizer here gives: refused in one line before anything is written,
+    naming --no-tokenizer; without --legacy-tokenizer the export gives the run's ids."""
+    from transformers import AutoTokenizer
+
+    from megatron_jreg.checkpoint.to_hf import export_tokenizer
+    from megatron_jreg.errors import InputError
+
+    configs, trainers = run_configs("SentencePieceTokenizer", sp_model, gpt2_files, legacy=True)
+    assert len(trainers.encode("a<SEP> c")) == len(trainers.encode("a")) + 3
+    with pytest.raises(InputError) as err:
+        export_tokenizer(configs, str(tmp_path))
+    assert "--no-tokenizer" in str(err.value) and "<EOD>" in str(err.value)
+    assert "\n" not in str(err.value) and os.listdir(tmp_path) == []
+    configs, trainers = run_configs("SentencePieceTokenizer", sp_model, gpt2_files)
+    assert export_tokenizer(configs, str(tmp_path)) == []
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert [hf(t)["input_ids"] for t in TEXTS] == [trainers.encode(t) for t in TEXTS]
+    assert hf.eos_token_id == trainers.eod
 
 
 def test_export_tokenizer_refuses_null_tokenizer(tmp_path, sp_model, gpt2_files):

@@ -43,10 +43,10 @@ def test_demo_pipeline_end_to_end(tmp_path, capsys):
         ["--input", corpus, "--model-prefix", prefix, "--vocab-size", "1000"]) == 0
     out = str(tmp_path / "demo")
     assert preprocess_main(["--input", corpus, "--output-prefix", out, "--tokenizer-type",
-                            "SentencePieceTokenizer", "--tokenizer-model", prefix + ".model",
+                            "GPTSentencePieceTokenizer", "--tokenizer-model", prefix + ".model",
                             "--workers", "2", "--append-eod"]) == 0
     assert "done: 400 documents" in capsys.readouterr().out
-    tok = build_tokenizer("SentencePieceTokenizer", prefix + ".model")
+    tok = build_tokenizer("GPTSentencePieceTokenizer", prefix + ".model")
     assert tok.vocab_size == 1000 and tok.eod == 2
     ds = IndexedDataset(out + "_text_document")
     first = json.loads(open(corpus).readline())["text"]

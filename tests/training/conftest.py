@@ -26,7 +26,7 @@ def _build_demo_sp_data(root):
         ["tools/train_tokenizer.py", "--input", str(corpus), "--model-prefix",
          str(model_prefix), "--vocab-size", "2000"],
         ["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
-         str(prefix), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+         str(prefix), "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
          str(model_prefix) + ".model", "--append-eod", "--workers", "2"],
     ):
         _tool(cmd)

@@ -169,7 +169,9 @@ def test_megatron_lm_defaults_apply_under_its_sizing():
     (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size: not supported yet"),
     (["--dataloader-type", "external"], "--dataloader-type 'external'"),
     (["--reset-attention-mask"], "--reset-attention-mask: not supported yet"),
-    (["--tokenizer-type", "TikTokenizer"], "--tokenizer-type 'TikTokenizer': choose one of"),
+    (["--tokenizer-type", "TikTokenizer"],
+     "--tokenizer-type TikTokenizer (Megatron-LM's) is not supported here: use "
+     "HuggingFaceTokenizer"),
     (["--vocab-file", "gpt2-vocab.json"], "pass --tokenizer-type GPT2BPETokenizer"),
     (["--train-iters", "10", "--train-samples", "1000"], "--train-iters and --train-samples"),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], "pass one warmup length"),

@@ -144,14 +144,17 @@ def llama2_model(tmp_path_factory):
     return models
 
 
-def test_llama2_tokenizer_starts_every_text_with_bos(llama2_model):
+def test_llama2_tokenizer_gives_sentencepiece_ids_and_bos_first_with_legacy(llama2_model):
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=llama2_model["llama2"])
     tok = Llama2Tokenizer(llama2_model["llama2"])
+    legacy = Llama2Tokenizer(llama2_model["llama2"], legacy=True)
     for text in TEXTS:
-        assert tok.encode(text) == [sp.bos_id()] + sp.encode(text)  # Megatron-LM's tokenize
+        assert tok.encode(text) == sp.encode(text)  # Megatron-LM's default tokenizer system
+        assert legacy.encode(text) == [sp.bos_id()] + sp.encode(text)  # its legacy tokenize
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
+    assert legacy.encode_batch(TEXTS) == [legacy.encode(t) for t in TEXTS]
     assert (tok.vocab_size, tok.eod, tok.bos) == (sp.vocab_size(), sp.eos_id(), sp.bos_id())
     assert not hasattr(tok, "pad")  # megatron-core then pads with an id no text has
     assert tok.decode(tok.encode("hello world")) == "hello world"

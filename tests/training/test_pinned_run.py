@@ -62,10 +62,10 @@ def test_resume_with_another_tokenizer_is_refused_naming_both(byte_run, demo_dat
     fit the padded embedding of 384 rows) went on silently."""
     save, corpus = byte_run
     sp = sentencepiece(corpus, str(tmp_path / "sp"), 380)
-    flags = dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp, train_iters=2)
+    flags = dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp, train_iters=2)
     proc = train(base_args(demo_data, load=save, **flags), check=False)
     one_line_error(proc, "trained with tokenizer ByteTokenizer (259 ids",
-                   "this run has SentencePieceTokenizer (380 ids", "--allow-tokenizer-change")
+                   "this run has GPTSentencePieceTokenizer (380 ids", "--allow-tokenizer-change")
     # the explicit override: the run goes on (fine-tuning the weights), saying so once
     out = str(tmp_path / "changed")
     proc = train(base_args(demo_data, pretrained_checkpoint=save, save=out,
@@ -73,7 +73,7 @@ def test_resume_with_another_tokenizer_is_refused_naming_both(byte_run, demo_dat
     said = [line for line in proc.stdout.splitlines() if "--allow-tokenizer-change" in line]
     assert len(said) == 1 and "instead of the checkpoint's ByteTokenizer" in said[0], said
     run_config = open(os.path.join(out, "iter_0000002", "run_config.yaml")).read()
-    assert "tokenizer_type: SentencePieceTokenizer" in run_config
+    assert "tokenizer_type: GPTSentencePieceTokenizer" in run_config
 
 
 def test_eval_iters_zero_disables_validation_and_the_run_saves(demo_data, tmp_path):
@@ -95,7 +95,7 @@ def sp_run(byte_run, demo_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("pinned_sp")
     sp = sentencepiece(corpus, str(root / "sp"), 380)
     save = str(root / "ck")
-    train(base_args(demo_data, train_iters=2, save=save, tokenizer_type="SentencePieceTokenizer",
+    train(base_args(demo_data, train_iters=2, save=save, tokenizer_type="GPTSentencePieceTokenizer",
                     tokenizer_model=sp))
     text = root / "eval.txt"
     text.write_text("the layer norm of the residual state\nanother short document here\n")
@@ -112,8 +112,8 @@ def test_tools_refuse_a_tokenizer_retrained_in_place(sp_run, tmp_path):
         sentencepiece(corpus, sp[:-len(".model")], 400)
         proc = tool(["tools/eval_jump.py", "--load", save, "--text-file", text,
                      "--seq-length", "32", "--no-progress"], check=False)
-        one_line_error(proc, f"the run's tokenizer {sp} is now SentencePieceTokenizer (400 ids",
-                       "not the SentencePieceTokenizer (380 ids", "--tokenizer-model")
+        one_line_error(proc, f"the run's tokenizer {sp} is now GPTSentencePieceTokenizer (400 ids",
+                       "not the GPTSentencePieceTokenizer (380 ids", "--tokenizer-model")
         proc = tool(["tools/convert_to_hf.py", "--load", save, "--output",
                      str(tmp_path / "hf")], check=False)
         one_line_error(proc, "(400 ids", "(380 ids")
@@ -174,7 +174,7 @@ def test_resume_names_a_tokenizer_file_changed_in_place(sp_run, demo_data, tmp_p
         proc = train(base_args(demo_data, model_preset=None, tokenizer_type=None, load=save,
                                use_checkpoint_args=True, train_iters=4), check=False)
         one_line_error(proc, f"the tokenizer {sp} changed since the checkpoint was trained",
-                       "(380 ids", "now SentencePieceTokenizer (400 ids", "restore the file")
+                       "(380 ids", "now GPTSentencePieceTokenizer (400 ids", "restore the file")
     finally:
         shutil.copyfile(kept, sp)
 
@@ -191,6 +191,6 @@ def test_a_checkpoint_saved_before_the_pin_is_checked_by_its_recorded_tokenizer(
     open(config, "w").write("".join(line for line in lines if "tokenizer_identity" not in line))
     sp = sentencepiece(corpus, str(tmp_path / "sp"), 380)
     proc = train(base_args(demo_data, load=old, no_verify_checkpoint=True, train_iters=4,
-                           tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp), check=False)
+                           tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp), check=False)
     one_line_error(proc, "trained with tokenizer ByteTokenizer (259 ids",
-                   "this run has SentencePieceTokenizer (380 ids")
+                   "this run has GPTSentencePieceTokenizer (380 ids")

@@ -119,7 +119,7 @@ def test_nonfinite_parameters_names_the_first_three_in_order():
 def four_steps(demo_data, tmp_path_factory):
     """A run of 4 steps at --lr 3e-3 (cosine to 0 over 8), saved at 4."""
     ckpt = tmp_path_factory.mktemp("sched") / "ckpt"
-    train(base_args(demo_data, train_iters=4, lr_decay_iters=8, save=ckpt))
+    train(base_args(demo_data, train_iters=4, lr_decay_iters=8, lr_decay_style="cosine", save=ckpt))
     return ckpt
 
 
@@ -129,8 +129,8 @@ def _resume(demo_data, four_steps, tmp_path, **flags):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(four_steps, ckpt)
     metrics = tmp_path / "m.jsonl"
-    proc = train(base_args(demo_data, train_iters=5, lr_decay_iters=8, save=ckpt, load=ckpt,
-                           metrics_file=metrics, **flags), check=False)
+    proc = train(base_args(demo_data, train_iters=5, lr_decay_iters=8, lr_decay_style="cosine",
+                           save=ckpt, load=ckpt, metrics_file=metrics, **flags), check=False)
     return proc, metrics, ckpt
 
 
@@ -138,8 +138,41 @@ def test_changed_schedule_on_resume_is_an_error_naming_both_values(demo_data, fo
     proc, _, _ = _resume(demo_data, four_steps, tmp_path, lr=1e-3, min_lr=1e-4)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()[-1]
-    assert "--lr 0.001 (the checkpoint's 0.003)" in err and "--min-lr 0.0001 (the checkpoint's 0.0)" in err
-    assert "--override-opt-param-scheduler" in err and "--use-checkpoint-opt-param-scheduler" in err
+    assert ("--lr 0.001 here, --lr 0.003 in the checkpoint" in err
+            and "--min-lr 0.0001 here, --min-lr 0.0 in the checkpoint" in err)
+    assert "pass --lr 0.003 --min-lr 0.0 or --use-checkpoint-opt-param-scheduler" in err
+    assert "--override-opt-param-scheduler" in err
+
+
+def test_other_adam_settings_on_resume_are_an_error_naming_the_checkpoints(demo_data, four_steps,
+                                                                        tmp_path):
+    """The optimizer's loaded state brings back the Adam settings it was trained with: a
+    resume under other --adam-beta2/--adam-eps (e.g. a default that changed) is refused in one
+    line naming the flags that continue it, not trained with the checkpoint's while the run
+    records its own; --override-opt-param-scheduler takes the flags."""
+    proc, _, _ = _resume(demo_data, four_steps, tmp_path, adam_beta2=0.95, adam_eps=1e-6)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert ("--adam-beta2 0.95 here, --adam-beta2 0.999 in the checkpoint; --adam-eps 1e-06 "
+            "here, --adam-eps 1e-08 in the checkpoint): to continue it pass --adam-beta2 0.999 "
+            "--adam-eps 1e-08; --override-opt-param-scheduler takes this run's values") in err
+    proc, metrics, _ = _resume(demo_data, four_steps, tmp_path / "override", adam_beta2=0.95,
+                               override_opt_param_scheduler=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["iteration"] for r in read_metrics(metrics)] == [5]
+
+
+def test_a_global_batch_left_out_that_differs_from_the_checkpoints_is_named(demo_data, four_steps,
+                                                                           tmp_path):
+    """Saved at --global-batch-size 8; resumed without it, the batch is --micro-batch-size 4
+    x one data-parallel rank (Megatron-LM's rule): a line names the flag that continues the
+    run as it was, before the schedule (a decay of 8 steps of 8, now of 4) is refused."""
+    proc, _, _ = _resume(demo_data, four_steps, tmp_path, global_batch_size=None)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("--global-batch-size left out: 4 (--micro-batch-size 4 x the data-parallel size), "
+            "the checkpoint's run had 8; pass --global-batch-size 8 to continue it as it was"
+            ) in proc.stdout
+    assert "--lr-decay-iters 8 here, --lr-decay-iters 16 in the checkpoint" in proc.stderr
 
 
 @pytest.mark.parametrize("spelling", ["override-opt-param-scheduler", "override-opt_param-scheduler"])

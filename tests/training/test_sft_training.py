@@ -41,7 +41,7 @@ def pretrained_tp2(demo_data, tmp_path_factory):
 
 def sft_args(prefix, pretrained, **overrides):
     flags = dict(sft=True, seq_length=SEQ, pretrained_checkpoint=pretrained, finetune=True,
-                 train_iters=4, lr=1e-3, jreg_lambda=0.5, split="90,10,0")
+                 train_iters=4, lr=1e-3, lr_decay_style="cosine", jreg_lambda=0.5, split="90,10,0")
     flags.update(overrides)
     return base_args(prefix, **flags)
 
@@ -257,9 +257,9 @@ def test_docs_sft_training_command_runs_as_written(demo_sp_data, tmp_path):
     os.symlink(sp_model, data / "tokenizer.model")
     tool(["tools/make_demo_corpus.py", "--chat", "--output", str(data / "chat.jsonl")])
     tool(["tools/preprocess_data.py", "--sft", "--input", str(data / "chat.jsonl"),
-          "--output-prefix", str(data / "chat"), "--tokenizer-type", "SentencePieceTokenizer",
+          "--output-prefix", str(data / "chat"), "--tokenizer-type", "GPTSentencePieceTokenizer",
           "--tokenizer-model", sp_model, "--workers", "1"])
-    train(base_args(text_prefix, tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model,
+    train(base_args(text_prefix, tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model,
                     seq_length=192, train_iters=2, save=tmp_path / "runs" / "base" / "checkpoints"))
     proc = subprocess.run([sys.executable] + argv[1:], cwd=tmp_path, env=run_env(),
                           capture_output=True, text=True, timeout=900)

@@ -119,8 +119,9 @@ def test_wsd_decay_in_samples_and_its_default():
     assert got == pytest.approx([wsd_expected(k * G, "cosine", 100) for k in range(ITERS + 1)],
                                 rel=1e-9, abs=1e-15)
     assert got[87] == PEAK and got[88] < PEAK
-    got = wsd_lrs([])  # --lr-wsd-decay-style's default: linear
-    assert got == pytest.approx([wsd_expected(k * G, "linear", 10 * G) for k in range(ITERS + 1)],
+    got = wsd_lrs([])  # --lr-wsd-decay-style's default: exponential, as in Megatron-LM
+    assert got == pytest.approx([wsd_expected(k * G, "exponential", 10 * G)
+                                 for k in range(ITERS + 1)],
                                 rel=1e-9, abs=1e-15)
 
 
@@ -158,6 +159,50 @@ def test_scheduler_flags_decide_a_resumed_schedule(in_file, argv, mode, tmp_path
     load_scheduler(resumed, saved.state_dict(), c.optim.scheduler_mode(), 8)
     assert resumed.max_lr == {"override": 1e-3, "checkpoint": 2e-3}[mode]
     assert resumed.num_steps == 80
+
+
+def test_a_schedule_of_the_former_defaults_is_named_in_one_line():
+    """A checkpoint saved with the schedule this trainer once took by default (cosine decay,
+    weight decay 0.1), resumed with no schedule flag (now Megatron-LM's linear and 0.01):
+    one line names the flags that continue it; with them, or with
+    --use-checkpoint-opt-param-scheduler, it loads."""
+    def scheduler(extra):
+        c = experiment(["--train-iters", 100, "--global-batch-size", 8, "--micro-batch-size", 8,
+                        "--lr-warmup-iters", 10] + extra)
+        return c, build_scheduler(SimpleNamespace(param_groups=[{}]), c.optim, c.training)
+
+    _, saved = scheduler(["--lr-decay-style", "cosine", "--weight-decay", "0.1"])
+    saved.step(increment=8 * 40)
+    c, resumed = scheduler([])
+    with pytest.raises(CheckpointError) as err:
+        load_scheduler(resumed, saved.state_dict(), c.optim.scheduler_mode(), 8)
+    assert str(err.value) == (
+        "the learning-rate schedule differs from the checkpoint's (--lr-decay-style linear "
+        "here, --lr-decay-style cosine in the checkpoint; --weight-decay 0.01 here, "
+        "--weight-decay 0.1 in the checkpoint): to continue it pass --lr-decay-style cosine "
+        "--weight-decay 0.1 or --use-checkpoint-opt-param-scheduler; "
+        "--override-opt-param-scheduler takes this run's values instead")
+    for fix in (["--lr-decay-style", "cosine", "--weight-decay", "0.1"],
+                ["--use-checkpoint-opt-param-scheduler"]):
+        c, resumed = scheduler(fix)
+        load_scheduler(resumed, saved.state_dict(), c.optim.scheduler_mode(), 8)
+        assert (resumed.lr_decay_style, resumed.start_wd, resumed.num_steps) == ("cosine", 0.1, 320)
+
+
+def test_a_changed_length_is_named_in_steps_or_samples():
+    """A decay length the run's global batch divides is named as --lr-decay-iters, another
+    as --lr-decay-samples (no flag takes a fraction of a step)."""
+    def scheduler(extra):
+        c = experiment(["--train-iters", 100, "--global-batch-size", 8, "--micro-batch-size", 8]
+                       + extra)
+        return c, build_scheduler(SimpleNamespace(param_groups=[{}]), c.optim, c.training)
+
+    c, resumed = scheduler([])
+    for saved_flag, named in ((["--lr-decay-iters", 60], "--lr-decay-iters 60"),
+                              (["--lr-decay-samples", 500], "--lr-decay-samples 500")):
+        _, saved = scheduler(saved_flag)
+        with pytest.raises(CheckpointError, match=f"to continue it pass {named} or"):
+            load_scheduler(resumed, saved.state_dict(), c.optim.scheduler_mode(), 8)
 
 
 # ---- --ckpt-format ------------------------------------------------------------------------------

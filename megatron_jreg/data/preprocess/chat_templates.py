@@ -25,6 +25,7 @@ import os
 import re
 from datetime import datetime
 
+from megatron_jreg.config.tokenizer_names import SENTENCEPIECE_TOKENIZERS
 from megatron_jreg.errors import InputError
 
 # The Tulu format (open-instruct's ``tulu`` template, a newline after every message):
@@ -201,7 +202,7 @@ def _special_tokens(tokenizer, tokenizer_model: str | None
         names = _hf_token_names(_tokenizer_dir(kind, tokenizer_model))
         names["eos_token"] = eos  # the token preprocessing and training end documents with
         return specials, names, True
-    if kind == "SentencePieceTokenizer":
+    if kind in SENTENCEPIECE_TOKENIZERS:
         sp = tokenizer._sp
         names = {"eos_token": sp.IdToPiece(tokenizer.eod)}
         if tokenizer.bos >= 0:

@@ -10,7 +10,8 @@ from megatron_jreg.data.preprocess.workers import EncoderSpec
 from megatron_jreg.data.preprocess.sft_files import metadata_path, sft_prefixes
 from megatron_jreg.data.preprocess.sft_workers import OVERLONG_CHOICES, SFTSpec
 from megatron_jreg.data.preprocess.sources import INPUT_FORMATS
-from megatron_jreg.data.tokenizers.build import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
+from megatron_jreg.config.tokenizer_names import tokenizer_type_error
+from megatron_jreg.data.tokenizers.build import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.errors import InputError
 
 # Write errors the user fixes by making room; any other OSError is a bug or a system fault.
@@ -33,10 +34,13 @@ class PreprocessConfig:
     """JSONL files, globs or directories (.gz/.zst and Parquet where installed)."""
     output_prefix: str = field(metadata={"group": "output"})
     """Writes <output_prefix>_<key>_document.bin/.idx per JSON key."""
-    tokenizer_type: str = field(metadata={"group": "tokenizer", "choices": TOKENIZER_TYPES})
-    """The tokenizer class, as Megatron-LM names it."""
+    tokenizer_type: str = field(metadata={"group": "tokenizer", "metavar": "TYPE"})
+    """The tokenizer class, as Megatron-LM names it, giving Megatron-LM's ids:
+    GPTSentencePieceTokenizer, SentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer,
+    GPT2BPETokenizer, NullTokenizer; or ByteTokenizer (UTF-8 bytes, needs no file)."""
     tokenizer_model: str | None = field(default=None, metadata={"group": "tokenizer"})
-    """The tokenizer file: sentencepiece .model (SentencePieceTokenizer, Llama2Tokenizer),
+    """The tokenizer file: sentencepiece .model (GPTSentencePieceTokenizer,
+    SentencePieceTokenizer, Llama2Tokenizer),
     tokenizer.json or its directory (not needed for ByteTokenizer and NullTokenizer)."""
     vocab_file: str | None = field(default=None, metadata={"group": "tokenizer"})
     """GPT2BPETokenizer: GPT-2's vocab.json."""
@@ -55,6 +59,11 @@ class PreprocessConfig:
     """Cut the input into this many parts, processed concurrently, then merged."""
     append_eod: bool = field(default=False, metadata={"group": "tokenizer"})
     """Append the tokenizer's EOD id to every document (what GPT pretraining wants)."""
+    legacy_tokenizer: bool = field(default=False, metadata={"group": "tokenizer"})
+    """Megatron-LM's legacy tokenizer ids: SentencePieceTokenizer with its added <CLS>,
+    <SEP>, <EOD>, <MASK> and <EOD> as EOD, Llama2Tokenizer with BOS first,
+    HuggingFaceTokenizer with the tokenizer's special tokens; other types write the same
+    ids either way. Train on such data with --legacy-tokenizer too."""
     split_sentences: bool = field(default=False, metadata={"group": "input"})
     """One sequence per sentence (nltk punkt); output key level becomes ``sentence``."""
     keep_newlines: bool = field(default=False, metadata={"group": "input"})
@@ -99,11 +108,8 @@ class PreprocessConfig:
             raise PreprocessError(
                 f"--max-line-bytes {self.max_line_bytes} is below --chunk-bytes "
                 f"{self.chunk_bytes}; raise it (or lower --chunk-bytes)")
-        if self.tokenizer_type not in TOKENIZER_TYPES:
-            raise PreprocessError(
-                f"--tokenizer-type {self.tokenizer_type!r} is not supported; "
-                f"use one of {', '.join(TOKENIZER_TYPES)}"
-            )
+        if tokenizer_type_error(self.tokenizer_type):
+            raise PreprocessError(tokenizer_type_error(self.tokenizer_type))
         if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
             raise PreprocessError("--vocab-file and --merge-file are GPT2BPETokenizer's files; "
                                   "pass --tokenizer-type GPT2BPETokenizer (or drop them)")
@@ -128,8 +134,10 @@ class PreprocessConfig:
         if self.tokenizer_type in MEGATRON_LM_TOKENIZERS:
             raise PreprocessError(
                 f"--sft does not support --tokenizer-type {self.tokenizer_type} yet; use "
-                f"SentencePieceTokenizer, HuggingFaceTokenizer or ByteTokenizer")
+                f"GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or "
+                f"ByteTokenizer")
         for flag, on in (("--append-eod", self.append_eod),
+                         ("--legacy-tokenizer", self.legacy_tokenizer),
                          ("--split-sentences", self.split_sentences),
                          ("--input-format text", self.input_format == "text"),
                          ("--json-keys", self.json_keys != ["text"])):
@@ -183,6 +191,7 @@ class PreprocessConfig:
             vocab_size=self.vocab_size,
             vocab_file=self.vocab_file,
             merge_file=self.merge_file,
+            legacy=self.legacy_tokenizer,
             json_keys=tuple(self.json_keys),
             append_eod=self.append_eod,
             skip_invalid=self.skip_invalid,

@@ -59,6 +59,8 @@ class EncoderSpec:
     vocab_file: str | None = None
     merge_file: str | None = None
     """GPT2BPETokenizer's vocab.json and merges.txt."""
+    legacy: bool = False
+    """Megatron-LM's legacy tokenizer ids (``--legacy-tokenizer``)."""
 
     def build(self) -> "DocumentEncoder":
         """The encoder a worker runs (``SFTSpec.build`` gives the chat one)."""
@@ -194,7 +196,8 @@ class DocumentEncoder:
     def __init__(self, spec: EncoderSpec) -> None:
         self.spec = spec
         self.tokenizer = build_tokenizer(spec.tokenizer_type, spec.tokenizer_model, spec.vocab_size,
-                                         vocab_file=spec.vocab_file, merge_file=spec.merge_file)
+                                         vocab_file=spec.vocab_file, merge_file=spec.merge_file,
+                                         legacy=spec.legacy)
         self.dtype = token_dtype(self.tokenizer.vocab_size)
         self.dtypes = [self.dtype] * len(spec.json_keys)  # one dataset per key
         self._splitter = _SentenceSplitter(spec.keep_newlines) if spec.split_sentences else None

@@ -19,7 +19,6 @@ megatron-core alone takes seconds to import.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Sequence
@@ -27,7 +26,11 @@ from typing import Sequence
 import numpy
 
 # Megatron-LM's types are built by tokenizers.megatron_lm, as Megatron-LM defines them.
-from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS, TOKENIZER_TYPES
+from megatron_jreg.config.tokenizer_names import (
+    MEGATRON_LM_TOKENIZERS,
+    SENTENCEPIECE_TOKENIZERS,
+    tokenizer_type_error,
+)
 from megatron_jreg.data.tokenizers.token_arrays import (  # noqa: F401 (pack: the callers' import)
     LONG_TEXT_CHARS,
     file_sha256,
@@ -36,6 +39,12 @@ from megatron_jreg.data.tokenizers.token_arrays import (  # noqa: F401 (pack: th
     space_cuts,
 )
 from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
+from megatron_jreg.data.tokenizers.records import (
+    LEGACY_IDS,
+    MEGATRON_CORE_IDS,
+    EarlierRecord,
+    identity,
+)
 from megatron_jreg.errors import InputError
 
 
@@ -99,14 +108,26 @@ class ByteTokenizer:
 
 
 class SentencePieceTokenizer:
-    """A sentencepiece ``.model`` file (Llama-2 style); EOD is the model's EOS id."""
+    """A sentencepiece ``.model`` file (Llama-2 style), as Megatron-LM core_v0.16.1 runs it
+    under ``kind`` (``SENTENCEPIECE_TOKENIZERS``):
 
-    def __init__(self, model_path: str) -> None:
+    - ``GPTSentencePieceTokenizer``, and ``SentencePieceTokenizer`` without ``legacy``
+      (Megatron-LM's default tokenizer system): the model's ids as they are, EOD its EOS.
+    - ``SentencePieceTokenizer`` with ``legacy`` (``--legacy-tokenizer``): Megatron-LM's
+      legacy special tokens ``<CLS>``, ``<SEP>``, ``<EOD>``, ``<MASK>`` and the pad, BOS and
+      EOS pieces (each added after the model's ids unless the model has it); a text is split
+      at these tokens' strings, each one id; EOD is ``<EOD>``.
+
+    ``SentencePieceTokenizer``'s vocabulary counts the added tokens in both modes:
+    Megatron-LM sizes its model from the legacy tokenizer whatever ids the data holds."""
+
+    def __init__(self, model_path: str, kind: str = "SentencePieceTokenizer",
+                 legacy: bool = False) -> None:
         import sentencepiece
 
         if not os.path.isfile(model_path):
             raise FileNotFoundError(
-                f"SentencePieceTokenizer: --tokenizer-model {model_path!r} is not a file; "
+                f"{kind}: --tokenizer-model {model_path!r} is not a file; "
                 f"pass a sentencepiece .model (tools/train_tokenizer.py makes one)"
             )
         self._sp = sentencepiece.SentencePieceProcessor()
@@ -114,33 +135,73 @@ class SentencePieceTokenizer:
             self._sp.Load(model_path)
         except (OSError, RuntimeError) as e:
             raise InputError(
-                f"SentencePieceTokenizer: cannot load {model_path!r} as a sentencepiece model "
+                f"{kind}: cannot load {model_path!r} as a sentencepiece model "
                 f"({e}); check --tokenizer-type/--tokenizer-model"
             ) from None
         if self._sp.eos_id() < 0:
             raise InputError(
-                f"SentencePieceTokenizer: {model_path!r} has no EOS piece to mark document ends; "
+                f"{kind}: {model_path!r} has no EOS piece to mark document ends; "
                 f"retrain it with eos_id set (tools/train_tokenizer.py does)"
             )
         self._numpy_out = _sentencepiece_has_numpy(self._sp)
         self._cuts_at_spaces = _sentencepiece_cuts_at_spaces(self._sp)
-        self.vocab_size = self._sp.vocab_size()
-        self.eod = self._sp.eos_id()
-        self.eos = self.eod
+        pieces = self._sp.vocab_size()
+        # the legacy special tokens: counted in the vocabulary of SentencePieceTokenizer,
+        # split out of the text only with --legacy-tokenizer
+        self._special = (_legacy_special_tokens(self._sp) if kind == "SentencePieceTokenizer"
+                         else {})
+        self._splits = legacy and bool(self._special)
+        self.vocab_size = max([pieces - 1, *self._special.values()]) + 1
+        self.eod = self._special["<EOD>"] if self._splits else self._sp.eos_id()
+        self.eos = self._sp.eos_id()
         self.bos = self._sp.bos_id()
-        self.unique_identifiers = {
-            "class": "SentencePieceTokenizer",
-            "model_sha256": file_sha256(model_path),
-            "vocab_size": self.vocab_size,
-        }
+        sha = file_sha256(model_path)
+        self.unique_identifiers = {"class": kind, "model_sha256": sha,
+                                   "vocab_size": self.vocab_size}
+        if self._special:
+            self.unique_identifiers["ids"] = LEGACY_IDS if legacy else MEGATRON_CORE_IDS
+        # what this project recorded for this file before SentencePieceTokenizer took
+        # Megatron-LM's meaning: the ids GPTSentencePieceTokenizer gives now
+        self.earlier_record = EarlierRecord(
+            {"class": "SentencePieceTokenizer", "model_sha256": sha, "vocab_size": pieces},
+            same_ids=not self._special, kind="GPTSentencePieceTokenizer", legacy=False,
+            fix=(f"that run used SentencePieceTokenizer's earlier meaning here, sentencepiece's "
+                 f"{pieces} ids and no added tokens, which is GPTSentencePieceTokenizer now; "
+                 "pass --tokenizer-type GPTSentencePieceTokenizer"))
+
+    def split_tokens(self) -> dict[str, int]:
+        """The special tokens a text is split at, one id each ({} unless
+        ``--legacy-tokenizer`` gives SentencePieceTokenizer's legacy ids)."""
+        return dict(self._special) if self._splits else {}
 
     def encode(self, text: str) -> list[int]:
+        if self._splits:
+            return self._encode_split(text)
         return self._sp.EncodeAsIds(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._splits:
+            return [self._encode_split(t) for t in texts]
         # One thread: parallelism comes from preprocessing workers, and sentencepiece's
         # own thread pool would oversubscribe the cores they use.
         return self._sp.Encode(list(texts), num_threads=1)
+
+    def _encode_split(self, text: str) -> list[int]:
+        """Megatron-LM's legacy ids: the text cut at the first special token's string (the
+        earliest; of two at one place, the one added first), the text before it encoded,
+        the token one id; again from after it."""
+        ids: list[int] = []
+        start = 0
+        while True:
+            found = [(at, order, token) for order, token in enumerate(self._special)
+                     if (at := text.find(token, start)) >= 0]
+            if not found:
+                break
+            at, _, token = min(found)
+            ids += self._sp.EncodeAsIds(text[start:at])
+            ids.append(self._special[token])
+            start = at + len(token)
+        return ids + self._sp.EncodeAsIds(text[start:])
 
     def encode_packed(self, texts: Sequence[str], dtype=numpy.int32,
                       eod: int | None = None) -> tuple[numpy.ndarray, numpy.ndarray]:
@@ -149,7 +210,7 @@ class SentencePieceTokenizer:
         return pack_texts(texts, self._encode_arrays, self._encode_long, dtype, eod)
 
     def _encode_arrays(self, texts: Sequence[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        if not self._numpy_out:
+        if self._splits or not self._numpy_out:
             return pack(self.encode_batch(texts))
         # Arrays straight from C++: no Python int per token.
         arrays = self._sp.Encode(list(texts), num_threads=1, out_type="numpy")
@@ -158,7 +219,7 @@ class SentencePieceTokenizer:
         return ids, lengths
 
     def _encode_long(self, text: str):
-        if not self._cuts_at_spaces:
+        if self._splits or not self._cuts_at_spaces:  # Megatron-LM's legacy path: whole
             yield self._encode_arrays([text])[0]
             return
         # The space is dropped at a cut: the next piece's dummy prefix is that space.
@@ -166,7 +227,42 @@ class SentencePieceTokenizer:
             yield self._encode_arrays([piece])[0]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.DecodeIds(list(ids))
+        added = {i: t for t, i in self._special.items() if i >= self._sp.vocab_size()}
+        if not added:
+            return self._sp.DecodeIds(list(ids))
+        # the added tokens (ids past the model's pieces) as their text
+        text, run = [], []
+        for i in ids:
+            if i in added:
+                text += [self._sp.DecodeIds(run), added[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(text) + self._sp.DecodeIds(run)
+
+
+def _legacy_special_tokens(sp) -> dict[str, int]:
+    """Megatron-LM's legacy ``SentencePieceTokenizer`` special tokens, in the order it adds
+    them, and their ids: ``<CLS>``, ``<SEP>``, ``<EOD>``, ``<MASK>``, then the model's pad,
+    BOS and EOS pieces (``<PAD>``, ``<BOS>``, ``<EOS>`` where the model has none); a token
+    the model has keeps its id, any other takes the next id after the model's."""
+    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+    next_id = len(vocab)
+    special: dict[str, int] = {}
+
+    def piece(piece_id: int, fallback: str) -> str:
+        try:
+            return sp.id_to_piece(piece_id)
+        except IndexError:  # no such piece (id -1)
+            return fallback
+
+    for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>", piece(sp.pad_id(), "<PAD>"),
+                  piece(sp.bos_id(), "<BOS>"), piece(sp.eos_id(), "<EOS>")):
+        if token not in vocab:
+            vocab[token] = next_id
+            next_id += 1
+        special[token] = vocab[token]
+    return special
 
 
 # Normalisations that leave ASCII letters, digits and a space between them as they are.
@@ -223,11 +319,14 @@ def _hf_eos_token(tokenizer_dir: str | None, special_tokens: dict[str, int], pat
 class HuggingFaceTokenizer:
     """A ``tokenizer.json`` file or a directory holding one (Llama-3, GPT-2, ...).
 
-    EOD is the tokenizer's EOS token. Uses the ``tokenizers`` library directly, so
-    ``transformers`` is not needed.
+    EOD is the tokenizer's EOS token. Without ``legacy`` (Megatron-LM core_v0.16.1's
+    default tokenizer system) a text's ids are its own; with ``legacy``
+    (``--legacy-tokenizer``) the tokenizer's special tokens are added as its post-processor
+    says (Llama 3's BOS before every text), as Megatron-LM's legacy tokenizer does. Uses the
+    ``tokenizers`` library directly, so ``transformers`` is not needed.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, legacy: bool = False) -> None:
         from tokenizers import Tokenizer
 
         tokenizer_dir = path if os.path.isdir(path) else os.path.dirname(path) or None
@@ -256,22 +355,29 @@ class HuggingFaceTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = eod
         self.eos = eod
-        self._cuts_before_spaces = _hf_cuts_before_spaces(self._tok)
+        self._specials = legacy
+        # a long text is cut only where no special token is added per piece
+        self._cuts_before_spaces = not legacy and _hf_cuts_before_spaces(self._tok)
         self._added_texts = [tok.content for tok in added.values()]
-        self.unique_identifiers = {
+        earlier = {
             "class": "HuggingFaceTokenizer",
             "tokenizer_sha256": file_sha256(json_path),
             "eod": eod,
             "vocab_size": self.vocab_size,
         }
+        self.unique_identifiers = {**earlier, "ids": LEGACY_IDS if legacy else MEGATRON_CORE_IDS}
+        self.earlier_record = EarlierRecord(
+            earlier, same_ids=not legacy, kind="HuggingFaceTokenizer", legacy=False,
+            fix="that run's ids had no special tokens added (this tokenizer's default); drop "
+                "--legacy-tokenizer")
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=self._specials).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets nobody reads here.
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+        return [e.ids for e in encode(list(texts), add_special_tokens=self._specials)]
 
     def encode_packed(self, texts: Sequence[str], dtype=numpy.int32,
                       eod: int | None = None) -> tuple[numpy.ndarray, numpy.ndarray]:
@@ -331,19 +437,20 @@ def build_tokenizer(
     *,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    legacy: bool = False,
 ) -> Tokenizer:
     """Build a tokenizer by Megatron-LM's ``--tokenizer-type`` name, from its flags.
 
     ``vocab_size`` is ByteTokenizer's padded size or NullTokenizer's ``--vocab-size`` (the
-    ids below its EOD); ``vocab_file`` and ``merge_file`` are GPT2BPETokenizer's. Raises
+    ids below its EOD); ``vocab_file`` and ``merge_file`` are GPT2BPETokenizer's.
+    ``legacy`` (``--legacy-tokenizer``) gives the ids of Megatron-LM's legacy tokenizer
+    where they differ from its default's (SentencePieceTokenizer, Llama2Tokenizer,
+    HuggingFaceTokenizer); every other type gives the same ids either way. Raises
     FileNotFoundError for a missing file and ValueError for anything else the user must
     fix; both messages name the flag.
     """
-    if tokenizer_type not in TOKENIZER_TYPES:
-        raise InputError(
-            f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
-            f"{', '.join(TOKENIZER_TYPES)}"
-        )
+    if tokenizer_type_error(tokenizer_type):
+        raise InputError(tokenizer_type_error(tokenizer_type))
     if (vocab_file is not None or merge_file is not None) and tokenizer_type != "GPT2BPETokenizer":
         raise InputError(
             "--vocab-file and --merge-file are GPT2BPETokenizer's files; pass --tokenizer-type "
@@ -361,20 +468,20 @@ def build_tokenizer(
         )
     if tokenizer_type in MEGATRON_LM_TOKENIZERS:
         return build_megatron_tokenizer(tokenizer_type, tokenizer_model, vocab_size,
-                                        vocab_file, merge_file)
+                                        vocab_file, merge_file, legacy=legacy)
     if tokenizer_model is None:
         raise InputError(f"{tokenizer_type} needs --tokenizer-model (its model file)")
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(tokenizer_model)
-    return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type in SENTENCEPIECE_TOKENIZERS:
+        return SentencePieceTokenizer(tokenizer_model, tokenizer_type, legacy)
+    return HuggingFaceTokenizer(tokenizer_model, legacy)
 
 
 def tokenizer_identity(tokenizer: Tokenizer) -> str:
     """What pins a run's tokenizer in its saved config: the sha256 of its
-    ``unique_identifiers`` (kind, vocabulary size and its files' content hashes; no path),
-    so a moved copy matches and a retrained file at the same path does not."""
-    text = json.dumps(tokenizer.unique_identifiers, sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    ``unique_identifiers`` (kind, vocabulary size, which ids where a type has two, and its
+    files' content hashes; no path), so a moved copy matches and a retrained file at the
+    same path does not."""
+    return identity(tokenizer.unique_identifiers)
 
 
 def describe_tokenizer(kind: str, vocab_size: int | None, identity: str | None) -> str:

@@ -3,9 +3,10 @@
 ``megatron/training/tokenizer/tokenizer.py`` defines them (its default, legacy path).
 
 Same interface as ``tokenizers.build``: ``vocab_size``, ``eod``, ``encode``, ``encode_batch``,
-``encode_packed``, ``decode`` and a JSON-able ``unique_identifiers``. One difference is
-Megatron-LM's own: ``Llama2Tokenizer.encode`` starts every text with BOS, as its
-``tokenize`` does, so ``preprocess_data.py`` writes the documents Megatron-LM writes.
+``encode_packed``, ``decode`` and a JSON-able ``unique_identifiers``. ``Llama2Tokenizer``
+gives Megatron-LM's two sets of ids: its default tokenizer system's (sentencepiece's ids)
+and, with ``--legacy-tokenizer``, its legacy tokenizer's (BOS before every text), so
+``preprocess_data.py`` writes the documents Megatron-LM writes with the same flags.
 
 ``tokenizers.build.build_tokenizer`` builds these too (it imports this module when asked
 for one); this module takes ``pack``, ``file_sha256`` and the type names from there. Imports
@@ -21,6 +22,7 @@ from typing import Sequence
 import numpy
 
 from megatron_jreg.config.tokenizer_names import MEGATRON_LM_TOKENIZERS
+from megatron_jreg.data.tokenizers.records import LEGACY_IDS, MEGATRON_CORE_IDS, EarlierRecord
 from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack, pack_texts
 from megatron_jreg.errors import InputError
 
@@ -55,9 +57,11 @@ class _Batched:
 
 class Llama2Tokenizer(_Batched):
     """A Llama-2 sentencepiece ``tokenizer.model``: BOS and EOS ids from the model, EOD =
-    EOS, and every encoded text starts with BOS (Megatron-LM's ``tokenize``)."""
+    EOS. With ``legacy`` (``--legacy-tokenizer``) every encoded text starts with BOS, as
+    Megatron-LM's legacy ``tokenize`` does; without, the text's ids alone (its default
+    tokenizer system)."""
 
-    def __init__(self, model_path: str | None) -> None:
+    def __init__(self, model_path: str | None, legacy: bool = False) -> None:
         import sentencepiece
 
         path = _need_file("Llama2Tokenizer", "--tokenizer-model", model_path,
@@ -76,15 +80,23 @@ class Llama2Tokenizer(_Batched):
         self.eod = self.eos
         # no ``pad``: as for Megatron-LM's tokenizer, megatron-core's datasets then pad with
         # an id no text has (a model's pad id may be a real piece such as <unk>)
-        self.unique_identifiers = {"class": "Llama2Tokenizer", "model_sha256": file_sha256(path),
-                                   "vocab_size": self.vocab_size}
+        self._first = [self.bos] if legacy else []
+        earlier = {"class": "Llama2Tokenizer", "model_sha256": file_sha256(path),
+                   "vocab_size": self.vocab_size}
+        self.unique_identifiers = {**earlier, "ids": LEGACY_IDS if legacy else MEGATRON_CORE_IDS}
+        # Llama2Tokenizer's ids here had BOS first before it took Megatron-LM's default
+        self.earlier_record = EarlierRecord(
+            earlier, same_ids=legacy, kind="Llama2Tokenizer", legacy=True,
+            fix="that run's data has Llama2Tokenizer's earlier ids here, BOS before every "
+                "document, which --legacy-tokenizer gives; pass --legacy-tokenizer, or "
+                "preprocess the data again and start a new run")
 
     def encode(self, text: str) -> list[int]:
-        return [self.bos] + self._sp.EncodeAsIds(text)
+        return self._first + self._sp.EncodeAsIds(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # one thread: preprocessing workers give the parallelism
-        return [[self.bos] + ids for ids in self._sp.Encode(list(texts), num_threads=1)]
+        return [self._first + ids for ids in self._sp.Encode(list(texts), num_threads=1)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.DecodeIds(list(ids))
@@ -163,12 +175,13 @@ class NullTokenizer(_Batched):
 
 def build_megatron_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
                              vocab_size: int | None = None, vocab_file: str | None = None,
-                             merge_file: str | None = None):
+                             merge_file: str | None = None, legacy: bool = False):
     """One of ``MEGATRON_LM_TOKENIZERS`` from Megatron-LM's flags. GPT2BPETokenizer takes
     --vocab-file and --merge-file, or a --tokenizer-model directory holding vocab.json and
-    merges.txt. Raises FileNotFoundError or ValueError naming the flag."""
+    merges.txt; ``legacy`` (--legacy-tokenizer) changes Llama2Tokenizer's ids only. Raises
+    FileNotFoundError or ValueError naming the flag."""
     if tokenizer_type == "Llama2Tokenizer":
-        return Llama2Tokenizer(tokenizer_model)
+        return Llama2Tokenizer(tokenizer_model, legacy)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
