@@ -173,6 +173,13 @@ def export_tokenizer(configs, out_dir: str, tokenizer_model: Optional[str] = Non
         )
         eos = run_tokenizer._tok.id_to_token(run_tokenizer.eod)
         hf = PreTrainedTokenizerFast(tokenizer_file=json_path, eos_token=eos)
+        if run_tokenizer.unique_identifiers.get("ids") != LEGACY_IDS:
+            from tokenizers import processors
+
+            # the run's ids (Megatron-LM's default) have none of the tokenizer's own special
+            # tokens (a Llama 3 BOS): the export adds none either
+            hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
+                single="$A", pair="$A $B", special_tokens=[])
     if chat_template:
         hf.chat_template = chat_template
         # in tokenizer_config.json, where every transformers version reads it (recent ones

@@ -34,7 +34,8 @@ RUN_FIELDS = ("model_preset", "seq_length", "padded_vocab", "hidden_dropout",
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                             if f.name not in RUN_FIELDS)
 _FIELDS = ModelConfig.__dataclass_fields__
-TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
+                    "legacy_tokenizer")
 
 
 # architecture fields compared through what they resolve to (a preset and its explicit

@@ -27,7 +27,7 @@ from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.source import StartingPoint
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
-from megatron_jreg.data.tokenizers.records import earlier_record_fix, holds_same_ids
+from megatron_jreg.data.tokenizers.records import earlier_record_fix, holds_same_ids, other_ids_fix
 from megatron_jreg.training.checkpoint_args import architecture_differences
 
 
@@ -259,6 +259,9 @@ class Checkpointer:
             return
         if holds_same_ids(tokenizer, pinned):
             return
+        ids_fix = other_ids_fix(tokenizer, pinned)
+        if ids_fix and not self.cfg.allow_tokenizer_change:
+            raise ConfigError(f"{flag} {root}: {ids_fix}")
         was = describe_tokenizer(theirs.tokenizer_type, saved["model"].vocab_size, pinned)
         now = describe_tokenizer(ours.tokenizer_type, tokenizer.vocab_size, identity)
         if self.cfg.allow_tokenizer_change:

@@ -286,6 +286,38 @@ def test_export_of_legacy_sentencepiece_is_refused(tmp_path, sp_model, gpt2_file
     assert hf.eos_token_id == trainers.eod
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_export_of_hugging_face_tokenizer_gives_the_runs_ids(tmp_path, legacy):
+    """HuggingFaceTokenizer: by default the run's ids have none of the tokenizer's special
+    tokens (Megatron-LM's default), and neither does the export's encoding; with
+    --legacy-tokenizer both start with its BOS."""
+    from transformers import AutoTokenizer
+
+    from megatron_jreg.checkpoint.to_hf import export_tokenizer
+    from megatron_jreg.config.model import ModelConfig
+    from megatron_jreg.config.run import DataConfig
+    from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml
+    from megatron_jreg.training.source import run_tokenizer
+    from megatron_lm_tokenizer_files import make_hf_llama3_style
+
+    source = make_hf_llama3_style(str(tmp_path / "tok"))
+    data = DataConfig(data_path=["x_text_document"], tokenizer_type="HuggingFaceTokenizer",
+                      tokenizer_model=source, legacy_tokenizer=legacy)
+    trainers, model = run_tokenizer(data, ModelConfig())
+    configs = from_yaml_text(to_yaml({"data": data, "model": model}),
+                             {"data": DataConfig, "model": ModelConfig})
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert export_tokenizer(configs, str(out)) == []
+    hf = AutoTokenizer.from_pretrained(str(out))
+    texts = TEXTS + ["", "The quick brown fox"]
+    ids = [trainers.encode(t) for t in texts]
+    assert [hf(t)["input_ids"] for t in texts] == ids
+    bos = hf.convert_tokens_to_ids("<|begin_of_text|>")
+    assert [row[0] == bos for row in ids if row] == [legacy] * len([row for row in ids if row])
+    assert all(bos not in row[1:] for row in ids)
+
+
 def test_export_tokenizer_refuses_null_tokenizer(tmp_path, sp_model, gpt2_files):
     from megatron_jreg.checkpoint.to_hf import export_tokenizer
     from megatron_jreg.errors import InputError

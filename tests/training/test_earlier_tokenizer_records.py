@@ -91,3 +91,33 @@ def test_a_checkpoint_of_earlier_llama2_ids_resumes_with_legacy_tokenizer_only(d
     proc = train(base_args(prefix, train_iters=4, load=save, save=save, legacy_tokenizer=True,
                            **flags))
     assert "iteration        4/4" in proc.stdout
+
+
+def test_a_resume_that_turns_legacy_tokenizer_on_or_off_is_named(demo_sp_data, tmp_path):
+    """A run saved with --legacy-tokenizer, resumed without it (or the reverse), is refused in
+    one line naming the flag, not as a changed tokenizer file; --use-checkpoint-args takes the
+    setting from the checkpoint with the rest of the tokenizer."""
+    from megatron_jreg.data.tokenizers.records import other_ids_fix
+    from megatron_jreg.data.tokenizers.build import tokenizer_identity
+
+    prefix, model = demo_sp_data
+    default = build_tokenizer("SentencePieceTokenizer", model)
+    legacy = build_tokenizer("SentencePieceTokenizer", model, legacy=True)
+    assert other_ids_fix(default, tokenizer_identity(legacy)).endswith("pass --legacy-tokenizer")
+    assert other_ids_fix(legacy, tokenizer_identity(default)).endswith("drop --legacy-tokenizer")
+    assert other_ids_fix(default, tokenizer_identity(default)) is None
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", model)
+    assert other_ids_fix(gpt, tokenizer_identity(legacy)) is None  # no ids of two kinds
+
+    save = str(tmp_path / "ck")
+    flags = dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=model,
+                 lr_decay_iters=4)
+    train(base_args(prefix, train_iters=2, save=save, legacy_tokenizer=True, **flags))
+    proc = train(base_args(prefix, train_iters=3, load=save, save=save, **flags), check=False)
+    one_line_error(proc, f"--load {save}: its run used --legacy-tokenizer",
+                   "pass --legacy-tokenizer")
+    args = base_args(prefix, train_iters=3, load=save, save=save, lr_decay_iters=4,
+                     use_checkpoint_args=True, model_preset=None, seq_length=None,
+                     tokenizer_type=None)
+    proc = train(args)
+    assert "iteration        3/3" in proc.stdout

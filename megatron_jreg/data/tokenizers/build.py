@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Sequence
 
 import numpy
@@ -151,6 +152,7 @@ class SentencePieceTokenizer:
         self._special = (_legacy_special_tokens(self._sp) if kind == "SentencePieceTokenizer"
                          else {})
         self._splits = legacy and bool(self._special)
+        self._split_pattern = re.compile("|".join(map(re.escape, self._special)))
         self.vocab_size = max([pieces - 1, *self._special.values()]) + 1
         self.eod = self._special["<EOD>"] if self._splits else self._sp.eos_id()
         self.eos = self._sp.eos_id()
@@ -188,19 +190,15 @@ class SentencePieceTokenizer:
 
     def _encode_split(self, text: str) -> list[int]:
         """Megatron-LM's legacy ids: the text cut at the first special token's string (the
-        earliest; of two at one place, the one added first), the text before it encoded,
-        the token one id; again from after it."""
+        earliest; of two at one place, the one added first: the pattern's alternatives are
+        in that order), the text before it encoded, the token one id; again from after it.
+        One scan of the text, however many tokens it holds."""
         ids: list[int] = []
         start = 0
-        while True:
-            found = [(at, order, token) for order, token in enumerate(self._special)
-                     if (at := text.find(token, start)) >= 0]
-            if not found:
-                break
-            at, _, token = min(found)
-            ids += self._sp.EncodeAsIds(text[start:at])
-            ids.append(self._special[token])
-            start = at + len(token)
+        for match in self._split_pattern.finditer(text):
+            ids += self._sp.EncodeAsIds(text[start:match.start()])
+            ids.append(self._special[match.group()])
+            start = match.end()
         return ids + self._sp.EncodeAsIds(text[start:])
 
     def encode_packed(self, texts: Sequence[str], dtype=numpy.int32,

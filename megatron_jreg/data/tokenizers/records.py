@@ -66,3 +66,20 @@ def holds_same_ids(tokenizer, pinned: Optional[str]) -> bool:
         return True
     earlier = getattr(tokenizer, "earlier_record", None)
     return bool(earlier and earlier.same_ids and identity(earlier.record) == pinned)
+
+
+def other_ids_fix(tokenizer, pinned: Optional[str]) -> Optional[str]:
+    """The one-line fix when ``pinned`` is this tokenizer's own record but with its type's
+    other ids (the run used ``--legacy-tokenizer`` and this one does not, or the reverse);
+    None otherwise."""
+    record = tokenizer.unique_identifiers
+    if pinned is None or record.get("ids") not in (MEGATRON_CORE_IDS, LEGACY_IDS):
+        return None
+    other = LEGACY_IDS if record["ids"] == MEGATRON_CORE_IDS else MEGATRON_CORE_IDS
+    if identity(dict(record, ids=other)) != pinned:
+        return None
+    if other == LEGACY_IDS:
+        return ("its run used --legacy-tokenizer (Megatron-LM's legacy ids of "
+                f"{record.get('class')}); pass --legacy-tokenizer")
+    return ("its run did not use --legacy-tokenizer (Megatron-LM's default ids of "
+            f"{record.get('class')}); drop --legacy-tokenizer")
