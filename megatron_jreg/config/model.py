@@ -294,8 +294,7 @@ class ParallelConfig:
         "the next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)",
         const=True))
     distributed_timeout_minutes: int = field(default=30, metadata=option(
-        "--distributed-timeout-minutes", "timeout of the process groups (Megatron-LM's default: 10)",
-        min=1))
+        "--distributed-timeout-minutes", "process groups' timeout (Megatron-LM's: 10)", min=1))
     context_parallel_size: int = field(default=1, metadata=option(
         "--context-parallel-size", "context-parallel ranks: not supported with JREG yet", min=1))
     expert_model_parallel_size: int = field(default=1, metadata=option(
@@ -318,11 +317,9 @@ class ParallelConfig:
     def __post_init__(self):
         config_values.check_fields(self)
         if self.context_parallel_size != 1:
-            raise ConfigError(
-                f"--context-parallel-size {self.context_parallel_size}: not supported with JREG "
-                "yet: each layer's displacement is a mean over the whole sequence, which context "
-                "parallelism splits over ranks; use --sequence-parallel with TP, or more data "
-                "parallelism")
+            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: not "
+                              "supported with JREG yet; use --sequence-parallel with TP, or more "
+                              "data parallelism")
         if self.recompute_activations:
             # Megatron-LM's meaning of the flag (the section is frozen once built)
             object.__setattr__(self, "recompute_granularity", "selective")
@@ -334,12 +331,9 @@ class ParallelConfig:
             object.__setattr__(self, "recompute_num_layers", self.recompute_num_layers or 1)
 
     def data_parallel_size(self, world: int) -> int:
-        """Data-parallel ranks of ``world`` processes: what TP x PP x CP leaves, as in
-        Megatron-LM (at least 1; a world they do not divide is refused by the experiment's
-        layout check)."""
-        model_ranks = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                       * self.context_parallel_size)
-        return max(1, world // model_ranks)
+        """Data-parallel ranks of ``world`` processes: what TP x PP x CP leaves (at least 1)."""
+        return max(1, world // (self.tensor_model_parallel_size
+                                * self.pipeline_model_parallel_size * self.context_parallel_size))
 
     def virtual_stages(self, num_layers: int) -> Optional[int]:
         """Model chunks per pipeline rank, or None without interleaving; validates the split."""
