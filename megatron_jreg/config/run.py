@@ -248,8 +248,9 @@ class DataConfig:
         "and files (data.tokenizers.tokenizer_identity); resume and the tools compare it"})
 
     def __post_init__(self):
-        if tokenizer_type_error(self.tokenizer_type):
-            raise ConfigError(tokenizer_type_error(self.tokenizer_type))
+        error = tokenizer_type_error(self.tokenizer_type)
+        if error:
+            raise ConfigError(error)
         if self.dataloader_type not in ("single", "cyclic"):
             raise ConfigError(f"--dataloader-type {self.dataloader_type!r}: single or cyclic "
                              "(external is not supported)")

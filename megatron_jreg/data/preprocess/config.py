@@ -108,8 +108,9 @@ class PreprocessConfig:
             raise PreprocessError(
                 f"--max-line-bytes {self.max_line_bytes} is below --chunk-bytes "
                 f"{self.chunk_bytes}; raise it (or lower --chunk-bytes)")
-        if tokenizer_type_error(self.tokenizer_type):
-            raise PreprocessError(tokenizer_type_error(self.tokenizer_type))
+        error = tokenizer_type_error(self.tokenizer_type)
+        if error:
+            raise PreprocessError(error)
         if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
             raise PreprocessError("--vocab-file and --merge-file are GPT2BPETokenizer's files; "
                                   "pass --tokenizer-type GPT2BPETokenizer (or drop them)")

@@ -260,8 +260,9 @@ def build_tokenizer(
     FileNotFoundError for a missing file and ValueError for anything else the user must
     fix; both messages name the flag.
     """
-    if tokenizer_type_error(tokenizer_type):
-        raise InputError(tokenizer_type_error(tokenizer_type))
+    error = tokenizer_type_error(tokenizer_type)
+    if error:
+        raise InputError(error)
     if (vocab_file is not None or merge_file is not None) and tokenizer_type != "GPT2BPETokenizer":
         raise InputError(
             "--vocab-file and --merge-file are GPT2BPETokenizer's files; pass --tokenizer-type "
