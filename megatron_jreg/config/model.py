@@ -19,6 +19,7 @@ from megatron_jreg.jreg import WEIGHTINGS
 from megatron_jreg.config.families import check_experts, family_of
 from megatron_jreg.config.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
 from megatron_jreg.config.shapes import check_head_size
+from megatron_jreg.config.parallel import ParallelConfig  # noqa: F401 (the run's sections are here)
 
 # --attention-backend: Megatron-LM's values, and sdpa (PyTorch's fused attention)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
@@ -47,6 +48,35 @@ def resolve_transformer_impl(impl: str) -> tuple:
         raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine installed; "
                          "install it or use --transformer-impl local (or auto)")
     return impl, "requested with --transformer-impl"
+
+
+def resolve_attention_backend(backend: str, impl: str) -> tuple:
+    """(the core attention that runs: ``sdpa``, ``megatron`` (megatron-core's local
+    DotProductAttention) or ``transformer_engine``, why) for ``--attention-backend``.
+
+    With Transformer Engine, its own backends stay TE's choice; ``sdpa`` is this module
+    under any implementation. Without TE, ``auto``, ``flash`` and ``fused`` are SDPA on every
+    device (a CPU run builds the model a GPU run builds; SDPA was also 3x faster than
+    megatron's attention in a tiny CPU run), ``local`` and ``unfused`` megatron's own."""
+    if backend == "sdpa":
+        return "sdpa", "requested with --attention-backend sdpa"
+    if impl == "transformer_engine":
+        if backend == "local":
+            return "megatron", "requested with --attention-backend local"
+        return "transformer_engine", f"Transformer Engine's attention (--attention-backend {backend})"
+    if backend in ("local", "unfused"):
+        return "megatron", f"requested with --attention-backend {backend}"
+    if backend in ("flash", "fused"):
+        return "sdpa", (f"--attention-backend {backend} without Transformer Engine: PyTorch's "
+                        "SDPA, which has the FlashAttention and memory-efficient kernels")
+    return "sdpa", "no Transformer Engine: PyTorch's SDPA (FlashAttention on GPUs)"
+
+
+def core_attention(model: "ModelConfig") -> tuple:
+    """(``sdpa``, ``megatron`` or ``transformer_engine``, why): the core attention the
+    model is built with, for --attention-backend, the implementation and the device."""
+    return resolve_attention_backend(model.attention_backend,
+                                     resolve_transformer_impl(model.transformer_impl)[0])
 
 
 @dataclass(kw_only=True)
@@ -266,103 +296,6 @@ class ModelConfig:
             raise ConfigError("vocab size unknown: set --vocab-size or give a tokenizer")
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
-
-
-@dataclass(kw_only=True, frozen=True)
-class ParallelConfig:
-    """How the model is split over ranks, and activation recomputation."""
-
-    tensor_model_parallel_size: int = field(default=1, metadata=option(
-        "--tensor-model-parallel-size", "tensor-parallel ranks", min=1))
-    pipeline_model_parallel_size: int = field(default=1, metadata=option(
-        "--pipeline-model-parallel-size", "pipeline stages", min=1))
-    num_layers_per_virtual_pipeline_stage: Optional[int] = field(default=None, metadata=option(
-        "--num-layers-per-virtual-pipeline-stage", "layers per model chunk (interleaved pipeline)",
-        min=1))
-    virtual_pipeline_model_parallel_size: Optional[int] = field(default=None, metadata=option(
-        "--num-virtual-stages-per-pipeline-rank", "model chunks per pipeline rank (interleaved "
-        "pipeline); the other way to set --num-layers-per-virtual-pipeline-stage",
-        aliases=["--virtual-pipeline-model-parallel-size"], min=1))
-    sequence_parallel: bool = field(default=False, metadata=option(
-        "--sequence-parallel", "split norms/dropout activations over TP ranks along the "
-        "sequence (turned off at TP 1, as in Megatron-LM)"))  # config.resolve turns it off
-    overlap_grad_reduce: bool = field(default=False, metadata=option(
-        "--overlap-grad-reduce", "overlap the data-parallel gradient reduction with backward",
-        const=True))
-    overlap_param_gather: bool = field(default=False, metadata=option(
-        "--overlap-param-gather", "overlap the distributed optimizer's parameter all-gather with "
-        "the next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)",
-        const=True))
-    distributed_timeout_minutes: int = field(default=30, metadata=option(
-        "--distributed-timeout-minutes", "process groups' timeout (Megatron-LM's: 10)", min=1))
-    context_parallel_size: int = field(default=1, metadata=option(
-        "--context-parallel-size", "context-parallel ranks: not supported with JREG yet", min=1))
-    expert_model_parallel_size: int = field(default=1, metadata=option(
-        "--expert-model-parallel-size", "expert-parallel ranks (--num-experts models): the "
-        "experts are split over this many data-parallel ranks", min=1))
-    recompute_granularity: Optional[str] = field(default=None, metadata=option(
-        "--recompute-granularity", "full or selective activation recomputation"))
-    recompute_method: Optional[str] = field(default=None, metadata=option(
-        "--recompute-method", "uniform or block (full recompute); default uniform"))
-    recompute_num_layers: Optional[int] = field(default=None, metadata=option(
-        "--recompute-num-layers", "layers per recompute unit (full recompute); default 1", min=1))
-    recompute_modules: Optional[list] = field(default=None, metadata=option(
-        "--recompute-modules", "selective recompute modules, e.g. core_attn mlp layernorm "
-        "(layernorm: the local implementation's norms; Transformer Engine fuses them into its "
-        "linears, where it has no effect, as the start-up line says)", nargs="+"))
-    recompute_activations: bool = field(default=False, metadata=option(
-        "--recompute-activations", "= --recompute-granularity selective (as in Megatron-LM)",
-        const=True))
-
-    def __post_init__(self):
-        config_values.check_fields(self)
-        if self.context_parallel_size != 1:
-            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: not "
-                              "supported with JREG yet; use --sequence-parallel with TP, or more "
-                              "data parallelism")
-        if self.recompute_activations:
-            # Megatron-LM's meaning of the flag (the section is frozen once built)
-            object.__setattr__(self, "recompute_granularity", "selective")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(
-                f"--recompute-granularity {self.recompute_granularity!r}: choose full or selective")
-        if self.recompute_granularity == "full":
-            object.__setattr__(self, "recompute_method", self.recompute_method or "uniform")
-            object.__setattr__(self, "recompute_num_layers", self.recompute_num_layers or 1)
-
-    def data_parallel_size(self, world: int) -> int:
-        """Data-parallel ranks of ``world`` processes: what TP x PP x CP leaves (at least 1)."""
-        return max(1, world // (self.tensor_model_parallel_size
-                                * self.pipeline_model_parallel_size * self.context_parallel_size))
-
-    def virtual_stages(self, num_layers: int) -> Optional[int]:
-        """Model chunks per pipeline rank, or None without interleaving; validates the split."""
-        pp = self.pipeline_model_parallel_size
-        if num_layers % pp:
-            raise ConfigError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-        per_vp, stages = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_model_parallel_size
-        if per_vp is not None and stages is not None:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
-                             "--num-virtual-stages-per-pipeline-rank: pass one (as in Megatron-LM)")
-        if stages is not None:
-            if stages < 1 or (num_layers // pp) % stages:
-                raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide the "
-                                 f"{num_layers // pp} layers of each pipeline stage")
-            if stages > 1 and pp < 2:
-                raise ConfigError("--num-virtual-stages-per-pipeline-rank needs pipeline "
-                                 "parallelism (PP > 1)")
-            return stages if stages > 1 else None
-        if per_vp is None:
-            return None
-        if pp < 2:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs pipeline parallelism (PP > 1)")
-        if (num_layers // pp) % per_vp:
-            raise ConfigError(
-                f"--num-layers-per-virtual-pipeline-stage {per_vp} must divide the "
-                f"{num_layers // pp} layers of each pipeline stage")
-        chunks = num_layers // pp // per_vp
-        return chunks if chunks > 1 else None
 
 
 @dataclass(kw_only=True, frozen=True)

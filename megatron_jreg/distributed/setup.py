@@ -57,18 +57,21 @@ _LAYOUT: Optional[tuple] = None  # (layout, default group) megatron's groups wer
 
 
 def initialize_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """megatron's TP/PP/DP groups; raises if the world does not fit the split.
+    """megatron's TP/PP/CP/DP groups; raises if the world does not fit the split.
 
     megatron's gloo groups are created on every device, as Megatron-LM does by default:
     the optimizer (``get_megatron_optimizer``'s ``use_gloo_process_groups``) and the
     distributed optimizer's checkpoint state ask for them on GPUs too."""
     world = dist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if world % (tp * pp):
+    cp = parallel.context_parallel_size
+    if world % (tp * pp * cp):
         raise ConfigError(
-            f"world size {world} is not divisible by TP {tp} x PP {pp}; launch a multiple of "
-            f"{tp * pp} processes")
+            f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp}; launch a "
+            f"multiple of {tp * pp * cp} processes")
     layout = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  context_parallel_size=cp,
+                  hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
                   virtual_pipeline_model_parallel_size=parallel.virtual_stages(model.num_layers),
                   expert_model_parallel_size=parallel.expert_model_parallel_size)
     global _LAYOUT

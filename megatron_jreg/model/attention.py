@@ -9,7 +9,9 @@ FlashAttention or the memory-efficient kernel on GPUs (the math kernel on CPU).
 It is swapped in through the layer spec (``model/builder.py``), like the JREG layer.
 
 Shapes: query [sq, b, np, hn], key and value [sk, b, ng, hn] (this rank's heads and
-query groups); output [sq, b, np * hn].
+query groups, and its part of the sequence under context parallelism); output
+[sq, b, np * hn]. Under context parallelism the keys and values of the whole sequence are
+all-gathered over the CP group (:mod:`megatron_jreg.model.context_parallel`).
 """
 
 from __future__ import annotations
@@ -24,27 +26,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-def resolve_attention_backend(backend: str, impl: str) -> tuple:
-    """(the core attention that runs: ``sdpa``, ``megatron`` (megatron-core's local
-    DotProductAttention) or ``transformer_engine``, why) for ``--attention-backend``.
-
-    With Transformer Engine, its own backends stay TE's choice; ``sdpa`` is this module
-    under any implementation. Without TE, ``auto``, ``flash`` and ``fused`` are SDPA on every
-    device (a CPU run builds the model a GPU run builds; SDPA was also 3x faster than
-    megatron's attention in a tiny CPU run), ``local`` and ``unfused`` megatron's own."""
-    if backend == "sdpa":
-        return "sdpa", "requested with --attention-backend sdpa"
-    if impl == "transformer_engine":
-        if backend == "local":
-            return "megatron", "requested with --attention-backend local"
-        return "transformer_engine", f"Transformer Engine's attention (--attention-backend {backend})"
-    if backend in ("local", "unfused"):
-        return "megatron", f"requested with --attention-backend {backend}"
-    if backend in ("flash", "fused"):
-        return "sdpa", (f"--attention-backend {backend} without Transformer Engine: PyTorch's "
-                        "SDPA, which has the FlashAttention and memory-efficient kernels")
-    return "sdpa", "no Transformer Engine: PyTorch's SDPA (FlashAttention on GPUs)"
-
+from megatron_jreg.model import context_parallel
 
 def sdpa_reads_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: Optional[torch.Tensor], dropout: float, causal: bool) -> bool:
@@ -72,8 +54,10 @@ class SDPAttention(MegatronModule):
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPA attention: context parallelism is not supported")
+        cp_comm_type = cp_comm_type[layer_number - 1] if isinstance(cp_comm_type, list) else cp_comm_type
+        if config.context_parallel_size > 1 and cp_comm_type not in (None, "all_gather"):
+            raise ValueError(f"SDPA attention: --cp-comm-type {cp_comm_type} needs Transformer "
+                             "Engine's attention; this one all-gathers keys and values (all_gather)")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"SDPA attention: softmax_type {config.softmax_type!r} is not supported")
         if getattr(config, "window_size", None) is not None:
@@ -85,8 +69,13 @@ class SDPAttention(MegatronModule):
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        # context parallelism: this rank's two chunks of the sequence attend over all of it
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
+        if self.cp_group is not None and attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPA attention: mask type {attn_mask_type} under context "
+                             "parallelism is not supported (causal only)")
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
         # megatron's scale: 1/sqrt(head dim) unless given (query-key layer scaling divides
@@ -102,6 +91,8 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPA attention: packed sequences and attention bias are not supported")
         mask_type = attn_mask_type or self.attn_mask_type
         sq, b = query.shape[:2]
+        if self.cp_group is not None:  # the whole sequence's keys and values, in order
+            key, value = (context_parallel.gather_sequence(t, self.cp_group) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
         causal = mask_type == AttnMaskType.causal
         mask = None
@@ -114,12 +105,15 @@ class SDPAttention(MegatronModule):
         # enable_gqa alike. The kernel reads the groups in place where it can; else they
         # are expanded here, as megatron does.
         gqa = self.heads != self.groups
-        if gqa and not sdpa_reads_groups(q, k, v, mask, dropout, causal):
+        if gqa and not sdpa_reads_groups(q, k, v, mask, dropout, causal and self.cp_group is None):
             k = k.repeat_interleave(self.heads // self.groups, dim=1)  # [b, np, sk, hn]
             v = v.repeat_interleave(self.heads // self.groups, dim=1)
             gqa = False
 
         def attend():
+            if self.cp_group is not None:
+                return context_parallel.attend(q, k, v, self.cp_group.size(), self.cp_group.rank(),
+                                               self.softmax_scale, dropout, gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                   is_causal=causal, scale=self.softmax_scale,
                                                   enable_gqa=gqa)

@@ -30,8 +30,13 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_jreg.model.attention import SDPAttention, resolve_attention_backend
-from megatron_jreg.config.model import ModelConfig, ParallelConfig, resolve_transformer_impl
+from megatron_jreg.model.attention import SDPAttention
+from megatron_jreg.config.model import (
+    ModelConfig,
+    ParallelConfig,
+    core_attention,
+    resolve_transformer_impl,
+)
 from megatron_jreg.model.fusions import Fusions, decide as decide_fusions
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
 from megatron_jreg.model.norm import norm_class
@@ -41,12 +46,6 @@ from megatron_jreg.errors import ConfigError
 
 def _impl(model: ModelConfig) -> str:
     return resolve_transformer_impl(model.transformer_impl)[0]
-
-
-def core_attention(model: ModelConfig) -> tuple:
-    """(``sdpa``, ``megatron`` or ``transformer_engine``, why): the core attention the
-    model is built with, for --attention-backend, the implementation and the device."""
-    return resolve_attention_backend(model.attention_backend, _impl(model))
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
@@ -96,6 +95,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
+        context_parallel_size=parallel.context_parallel_size,
+        hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
+        cp_comm_type=parallel.cp_comm_types(
+            model.num_layers, core_attention(model)[0] == "transformer_engine"),
         # Interleaving sends to "next" and "prev" at once; with two stages both are the same
         # peer, and batched p2p would pair a gradient with an activation. Megatron-LM's
         # default for interleaving, separate (overlapped) p2p ops, keeps them apart.

@@ -1,10 +1,11 @@
 """Causal attention over a sequence split across the context-parallel (CP) group, for the
 SDPA attention (``model/attention.py``); Transformer Engine's attention does its own.
 
-The split is megatron-core's: the sequence is cut into 2·CP chunks and rank i holds chunks
-i and 2·CP−1−i, so every rank has the same causal work. Each rank all-gathers the keys
-and values of the whole sequence (their gradients are reduce-scattered back in the
-backward pass) and attends its two query chunks, each to the keys up to its own end.
+The split is megatron-core's (:mod:`megatron_jreg.ops.context_chunks`): 2·CP chunks, rank
+i holding chunks i and 2·CP−1−i, so every rank has the same causal work.
+Each rank all-gathers the keys and values of the whole sequence (their gradients are
+reduce-scattered back in the backward pass) and attends its two query chunks, each to the
+keys up to its own end.
 
 Shapes: query [b, np, sq, hn] with sq = 2·L this rank's tokens; key and value as gathered
 by :func:`gather_sequence`, [b, ng, 2·CP·L, hn] in sequence order.
@@ -12,25 +13,14 @@ by :func:`gather_sequence`, [b, ng, 2·CP·L, hn] in sequence order.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-
-def chunk_ids(cp_size: int, cp_rank: int) -> Tuple[int, int]:
-    """The two chunks of the sequence (of 2·CP) that CP rank ``cp_rank`` holds, in order."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
-
-
-def local_part(tensor: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """This rank's two chunks of ``tensor`` along ``dim`` (the full sequence), concatenated."""
-    if cp_size == 1:
-        return tensor
-    chunks = tensor.chunk(2 * cp_size, dim=dim)
-    return torch.cat([chunks[c] for c in chunk_ids(cp_size, cp_rank)], dim=dim)
+from megatron_jreg.ops.context_chunks import chunk_ids
 
 
 class _GatherFirstDim(torch.autograd.Function):

@@ -7,9 +7,11 @@ penalty's gradient), the way megatron-core carries MoE auxiliary losses: the las
 loss never needs another stage's tensors. The mean over tokens, the layer weights and R are
 ``megatron_jreg.jreg``'s functions.
 
-Hidden states are [s, b, h]. Under sequence parallelism each TP rank holds s/tp tokens: the
-token mean divides by the global count, and each rank's share is summed over the TP group.
-Without it the states are replicated over TP and TP rank 0's value is logged. The logged
+Hidden states are [s, b, h]. Under sequence parallelism each TP rank holds s/tp tokens, and
+under context parallelism each CP rank two of 2·CP chunks of the sequence: the token mean
+divides by the whole micro-batch's count, and each rank's share is summed over the TP and
+CP groups. The penalty's gradient stays on the rank that holds the tokens. Without SP the
+states are replicated over TP and TP rank 0's value is logged. The logged
 values are a :class:`megatron_jreg.ops.psi_accumulator.PsiAccumulator`, eval_jump's too.
 """
 
@@ -31,11 +33,6 @@ from megatron_jreg.config.model import JregConfig
 from megatron_jreg.ops import attach_penalty, token_displacement
 from megatron_jreg.ops.psi_accumulator import PsiAccumulator, local_token_mask, owns_tokens
 from megatron_jreg.platform.device import current_device
-from megatron_jreg.errors import ConfigError
-
-
-CONTEXT_PARALLEL_UNSUPPORTED = ("not supported with JREG yet: context parallelism (each layer's "
-                                "displacement is a mean over the whole sequence)")
 
 
 class JregTracker:
@@ -48,9 +45,6 @@ class JregTracker:
     """
 
     def __init__(self, config: JregConfig, num_layers: int, sequence_parallel: bool = False):
-        if (parallel_state.model_parallel_is_initialized()
-                and parallel_state.get_context_parallel_world_size() != 1):
-            raise ConfigError(CONTEXT_PARALLEL_UNSUPPORTED)
         self.config = config
         self.num_layers = num_layers
         self.sequence_parallel = sequence_parallel
@@ -70,11 +64,14 @@ class JregTracker:
     # ---- per step -------------------------------------------------------------------------
     def set_loss_scale(self, loss_scale, num_microbatches: int) -> None:
         """The main loss's backward scale (a number, or a 0-dim tensor on the device: the
-        step then never waits for it) over the micro-batches."""
+        step then never waits for it) over the micro-batches. Under context parallelism
+        megatron's schedule scales each CP rank's loss by the CP size (the gradient
+        reduction averages over DP x CP): the penalty's share is scaled alike."""
+        cp = _context_parallel()[0]
         if isinstance(loss_scale, torch.Tensor):
-            self.loss_scale = loss_scale.detach().reshape(()) / num_microbatches
+            self.loss_scale = loss_scale.detach().reshape(()) * cp / num_microbatches
         else:
-            self.loss_scale = float(loss_scale) / num_microbatches
+            self.loss_scale = float(loss_scale) * cp / num_microbatches
 
     def set_token_mask(self, mask: Optional[torch.Tensor]) -> None:
         """[b, s] bool, True = counted, for the next forward; None counts every token."""
@@ -88,24 +85,26 @@ class JregTracker:
     # ---- called by each layer -------------------------------------------------------------
     def _local_mask(self, hidden: torch.Tensor):
         """(mask as [s_local, b] for this rank's slice of the sequence or None, the number of
-        tokens counted in the whole micro-batch, all TP ranks' slices included).
+        tokens counted in the whole micro-batch, all TP and CP ranks' slices included).
 
         hidden: this rank's [s_local, b, h] hidden states."""
         tokens_shape = tuple(hidden.shape[:-1])
+        cp_size, cp_rank = _context_parallel()
         if self.token_mask is None:
-            tokens = hidden[..., 0].numel()
+            tokens = hidden[..., 0].numel() * cp_size
             if self.sequence_parallel:
                 tokens *= parallel_state.get_tensor_model_parallel_world_size()
             return None, float(tokens)
-        # the full-sequence mask is known on every TP rank: no communication needed
+        # the full-sequence mask is known on every TP and CP rank: no communication needed
         count = self.token_mask.sum().to(device=hidden.device, dtype=torch.float32).clamp(min=1.0)
         mask = local_token_mask(self.token_mask, self.sequence_parallel,
                                 parallel_state.get_tensor_model_parallel_rank(),
-                                parallel_state.get_tensor_model_parallel_world_size())
+                                parallel_state.get_tensor_model_parallel_world_size(),
+                                cp_size, cp_rank)
         if tuple(mask.shape) != tokens_shape:
             raise ValueError(
                 f"JREG token mask {tuple(mask.shape)} does not match the layer's tokens "
-                f"{tokens_shape} ([s, b]); set_token_mask takes [b, s]")
+                f"{tokens_shape} ([s, b]); set_token_mask takes [b, s] of the whole sequence")
         return mask.to(device=hidden.device), count
 
     def observe(self, layer_number: int, h_prev: torch.Tensor, h_next: torch.Tensor) -> torch.Tensor:
@@ -143,18 +142,20 @@ class JregTracker:
 
     def _record(self, layer_number: int, partial: torch.Tensor) -> None:
         # counted once over TP: this rank's share of Psi_l when the tokens are its own; the
-        # micro-batch itself, held by every TP rank, by TP rank 0
+        # micro-batch itself, held by every TP and CP rank, by TP rank 0 of CP rank 0. Each
+        # CP rank's tokens are its own.
         tp_rank = (parallel_state.get_tensor_model_parallel_rank()
                    if parallel_state.model_parallel_is_initialized() else 0)
         if owns_tokens(self.sequence_parallel, tp_rank):
-            self._psi.add_sums(layer_number, partial, 1.0 if tp_rank == 0 else 0.0)
+            first = tp_rank == 0 and _context_parallel()[1] == 0
+            self._psi.add_sums(layer_number, partial, 1.0 if first else 0.0)
         self._microbatches[layer_number - 1] += 1
 
     # ---- per step, collective -----------------------------------------------------------
     def reduce(self) -> Dict[str, object]:
         """Psi_1..Psi_L (global layer numbers) averaged over micro-batches and DP ranks.
 
-        Collective over the TP, PP and DP groups: every rank calls it. Returns {"psi": [L
+        Collective over the TP, PP and DP-with-CP groups: every rank calls it. Returns {"psi": [L
         floats], "R": float, "penalty": float, "microbatches": [this rank's micro-batch
         count per layer, 0 for layers on other stages]}.
         """
@@ -182,14 +183,23 @@ def psi_means(stats: torch.Tensor) -> torch.Tensor:
 
 def reduce_stats(stats: torch.Tensor) -> torch.Tensor:
     """:meth:`JregTracker.local_stats` (of one step, [2, L], or of several, [n, 2, L]) added
-    over the TP, PP and DP ranks: one all-reduce per group, whatever the number of steps.
-    Collective: every rank calls it."""
+    over the TP, PP and DP ranks (with the CP ranks, which hold the same batch's other
+    chunks): one all-reduce per group, whatever the number of steps. Collective: every rank
+    calls it."""
     if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         for group in (parallel_state.get_tensor_model_parallel_group(),
                       parallel_state.get_pipeline_model_parallel_group(),
-                      parallel_state.get_data_parallel_group()):
+                      parallel_state.get_data_parallel_group(with_context_parallel=True)):
             dist.all_reduce(stats, group=group)
     return stats
+
+
+def _context_parallel() -> tuple:
+    """(CP size, CP rank) of this process; (1, 0) outside megatron's groups."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return (parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_context_parallel_rank())
 
 
 class JregTransformerLayer(TransformerLayer):
@@ -210,8 +220,6 @@ class JregTransformerLayer(TransformerLayer):
             config = copy.copy(config)
             config.gradient_accumulation_fusion = gradient_accumulation_fusion
         super().__init__(config, *args, **kwargs)
-        if self.config.context_parallel_size != 1:
-            raise ConfigError(CONTEXT_PARALLEL_UNSUPPORTED)
         self.jreg_tracker = jreg_tracker
 
     def forward(self, *args, **kwargs):

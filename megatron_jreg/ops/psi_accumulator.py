@@ -7,13 +7,15 @@ over ranks of the sums divided by the sum over ranks of the counts.
 
 Counting once. The data gives a ``[b, s]`` token mask; a rank's hidden states are
 ``[s, b, h]``, and under sequence parallelism each tensor-parallel rank holds its chunk
-of the sequence, ``[s / tp, b, h]`` (:func:`local_token_mask` slices the mask the same
-way). Without sequence parallelism the TP ranks hold the same tokens. A rank adds only
-its own share: a chunk of split tokens is its own; replicated tokens are TP rank 0's, and
-the other TP ranks add nothing (:func:`owns_tokens`). A micro-batch as a unit is held by
-every TP rank, so TP rank 0 counts it. Each decoder layer lives on one pipeline stage and
-data-parallel ranks hold disjoint batches, so summing the shares over the TP, PP and DP
-groups (:meth:`PsiAccumulator.reduce`) counts every token once.
+of the sequence, ``[s / tp, b, h]``; under context parallelism each CP rank holds two of
+2·CP chunks of it, ``[s / cp, b, h]``, split further over TP under sequence parallelism
+(:func:`local_token_mask` slices the mask the same way). Without sequence parallelism the
+TP ranks hold the same tokens. A rank adds only its own share: a chunk of split tokens
+(over CP, or over TP under SP) is its own; replicated tokens are TP rank 0's, and the
+other TP ranks add nothing (:func:`owns_tokens`). A micro-batch as a unit is held by every
+TP and CP rank, so TP rank 0 of CP rank 0 counts it. Each decoder layer lives on one
+pipeline stage and data-parallel ranks hold disjoint batches, so summing the shares over
+the TP, PP and DP-with-CP groups (:meth:`PsiAccumulator.reduce`) counts every token once.
 """
 
 from __future__ import annotations
@@ -24,19 +26,21 @@ import torch
 import torch.distributed as dist
 
 from megatron_jreg.jreg import masked_sum
+from megatron_jreg.ops.context_chunks import local_part
 from megatron_jreg.ops.displacement import token_displacement
 
 Number = Union[int, float, torch.Tensor]
 
 
 def local_token_mask(mask: torch.Tensor, sequence_parallel: bool, tp_rank: int = 0,
-                     tp_size: int = 1) -> torch.Tensor:
+                     tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
     """``mask`` [b, s] -> this rank's [s_local, b] (contiguous): the whole sequence, or the
-    TP rank's chunk along it under sequence parallelism. The full mask is known on every TP
+    CP rank's two chunks of it (:func:`megatron_jreg.ops.context_chunks.local_part`), then
+    the TP rank's chunk of those under sequence parallelism. The full mask is known on every
     rank, so no communication is needed."""
-    local = mask.t()  # [s, b]
+    local = local_part(mask, 1, cp_size, cp_rank).t()  # [s / cp, b]
     if sequence_parallel and tp_size > 1:
-        local = local.chunk(tp_size, dim=0)[tp_rank]  # [s / tp, b]
+        local = local.chunk(tp_size, dim=0)[tp_rank]  # [s / cp / tp, b]
     return local.contiguous()
 
 

@@ -79,6 +79,11 @@ def _redirect_device(fn):
     def wrapper(*args, **kwargs):
         if _names_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            # pinned host memory is for copies to a GPU (models/common/embeddings/rope_utils.py,
+            # get_pos_emb_on_this_cp_rank: its CP chunk ids, then .cuda()); without one
+            # PyTorch refuses to pin
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     wrapper._megatron_jreg_cpu = True

@@ -22,7 +22,7 @@ from megatron_jreg.checkpoint.run_configs import launched_world_size
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
 from megatron_jreg.errors import ConfigError
-from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
+from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig, core_attention
 from megatron_jreg.config.shapes import check_tensor_split
 from megatron_jreg.config.run import (
     SECTIONS,
@@ -65,6 +65,11 @@ class ExperimentConfig:
         # data-parallel size of this launch (Megatron-LM's rule)
         dp = self.parallel.data_parallel_size(launched_world_size())
         object.__setattr__(self, "training", self.training.with_data_parallel(dp))
+        cp = self.parallel.context_parallel_size
+        if self.model.seq_length % (2 * cp) and cp > 1:
+            raise ConfigError(f"--seq-length {self.model.seq_length} must be a multiple of 2 x "
+                             f"--context-parallel-size = {2 * cp} (each CP rank holds 2 of {2 * cp} "
+                             "equal chunks of every sequence); change one of them")
 
     # ---- construction and YAML ----------------------------------------------------------
     @classmethod
@@ -221,11 +226,15 @@ class ExperimentConfig:
                 f"--tensor-model-parallel-size {tp} must divide --num-attention-heads "
                 f"{model.num_attention_heads} and the query groups {model.query_groups}")
         check_tensor_split(model, tp)  # before the world size: the same answer at any launch
-        if parallel.sequence_parallel and model.seq_length % tp:
+        cp = parallel.context_parallel_size
+        self._check_context_parallel()
+        if parallel.sequence_parallel and (model.seq_length // cp) % tp:
             raise ConfigError(f"--seq-length {model.seq_length} must be divisible by TP {tp} "
-                             "under --sequence-parallel")
-        if world % (tp * pp):
-            raise ConfigError(f"{world} processes cannot hold TP {tp} x PP {pp}; launch a multiple")
+                             "under --sequence-parallel"
+                             + (f" x CP {cp} (each CP rank's part splits over TP)" if cp > 1 else ""))
+        if world % (tp * pp * cp):
+            raise ConfigError(f"{world} processes cannot hold TP {tp} x PP {pp}"
+                             + (f" x CP {cp}" if cp > 1 else "") + "; launch a multiple")
         self._check_experts(world // (tp * pp))
         if self.megatron_lm.no_position_embedding and model.position_embedding_type != "rope":
             raise ConfigError(f"--no-position-embedding with --position-embedding-type "
@@ -236,6 +245,19 @@ class ExperimentConfig:
             raise ConfigError(
                 f"--global-batch-size {self.training.global_batch_size} is not divisible by "
                 f"--micro-batch-size x data-parallel size = {per_step}")
+
+    def _check_context_parallel(self) -> None:
+        """--context-parallel-size: an attention that splits the sequence, and a
+        --cp-comm-type that attention has (the split itself is checked with the flags)."""
+        model, cp = self.model, self.parallel.context_parallel_size
+        if cp == 1:
+            return
+        attention = core_attention(model)[0]
+        if attention == "megatron":
+            raise ConfigError(f"--attention-backend {model.attention_backend}: megatron-core's local "
+                             "attention has no context parallelism; drop the flag (SDPA, or "
+                             "Transformer Engine's attention) or --context-parallel-size")
+        self.parallel.cp_comm_types(model.num_layers, attention == "transformer_engine")
 
     def _check_experts(self, dp: int) -> None:
         """Mixture-of-experts settings that only fail inside megatron's forward otherwise."""

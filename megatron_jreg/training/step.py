@@ -11,6 +11,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_jreg.model.builder import causal_attention_mask
 from megatron_jreg.model.jreg_layer import JregTracker
+from megatron_jreg.ops.context_chunks import local_part
 from megatron_jreg.platform.device import current_device
 
 # A batch is a dict of [b, s] tensors: tokens, labels, loss_mask, position_ids; optionally
@@ -18,19 +19,21 @@ from megatron_jreg.platform.device import current_device
 
 
 def _masked_mean_loss(per_token_scale: Optional[float], loss_mask: torch.Tensor,
-                      output_tensor: torch.Tensor):
-    """LM loss of one micro-batch; output_tensor: [b, s] token cross-entropies.
+                      count: torch.Tensor, output_tensor: torch.Tensor):
+    """LM loss of one micro-batch; output_tensor: [b, s_local] token cross-entropies of this
+    rank's part of the sequence, ``loss_mask`` its part of the mask, ``count`` the
+    loss-masked tokens of the whole micro-batch.
 
-    Default: the mean over the micro-batch's loss-masked tokens. With ``per_token_scale``
-    (micro-batches x DP ranks / loss-masked tokens of the global batch): the masked sum
-    times it, so that megatron's mean over micro-batches and DDP's mean over DP ranks give
-    the mean over every loss-masked token of the global batch."""
-    losses = output_tensor.float()
-    mask = loss_mask.float()
-    if per_token_scale is None:
-        loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
-    else:
-        loss = (losses * mask).sum() * per_token_scale
+    Default: the mean over the micro-batch's loss-masked tokens. Under context parallelism
+    it is this rank's share: its masked sum over the whole micro-batch's count. The shares
+    add up over the CP group to the mean over the whole sequence, as on one rank, whatever
+    the mask (megatron's schedule scales each share by the CP size and the gradient
+    reduction averages over DP x CP). With ``per_token_scale`` (micro-batches x DP ranks /
+    loss-masked tokens of the global batch): the masked sum times it, so that megatron's
+    mean over micro-batches and DDP's mean over DP ranks give the mean over every
+    loss-masked token of the global batch."""
+    total = (output_tensor.float() * loss_mask.float()).sum()
+    loss = total / count if per_token_scale is None else total * per_token_scale
     return loss, {"lm loss": loss.clone().detach()}
 
 
@@ -46,12 +49,18 @@ def global_loss_tokens(batches: List[Dict[str, torch.Tensor]]) -> float:
 def _forward_step(tracker: Optional[JregTracker], per_token_scale: Optional[float],
                   data_iterator, model):
     batch = next(data_iterator)
-    tokens = batch["tokens"]
     if tracker is not None:
-        tracker.set_token_mask(batch.get("token_mask"))
-    attention_mask = causal_attention_mask(tokens.shape[1], device=tokens.device)
-    output = model(tokens, batch["position_ids"], attention_mask, labels=batch["labels"])
-    return output, partial(_masked_mean_loss, per_token_scale, batch["loss_mask"])
+        tracker.set_token_mask(batch.get("token_mask"))  # the whole sequence's: it splits it
+    count = batch["loss_mask"].float().sum().clamp(min=1.0)
+    cp_size = parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    tokens, labels, loss_mask, positions = (
+        local_part(batch[key], 1, cp_size, cp_rank)
+        for key in ("tokens", "labels", "loss_mask", "position_ids"))
+    # the whole sequence's causal mask: each attention takes its rank's part of it
+    attention_mask = causal_attention_mask(batch["tokens"].shape[1], device=tokens.device)
+    output = model(tokens, positions, attention_mask, labels=labels)
+    return output, partial(_masked_mean_loss, per_token_scale, loss_mask, count)
 
 
 def forward_backward(
@@ -68,7 +77,8 @@ def forward_backward(
     """Run one step's micro-batches (forward, and backward unless ``forward_only``).
 
     ``batches`` are this data-parallel rank's micro-batches; every pipeline stage gets the
-    same list (the first stage reads tokens, the last labels). Returns the LM loss averaged
+    same list (the first stage reads tokens, the last labels), holding whole sequences:
+    each context-parallel rank takes its chunks of them. Returns the LM loss averaged
     over micro-batches (on the last stage; None elsewhere) and the JREG metrics reduced
     over TP/PP/DP (every rank). Gradients accumulate in the model's grad buffers.
     ``per_token_loss``: the LM loss is the mean over the global batch's loss-masked tokens
@@ -116,11 +126,14 @@ def forward_backward(
     lm_loss = None
     if losses:
         lm_loss = torch.stack([x["lm loss"] for x in losses]).mean().double()
-    if not reduce_metrics:
+    if not reduce_metrics:  # each CP rank's share: the window adds them
         if lm_loss is None:
             lm_loss = torch.zeros((), dtype=torch.float64, device=current_device())
         return {"lm_loss": lm_loss, "no_loss_tokens": False,
                 "jreg_stats": tracker.local_stats() if tracker is not None else None}
+    if lm_loss is not None and parallel_state.get_context_parallel_world_size() > 1:
+        # the CP ranks (all on this stage) hold shares of the same micro-batches' losses
+        torch.distributed.all_reduce(lm_loss, group=parallel_state.get_context_parallel_group())
     result: Dict[str, object] = {"lm_loss": None if lm_loss is None else float(lm_loss),
                                  "no_loss_tokens": False}
     if tracker is not None:

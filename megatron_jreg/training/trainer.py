@@ -35,10 +35,9 @@ from megatron_jreg.distributed.setup import (
     teardown,
 )
 from megatron_jreg.model.builder import build_model, decide_fusions, transformer_config
-from megatron_jreg.model.attention import resolve_attention_backend
 from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_build
 from megatron_jreg.platform import device as platform_device
-from megatron_jreg.config.model import resolve_transformer_impl
+from megatron_jreg.config.model import resolve_attention_backend, resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.training import data_parallel
@@ -307,11 +306,12 @@ class Trainer:
 
     def train(self) -> int:
         cfg, t = self.cfg, self.train_cfg
+        p = cfg.parallel
+        cp = f"CP {p.context_parallel_size}, " if p.context_parallel_size > 1 else ""
         print_rank_0(
-            f"training {self.num_params / 1e6:.2f}M parameters on this rank, world "
-            f"{dist.get_world_size()} (TP {cfg.parallel.tensor_model_parallel_size}, PP "
-            f"{cfg.parallel.pipeline_model_parallel_size}, DP {self.dp_size}), "
-            f"{self.num_microbatches} micro-batches per step, JREG lambda {cfg.jreg.lam}")
+            f"training {self.num_params / 1e6:.2f}M parameters on this rank, world {dist.get_world_size()} "
+            f"(TP {p.tensor_model_parallel_size}, PP {p.pipeline_model_parallel_size}, {cp}DP "
+            f"{self.dp_size}), {self.num_microbatches} micro-batches per step, JREG lambda {cfg.jreg.lam}")
         window: List[Dict] = []
         # the window's wall time less its evaluations and saves (``outside``, logged apart)
         # is what tokens/s divides by

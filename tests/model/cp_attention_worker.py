@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_jreg.model import context_parallel as cp
+from megatron_jreg.ops.context_chunks import local_part
 
 # (name, query heads, key/value groups, key padding)
 CASES = [("causal", 4, 4, False), ("gqa", 4, 2, False), ("gqa_padding", 4, 2, True)]
@@ -50,7 +51,7 @@ def main(out_dir):
         expected = reference(*full, heads != groups, key_valid)
         expected.backward(grad)
 
-        part = lambda t: cp.local_part(t, 2, size, rank)  # noqa: E731
+        part = lambda t: local_part(t, 2, size, rank)  # noqa: E731
         mine = [part(t).clone().requires_grad_() for t in (q, k, v)]
         # keys and values travel as megatron holds them, [s, b, ng, hn]
         kv = [cp.gather_sequence(t.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3)

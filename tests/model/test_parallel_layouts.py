@@ -31,6 +31,9 @@ LAYOUTS = {
     "pp2_selective_recompute": {"pipeline_model_parallel_size": 2,
                                 "recompute_granularity": "selective",
                                 "recompute_modules": ["core_attn", "mlp", "layernorm"]},
+    # context parallelism: each rank holds 2 of 4 chunks of every sequence
+    "cp2": {"context_parallel_size": 2},
+    "cp2_full_recompute": {"context_parallel_size": 2, "recompute_granularity": "full"},
 }
 # 4 ranks: combined layouts (the data-parallel size is what is left, 2 where TP x PP = 2)
 FOUR_RANK = {
@@ -42,6 +45,12 @@ FOUR_RANK = {
     "4r_pp2_vpp_dp2_full_recompute": {"pipeline_model_parallel_size": 2,
                                       "num_layers_per_virtual_pipeline_stage": 1,
                                       "recompute_granularity": "full"},
+    "4r_cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2,
+                      "sequence_parallel": True},
+    "4r_cp2_pp2": {"context_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    "4r_cp2_dp2": {"context_parallel_size": 2},
+    "4r_cp2_pp2_vpp": {"context_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                       "num_layers_per_virtual_pipeline_stage": 1},
 }
 SINGLE_RANK = {
     "full_recompute": {"recompute_granularity": "full"},

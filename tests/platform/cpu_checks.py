@@ -36,6 +36,16 @@ sharded = ShardedTensor.from_rank_offsets("x", torch.ones(2))
 sharded.data = None
 sharded.init_data("cuda")  # the fully parallel load's exchange buffers
 obs["sharded_init_data"] = sharded.data.device.type
+# a pinned host tensor (megatron-core's context-parallel RoPE chunk ids): an ordinary one
+from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank  # noqa: E402
+
+
+class _TwoRanks:  # rank 1 of a CP group of 2: chunks 1 and 2 of 4
+    size, rank = staticmethod(lambda: 2), staticmethod(lambda: 1)
+
+
+obs["pinned_tensor"] = torch.tensor([1], device="cpu", pin_memory=True).tolist()
+obs["cp_rope_chunks"] = get_pos_emb_on_this_cp_rank(torch.arange(8.0), 0, _TwoRanks()).tolist()
 obs["current_device"] = str(torch.cuda.current_device())
 obs["synchronize"] = torch.cuda.synchronize() is None
 t = torch.ones(3)

@@ -27,6 +27,10 @@ def test_cuda_device_requests_land_on_cpu(checks):
     assert checks["empty_like"] == ["cpu"] * 3 and checks["sharded_init_data"] == "cpu"
     assert checks["current_device"] == "cpu"
     assert checks["synchronize"] and checks["tensor_cuda_identity"]
+    # pin_memory=True is dropped (no pinned allocator without a GPU), so megatron-core's
+    # context-parallel RoPE slice runs: rank 1 of 2 holds chunks 1 and 2 of 4
+    assert checks["pinned_tensor"] == [1]
+    assert checks["cp_rope_chunks"] == [2.0, 3.0, 4.0, 5.0]
 
 
 def test_optimizer_type_dispatch_sees_cuda_names(checks):

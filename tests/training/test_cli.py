@@ -53,8 +53,7 @@ def test_resolved_config_round_trips():
     (["--data-path", "x", "--bf16", "--fp16"], "exclusive"),
     (["--data-path", "x", "--jreg-lambda", "-1"], "--jreg-lambda must be >= 0"),
     # megatron-core features JREG does not support yet: refused by name, not "unrecognized"
-    (["--data-path", "x", "--context-parallel-size", "2"],
-     "--context-parallel-size 2: not supported with JREG yet"),
+    (["--data-path", "x", "--cp-comm-type", "ring"], "--cp-comm-type ring: choose among"),
     # (mixture of experts is supported: docs/families.md; its bad settings are refused in
     # tests/training/test_megatron_lm_flags.py)
     (["--data-path", "x", "--num-experts", "0"], "--num-experts must be >= 1"),
