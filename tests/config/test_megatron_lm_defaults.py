@@ -83,6 +83,8 @@ MEGATRON_LM = {
     '--overlap-param-gather': False,
     '--distributed-timeout-minutes': 10,
     '--context-parallel-size': 1,
+    '--cp-comm-type': ['p2p'],
+    '--hierarchical-context-parallel-sizes': None,
     '--expert-model-parallel-size': 1,
     '--recompute-granularity': None,
     '--recompute-method': None,
@@ -250,6 +252,9 @@ ALLOWED = {
     "--no-rope-fusion": "the same math fused or not; Megatron-LM turns the fusion off itself "
                         "for a model without RoPE (its default learned positions), here the "
                         "start-up line says whether RoPE is fused",
+    "--cp-comm-type": "the same attention over any kind: left out, p2p (Megatron-LM's) with "
+                      "Transformer Engine's attention, all_gather (the one kind it has) with "
+                      "the SDPA attention, which Megatron-LM does not have",
     "--ckpt-fully-parallel-save": "in Megatron-LM a deprecated spelling that does nothing: "
                                   "the fully parallel save is on by default in both (the "
                                   "--no-ckpt-fully-parallel-save row)",

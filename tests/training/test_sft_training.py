@@ -165,10 +165,12 @@ def test_finetune_starts_from_the_tp2_weights_at_iteration_zero(one_rank, sft_da
 
 @pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2},
                                     {"pipeline_model_parallel_size": 2},
+                                    {"context_parallel_size": 2},
                                     {}])
 def test_sft_layouts_equal_one_rank(one_rank, sft_data, pretrained_tp2, tmp_path, layout):
-    """TP2, PP2 and DP2 (``{}``: the per-token loss counts tokens over both DP ranks) equal
-    one rank."""
+    """TP2, PP2, CP2 (each rank holds half of every conversation's tokens, and of its loss
+    mask) and DP2 (``{}``: the per-token loss counts tokens over both DP ranks) equal one
+    rank."""
     metrics = str(tmp_path / "m.jsonl")
     train(sft_args(sft_data, pretrained_tp2, metrics_file=metrics, **layout), nproc=2)
     got = read_metrics(metrics)
