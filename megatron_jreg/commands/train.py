@@ -44,8 +44,8 @@ def out_of_memory_line(err: BaseException, experiment: Optional[ExperimentConfig
     if experiment is not None:
         where = (f" at --seq-length {experiment.model.seq_length}, --micro-batch-size "
                  f"{experiment.training.micro_batch_size}")
-    return (f"out of memory{where}{size}; lower --seq-length or --micro-batch-size (or use "
-            "more devices)")
+    return (f"out of memory{where}{size}; lower --seq-length or --micro-batch-size (or split "
+            "each sequence over more devices with --context-parallel-size)")
 
 
 def main(argv=None) -> int:

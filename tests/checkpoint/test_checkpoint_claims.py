@@ -331,7 +331,8 @@ def test_activations_out_of_memory_keep_the_batch_advice(demo_data):
                             "4", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3"])
     line = out_of_memory_line(MemoryError(), experiment)
     assert line == ("out of memory at --seq-length 64, --micro-batch-size 4; lower --seq-length "
-                    "or --micro-batch-size (or use more devices)")
+                    "or --micro-batch-size (or split each sequence over more devices with "
+                    "--context-parallel-size)")
 
 
 def test_shapes_of_a_config_without_a_vocabulary():
