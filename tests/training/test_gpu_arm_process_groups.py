@@ -1,6 +1,6 @@
 """The optimizer and megatron's process groups agree on every device: the trainer trains
 with its process-group setup in the GPU arm (tests/training/gpu_arm_trainer.py), at one
-rank and at DP 2 with the distributed optimizer, and its losses equal the plain CPU run's.
+rank and at DP 2 and CP 2 with the distributed optimizer, and its losses equal the plain CPU run's.
 
 Before the groups were created on every device, this failed at the optimizer's build with
 megatron's "Intra partial data parallel group is not initialized", as every GPU run did."""
@@ -27,8 +27,10 @@ def gpu_arm_train(argv, nproc):
     return proc
 
 
-@pytest.mark.parametrize("nproc,flags", [(1, []), (2, ["--use-distributed-optimizer"])],
-                         ids=["one_rank", "dp2_distributed_optimizer"])
+@pytest.mark.parametrize("nproc,flags", [
+    (1, []), (2, ["--use-distributed-optimizer"]),
+    (2, ["--use-distributed-optimizer", "--context-parallel-size", "2"])],
+    ids=["one_rank", "dp2_distributed_optimizer", "cp2_distributed_optimizer"])
 def test_trainer_trains_with_the_gpu_process_group_setup(demo_data, tmp_path, nproc, flags):
     runs = {}
     for arm in ("gpu_arm", "cpu"):
