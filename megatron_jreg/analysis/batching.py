@@ -4,9 +4,10 @@ One process streams the sequences: consecutive batches of ``batch_size``, each p
 its longest sequence, progress counted in tokens. Under torchrun every rank reads every
 sequence (so a ``--max-tokens`` cut and any input error are the same everywhere); each
 data-parallel rank takes every ``dp``-th one, in batches of one shape, ``[batch_size,
-width of the longest sequence]`` (rounded up to a multiple of TP under sequence
-parallelism), as many on every rank (a short rank runs fully masked batches); the
-per-layer sums are then added over the world with one all-reduce (:attr:`MeasureWorld.groups`).
+width of the longest sequence]`` (rounded up to a multiple of 2 x CP under context
+parallelism, times TP under sequence parallelism), as many on every rank (a short rank
+runs fully masked batches); the per-layer sums are then added over the world with one
+all-reduce (:attr:`MeasureWorld.groups`).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class MeasureWorld:
     dp_rank: int = 0
     dp_size: int = 1
     width_multiple: int = 1
-    """Batch widths are rounded up to this (the TP size under sequence parallelism)."""
+    """Batch widths are rounded up to this: 2 x CP under context parallelism (the sequence
+    splits into 2 x CP equal chunks), times the TP size under sequence parallelism."""
     layout: Optional[Dict[str, Any]] = None
     """The parallel layout, written to the report's ``parallel`` key; None on one process."""
 
@@ -152,7 +154,7 @@ class MeasureWorld:
     @property
     def groups(self) -> Tuple[None, ...]:
         """The process groups a measurement's sums are added over: the default group (every
-        rank of the world: TP, PP and DP) under torchrun, none on one process."""
+        rank of the world: TP, PP, CP and DP) under torchrun, none on one process."""
         return (None,) if self.distributed else ()
 
 

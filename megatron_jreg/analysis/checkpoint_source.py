@@ -1,11 +1,13 @@
-"""Hidden states of our trainer's checkpoints (``eval_jump --load``), at any TP/PP layout.
+"""Hidden states of our trainer's checkpoints (``eval_jump --load``), at any TP/PP/CP layout.
 
 The checkpoint is rebuilt by :func:`megatron_jreg.checkpoint.model_loader.load_model`:
 at TP1 PP1 on one process, or at ``--tensor/--pipeline-model-parallel-size`` over a
 torchrun world whose remaining factor is data parallel (dist-checkpointing reshards the
-weights from whatever layout saved them). Each batch runs through megatron's pipeline
-schedule; forward hooks on this rank's decoder layers hand each layer's input
-``h_{l-1}`` and output ``h_l`` ([s, b, h]) to the accumulator: the same pair the
+weights from whatever layout saved them); ``--context-parallel-size`` splits every
+sequence over CP ranks as the trainer does (:mod:`megatron_jreg.ops.context_chunks`).
+Each batch runs through megatron's pipeline schedule; forward hooks on this rank's
+decoder layers hand each layer's input ``h_{l-1}`` and output ``h_l`` ([s_local, b, h]:
+this rank's part of the sequence) to the accumulator: the same pair the
 training-time :class:`JregTracker` measures inside each layer, so ``Psi_l`` here equals
 the trainer's on the same tokens. ``h_L`` is taken before the final norm unless
 ``include_final_norm``.
@@ -42,6 +44,7 @@ from megatron_jreg.errors import InputError
 from megatron_jreg.analysis.source_flags import CheckpointSourceFlags
 from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.config.resolve import effective_parallel
+from megatron_jreg.ops.context_chunks import local_part
 from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
 from megatron_jreg.model.builder import causal_attention_mask
 
@@ -68,6 +71,8 @@ class CheckpointSource:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.sequence_parallel = bool(loaded.parallel.sequence_parallel)
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_size = ps.get_context_parallel_world_size()
         self._tokenizer_model = tokenizer_model
         self._tokenizer = None  # built on first use: --data-path needs none
         layers, final_norm = [], None
@@ -91,21 +96,30 @@ class CheckpointSource:
 
         batch, seq = input_ids.shape
         cfg = self.loaded.model_config
-        if cfg.position_embedding_type == "learned_absolute" and seq > cfg.max_positions:
-            raise InputError(f"--seq-length {seq}: the model has learned positions for "
-                             f"{cfg.max_positions} tokens only; pass --seq-length {cfg.max_positions} "
-                             "or less")
-        tokens = input_ids.to(self.device)
-        positions = torch.arange(seq, device=self.device).expand(batch, seq)
-        # right padding + a causal mask: real tokens never attend to padding
+        positions = torch.arange(seq).expand(batch, seq)
+        if cfg.position_embedding_type == "learned_absolute":
+            longest = int(mask.sum(dim=1).max())  # right padding: the last real position + 1
+            if longest > cfg.max_positions:
+                raise InputError(f"--seq-length {longest}: the model has learned positions for "
+                                 f"{cfg.max_positions} tokens only; pass --seq-length "
+                                 f"{cfg.max_positions} or less")
+            # padding rounded past the last learned position is never attended to nor counted
+            positions = positions.clamp(max=cfg.max_positions - 1)
+        # this CP rank's two chunks of the sequence (everything, at CP1); the schedule takes
+        # the whole length and megatron-core divides it by CP itself, as in training
+        tokens, positions = (local_part(t, 1, self.cp_size, self.cp_rank).to(self.device)
+                             for t in (input_ids, positions))
+        # right padding + the whole sequence's causal mask: real tokens never attend to padding
         attention_mask = causal_attention_mask(seq, device=self.device)
 
         def forward_step(data_iterator, model):
             output = model(tokens, positions, attention_mask)  # logits on the last stage
             return output, lambda _: (torch.zeros((), device=self.device), {})
 
-        # the [s(/tp), b] mask of this rank's hidden states, with the tokens it adds
-        local = local_token_mask(mask, self.sequence_parallel, self.tp_rank, self.tp_size)
+        # the [s_local, b] mask of this rank's hidden states (CP chunks, then the SP chunk),
+        # with the tokens it adds: a CP rank's chunks are its own
+        local = local_token_mask(mask, self.sequence_parallel, self.tp_rank, self.tp_size,
+                                 self.cp_size, self.cp_rank)
         if not owns_tokens(self.sequence_parallel, self.tp_rank):
             local = torch.zeros_like(local)  # TP rank 0 adds the replicated tokens
         chunks = self.loaded.chunks
@@ -136,19 +150,23 @@ def load_checkpoint_source(
 
 
 def checkpoint_world(sequence_parallel: bool) -> MeasureWorld:
-    """The world the loaded model runs in: one process, or this rank's data-parallel share."""
+    """The world the loaded model runs in: one process, or this rank's data-parallel share
+    (the CP ranks of a DP rank share its documents, each holding its chunks of them)."""
     from megatron.core import parallel_state as ps
 
     if launched_world_size() == 1:
         return one_process()
     tp = ps.get_tensor_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
     return MeasureWorld(
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
-        width_multiple=tp if sequence_parallel else 1,  # the sequence splits evenly over TP
+        # the sequence splits into 2 x CP equal chunks, each evenly over TP under SP
+        width_multiple=(2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1),
         layout={
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "context_parallel_size": cp,
             "data_parallel_size": ps.get_data_parallel_world_size(),
             "sequence_parallel": sequence_parallel,
         },
@@ -163,22 +181,25 @@ def parallel_layout(flags: CheckpointSourceFlags) -> ParallelConfig:
     """The ParallelConfig the flags ask for (TP1 PP1 for a plain one-process run)."""
     tp = flags.tensor_model_parallel_size
     pp = flags.pipeline_model_parallel_size
+    cp = flags.context_parallel_size
     sp = bool(flags.sequence_parallel)
     world = launched_world_size()
     try:
         parallel = effective_parallel(ParallelConfig(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
+            context_parallel_size=cp,
         ))
     except ValueError as err:
         raise InputError(str(err)) from None
     if sp and not parallel.sequence_parallel:
         print("--sequence-parallel: turned off at --tensor-model-parallel-size 1, as in Megatron-LM",
               file=sys.stderr)
-    if world < tp * pp:
+    if world < tp * pp * cp:
+        sizes = (f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+                 + (f" x --context-parallel-size {cp}" if cp > 1 else ""))
         raise InputError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
-            f"{tp * pp} processes, but {world} were launched; run under "
-            f"`torchrun --nproc_per_node {tp * pp}` (or a multiple of it)"
+            f"{sizes} needs {tp * pp * cp} processes, but {world} were launched; run under "
+            f"`torchrun --nproc_per_node {tp * pp * cp}` (or a multiple of it)"
         )
     check_layout(parallel, world)
     return parallel

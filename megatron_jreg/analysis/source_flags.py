@@ -35,10 +35,13 @@ class HFSourceFlags:
 # The layout flags are ParallelConfig's own (one definition of each); help for eval_jump.
 LAYOUT_FIELDS = {
     "tensor_model_parallel_size": "--load under torchrun: tensor-parallel ranks; "
-    "the world's remaining factor after TP x PP is data parallel",
+    "the world's remaining factor after TP x PP x CP is data parallel",
     "pipeline_model_parallel_size": "--load under torchrun: pipeline stages",
     "sequence_parallel": "--load under torchrun: split the sequence over the TP ranks "
     "(needs TP > 1)",
+    "context_parallel_size": "--load under torchrun: context-parallel ranks, each holding 2 "
+    "of 2 x CP chunks of every sequence (batches are padded to a multiple of 2 x CP); the "
+    "world's remaining factor after TP x PP x CP is data parallel",
 }
 
 
@@ -69,7 +72,8 @@ class CheckpointSourceFlags:
         "metavar": "CKPT",
         "help": "torch_dist checkpoint directories of our trainer or of Megatron-LM (its "
         "--save); any TP/PP layout, Transformer Engine or local spec, is read "
-        "on one process, or under torchrun at --tensor/--pipeline-model-parallel-size. "
+        "on one process, or under torchrun at --tensor/--pipeline-model-parallel-size and "
+        "--context-parallel-size. "
         "The latest iteration unless --iteration/--iterations/--all-iterations"})
     iteration: Optional[int] = dataclasses.field(default=None, metadata={
         "exclusive": "iteration", "metavar": "N", "help": "--load: this iteration"})
@@ -84,3 +88,4 @@ class CheckpointSourceFlags:
     tensor_model_parallel_size: int = _layout_field("tensor_model_parallel_size", 1)
     pipeline_model_parallel_size: int = _layout_field("pipeline_model_parallel_size", 1)
     sequence_parallel: bool = _layout_field("sequence_parallel", False)
+    context_parallel_size: int = _layout_field("context_parallel_size", 1)

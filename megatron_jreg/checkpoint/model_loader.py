@@ -55,13 +55,15 @@ def eval_model_config(model_cfg, vocab_rows: int, dtype: str = "float32"):
 
 
 def check_layout(parallel, world_size: int) -> None:
-    """The world must be a whole number of TP x PP model replicas."""
+    """The world must be a whole number of TP x PP (x CP) model replicas."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    cp = parallel.context_parallel_size
+    if world_size % (tp * pp * cp):
+        sizes = (f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+                 + (f" x --context-parallel-size {cp}" if cp > 1 else ""))
         raise InputError(
-            f"{world_size} processes do not split into --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}; launch torchrun --nproc_per_node with a "
-            f"multiple of {tp * pp}"
+            f"{world_size} processes do not split into {sizes}; launch torchrun "
+            f"--nproc_per_node with a multiple of {tp * pp * cp}"
         )
 
 
@@ -167,7 +169,7 @@ def load_model(
 ) -> LoadedModel:
     """Build the run's model at ``parallel`` (default TP1 PP1) and load ``source`` (a
     found and described iteration, or a save directory and ``iteration``, None for the
-    one the tracker names). Under torchrun the world must be a multiple of TP x PP; the
+    one the tracker names). Under torchrun the world must be a multiple of TP x PP x CP; the
     rest is data parallel."""
     import torch.distributed as dist
 
