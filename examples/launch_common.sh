@@ -11,6 +11,8 @@
 #   RUN_DIR        where checkpoints, TensorBoard logs and metrics go
 #   JREG_LAMBDA    0 gives the baseline twin of a JREG script (same everything else)
 #   JREG_ALPHA     the depth weighting alpha
+#   SEQ_LENGTH     the paper recipe's sequence length (2048; 32768 in the *_long_context.sh
+#                  scripts), at the same 2^19 tokens per step (run_paper_recipe below)
 #   TRANSFORMER_IMPL  auto (default: Transformer Engine when installed), local or transformer_engine
 #   EXTRA_ARGS     more trainer flags, appended last (they override the script's)
 #   CUDA_DEVICE_MAX_CONNECTIONS   default 1 (below)
@@ -66,20 +68,26 @@ load_args() {
 # (--overlap-grad-reduce --overlap-param-gather: Megatron-LM's DDP flags with the distributed
 # optimizer in its Llama 3 and Mixtral examples, whatever the TP size: at 170m and 1b, data
 # parallel only, this communication is all the run's communication).
+# SEQ_LENGTH (a script's, default 2048) changes the sequence length and keeps the tokens per
+# step: the global batch is 2^19 / SEQ_LENGTH sequences (16 x 32768), the run directory names it.
 #   run_paper_recipe PRESET [per-model flags: parallel layout, micro-batch, --lr, --min-lr]
 run_paper_recipe() {
-  local preset=$1
+  local preset=$1 seq=${SEQ_LENGTH:-2048}
   shift
+  if ! [[ $seq =~ ^[1-9][0-9]*$ ]] || (( 524288 % seq )); then
+    echo "error: SEQ_LENGTH $seq must divide 524288 (2^19 tokens per step): pass a power of two" >&2
+    exit 2
+  fi
   : "${DATA_PATH:?set DATA_PATH to the prefix(es) written by tools/preprocess_data.py}"
   : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the tokenizer the data was made with}"
   JREG_LAMBDA=${JREG_LAMBDA:-1.0}
   JREG_ALPHA=${JREG_ALPHA:-1.0}
-  RUN_DIR=${RUN_DIR:-$REPO/runs/${preset}_lambda${JREG_LAMBDA}_alpha${JREG_ALPHA}}
+  RUN_DIR=${RUN_DIR:-$REPO/runs/${preset}$([ "$seq" = 2048 ] || echo "_seq$seq")_lambda${JREG_LAMBDA}_alpha${JREG_ALPHA}}
   cd "$REPO"
   # shellcheck disable=SC2046,SC2086  # DATA_PATH may be a weighted blend "0.7 a 0.3 b"
   run_trainer \
-    --model-preset "$preset" --seq-length 2048 \
-    --global-batch-size 256 --train-iters 200000 \
+    --model-preset "$preset" --seq-length "$seq" \
+    --global-batch-size $((524288 / seq)) --train-iters 200000 \
     --lr-warmup-iters 2000 --lr-decay-style cosine \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \

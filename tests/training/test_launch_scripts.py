@@ -77,13 +77,62 @@ def test_gpu_scripts_launch_a_valid_8_gpu_run(preset, tp, demo_data, tmp_path, m
     assert c["checkpoint"].load is None  # nothing saved yet: a fresh run
 
 
-def test_baseline_twin_differs_only_in_lambda(demo_data, tmp_path, monkeypatch):
-    [(_, jreg)] = launch(tmp_path, "pretrain_3b_jreg.sh", demo_data)
-    [(_, base)] = launch(tmp_path, "pretrain_3b_baseline.sh", demo_data)
+@pytest.mark.parametrize("jreg_script, baseline_script", [
+    ("pretrain_3b_jreg.sh", "pretrain_3b_baseline.sh"),
+    ("pretrain_1b_jreg_long_context.sh", "pretrain_1b_baseline_long_context.sh"),
+])
+def test_baseline_twin_differs_only_in_lambda(jreg_script, baseline_script, demo_data, tmp_path,
+                                              monkeypatch):
+    [(_, jreg)] = launch(tmp_path, jreg_script, demo_data)
+    [(_, base)] = launch(tmp_path, baseline_script, demo_data)
     a, b = validated(jreg, monkeypatch), validated(base, monkeypatch)
     assert b["jreg"].lam == 0.0 and a["jreg"].lam == 1.0
     for section in ("model", "parallel", "optim", "training", "data"):
         assert a[section] == b[section], section
+
+
+def test_long_context_script_is_the_1b_run_with_32k_sequences_over_cp4(demo_data, tmp_path,
+                                                                       monkeypatch):
+    """pretrain_1b_jreg_long_context.sh is pretrain_1b_jreg.sh's run (model, JREG, optimizer,
+    schedule, tokens per step) with 32768-token sequences split over CP 4 (CP 4 x DP 2 on one
+    8-GPU node), micro-batch 1 and RoPE base 500000, in its own run directory."""
+    import dataclasses
+
+    [(launcher, argv)] = launch(tmp_path, "pretrain_1b_jreg_long_context.sh", demo_data, RUN_DIR="")
+    [(_, short_argv)] = launch(tmp_path, "pretrain_1b_jreg.sh", demo_data, RUN_DIR="")
+    assert launcher == ["torchrun", "--standalone", "--nproc_per_node", "8"]
+    c, short = validated(argv, monkeypatch), validated(short_argv, monkeypatch)
+    model, par, train = c["model"], c["parallel"], c["training"]
+    assert (model.seq_length, model.max_position_embeddings, model.rotary_base) == (32768, 32768, 500000)
+    assert short["model"].rotary_base == 10000  # the preset's
+    assert model == dataclasses.replace(short["model"], seq_length=32768,
+                                        max_position_embeddings=32768, rotary_base=500000)
+    assert (par.context_parallel_size, par.data_parallel_size(8)) == (4, 2)
+    assert par == dataclasses.replace(short["parallel"], context_parallel_size=4)
+    assert (train.micro_batch_size, train.global_batch_size) == (1, 16)
+    assert train.global_batch_size * 32768 == short["training"].global_batch_size * 2048
+    assert train == dataclasses.replace(short["training"], micro_batch_size=1, global_batch_size=16)
+    for section in ("optim", "jreg", "data"):
+        assert c[section] == short[section], section
+    assert c["jreg"].lam == 1.0 and c["jreg"].alpha == 1.0
+    assert c["checkpoint"].save == os.path.join(REPO, "runs", "1b_seq32768_lambda1.0_alpha1.0",
+                                                "checkpoints")
+    assert short["checkpoint"].save == os.path.join(REPO, "runs", "1b_lambda1.0_alpha1.0",
+                                                    "checkpoints")
+
+
+def test_long_context_seq_length_keeps_the_tokens_per_step(demo_data, tmp_path, monkeypatch):
+    [(_, argv)] = launch(tmp_path, "pretrain_1b_jreg_long_context.sh", demo_data, SEQ_LENGTH="65536")
+    c = validated(argv, monkeypatch)
+    assert (c["model"].seq_length, c["model"].max_position_embeddings) == (65536, 65536)
+    assert c["training"].global_batch_size == 8
+    env = dict(os.environ, GPUS_PER_NODE="8", DATA_PATH=demo_data, TOKENIZER_MODEL="/t",
+               SEQ_LENGTH="3000")
+    proc = subprocess.run(["bash", os.path.join(REPO, "examples", "pretrain_1b_jreg_long_context.sh")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("error: SEQ_LENGTH 3000 must divide 524288 (2^19 tokens per step): "
+                           "pass a power of two\n")
 
 
 def test_rerun_resumes_and_extra_args_override(demo_data, tmp_path, monkeypatch):
@@ -207,3 +256,46 @@ def test_gpu_scripts_train_as_written_at_tiny_sizes(script, preset, layout, demo
                     "use_distributed_optimizer: true", "overlap_grad_reduce: true",
                     "overlap_param_gather: true", "weighting: softmax"):
         assert setting in config, setting
+
+
+def test_long_context_script_trains_at_cp2_as_one_rank(demo_sp_data, tmp_path):
+    """pretrain_1b_jreg_long_context.sh itself at a tiny size: real torchrun, 2 CPU processes
+    at CP 2 (the script's CP 4 needs 4 ranks per data-parallel replica), each holding two of
+    the four chunks of every 64-token sequence, with the script's micro-batch 1, RoPE base,
+    bf16 and distributed optimizer. The same script on one process (CP 1) is the reference:
+    the same losses, per-layer Psi, zeta_L and grad norms (bf16 tolerances)."""
+    from trainer_runs import run_env
+
+    data, tokenizer = demo_sp_data
+    tiny = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+            "--ffn-hidden-size 128 --seq-length 64 --global-batch-size 4 --train-iters 3 "
+            "--lr-warmup-iters 1 --save-interval 3 --eval-interval 3 --eval-iters 1 --log-interval 1")
+    runs = {}
+    for cp in (2, 1):
+        run_dir = tmp_path / f"cp{cp}"
+        env = dict(run_env(), GPUS_PER_NODE=str(cp), DATA_PATH=data, TOKENIZER_MODEL=tokenizer,
+                   RUN_DIR=str(run_dir), EXTRA_ARGS=f"{tiny} --context-parallel-size {cp}")
+        env.pop("JREG_LAMBDA", None)
+        env.pop("SEQ_LENGTH", None)
+        proc = subprocess.run(["bash", "examples/pretrain_1b_jreg_long_context.sh"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=900)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-5000:]
+        layout = "TP 1, PP 1, CP 2, DP 1" if cp == 2 else "TP 1, PP 1, DP 1"
+        assert f"world {cp} ({layout}), 4 micro-batches per step" in log
+        runs[cp] = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        config = (run_dir / "checkpoints" / "iter_0000003" / "run_config.yaml").read_text()
+        for setting in ("model_preset: 1b", f"context_parallel_size: {cp}", "rotary_base: 500000",
+                        "max_position_embeddings: 32768", "micro_batch_size: 1", "bf16: true",
+                        "use_distributed_optimizer: true", "weighting: softmax"):
+            assert setting in config, setting
+    cp2, cp1 = runs[2], runs[1]
+    assert [r["iteration"] for r in cp2] == [r["iteration"] for r in cp1] == [1, 2, 3, 3]
+    for a, b in zip(cp2, cp1):
+        for key in ("lm_loss", "jreg_penalty", "grad_norm", "validation_lm_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-2), (a["iteration"], key)
+        if "psi" in b:
+            assert b["jreg_penalty"] > 0
+            assert a["psi"] == pytest.approx(b["psi"], rel=1e-2)
+            assert a["zeta_L"] == pytest.approx(b["zeta_L"], abs=1e-2)
