@@ -28,8 +28,10 @@ and resumed on the GPU, with dropout (its random state is the CUDA form of the C
 seeds: the resume sets it as Megatron-LM does, without --no-load-rng); save and load time and size per checkpoint format
 (plain, fully parallel, async; dp_reshardable, fully_reshardable) and the step time while
 an async save is written (bench/checkpoint_formats.py); the fused op's bandwidth against the GPU's peak;
-JREG's step overhead at the 170m preset's dimensions; the 3B script's model flags (bf16) at
-2 layers with the local spec (with selective recompute of layernorm) and, when installed,
+JREG's step overhead at the 170m preset's dimensions; context parallelism's step time and
+memory per rank at CP1 and CP2 over one sequence of 16k tokens, CP2's loss and Psi against
+CP1's (bench/context_parallel_step.py; with one GPU CP1 alone, CP2 skipped); the 3B
+script's model flags (bf16) at 2 layers with the local spec (with selective recompute of layernorm) and, when installed,
 Transformer Engine (which folds the norm into its linears: nothing to recompute there); tokens/s, TFLOP/s and MFU of 1b training steps (seq 2048, bf16) with
 PyTorch SDPA and Transformer Engine attention, JREG off and on, and JREG's overhead from
 each pair. ``--device cpu --quick`` runs the same sequence at toy sizes (a smoke test of
@@ -64,16 +66,19 @@ sys.path.insert(0, REPO)  # the preflight imports this checkout's package, as th
 # 600 s command to preflight and the kernel build. (The checkpoint formats' 40 s came out of
 # the GPU tests' and the trainer resume's ceilings, 10 s each, and the 1b steps', 5 s each;
 # the resume of a CPU save's 50 s out of the 1b steps', 5 s each, JREG's overhead's, 10 s,
-# and the 3b flags', 10 s each; none of them has been timed on a GPU yet.)
+# and the 3b flags', 10 s each; context parallelism's 30 s out of the kernel accuracy's,
+# the two resumes', the checkpoint formats', the op bandwidth's and JREG's overhead's, 5 s
+# each; none of them has been timed on a GPU yet.)
 BUDGET_S = 480
 LIMITS_S = {
-    "kernel accuracy": 25,
+    "kernel accuracy": 20,
     "gpu tests": 50,
-    "trainer resume": 65,
-    "resume of a CPU save": 50,
-    "checkpoint formats": 40,
-    "op bandwidth": 35,
-    "JREG step overhead": 45,
+    "trainer resume": 60,
+    "resume of a CPU save": 45,
+    "checkpoint formats": 35,
+    "op bandwidth": 30,
+    "JREG step overhead": 40,
+    "context parallel CP1 vs CP2": 30,
     "3b flags x2, local": 25,
     "3b flags x2, TE": 25,
     "1b sdpa, JREG off": 30,
@@ -264,6 +269,7 @@ def checks(device: str, quick: bool):
         overhead = ["--layers", "2", "--hidden", "128", "--seq", "64", "--micro-batch", "2",
                     "--vocab", "512", "--timed-steps", "2"]
         formats = ["--preset", "tiny", "--vocab", "512", "--seq", "64"]
+        context = ["--layers", "1", "--hidden", "128", "--seq", "256", "--vocab", "512", "--steps", "1"]
     else:
         # seq 2048 (the presets'), bf16, micro-batch 8
         timed = ["--warmup", "2", "--timed-steps", "3"]
@@ -277,6 +283,9 @@ def checks(device: str, quick: bool):
         # loads (the sizes that fit 40 s by estimate: no GPU run has timed it yet)
         formats = ["--nproc", "1", "--bf16", "--preset", "1b", "--layers", "1", "--vocab", "8000",
                    "--seq", "2048", "--micro-batch", "1"]
+        # two 1b-wide layers over one sequence of 16k tokens (bf16): on one GPU CP1 alone
+        context = ["--layers", "2", "--hidden", "2048", "--seq", "16384", "--vocab", "32000",
+                   "--steps", "3"]
     step = [py, "bench/gpu_model_step.py", "--device", device]
     layernorm = ["--recompute-modules", "layernorm"]
     plan = [("kernel accuracy", [py, "bench/kernel_accuracy.py", "--device", device] + accuracy)]
@@ -292,6 +301,8 @@ def checks(device: str, quick: bool):
         ("checkpoint formats", [py, "bench/checkpoint_formats.py", "--device", device] + formats),
         ("op bandwidth", [py, "bench/displacement_op.py", "--device", device] + op),
         ("JREG step overhead", [py, "bench/jreg_overhead.py", "--device", device] + overhead),
+        ("context parallel CP1 vs CP2", [py, "bench/context_parallel_step.py", "--device", device]
+         + context),
         ("3b flags x2, local", step + three_b + ["--transformer-impl", "local"] + layernorm),
         ("3b flags x2, TE", step + three_b + ["--transformer-impl", "transformer_engine"]),
     ]
@@ -408,6 +419,8 @@ def key_figure(name: str, output: str, result) -> str:
     if name == "JREG step overhead":
         found = re.findall(r"JREG (\w+)\s+step time\s+([\d.]+) s \(\s*([\d.]+)x off\)", output)
         return ", ".join(f"{v} {x}x" for v, _, x in found if v != "off")
+    if name == "context parallel CP1 vs CP2" and result:
+        return context_parallel_figure(result)
     if not result:
         return ""
     text = f"{result['tokens_per_s']:,.0f} tok/s, {result['tflops']:.1f} TFLOP/s"
@@ -419,6 +432,23 @@ def key_figure(name: str, output: str, result) -> str:
         text += f", {result['peak_mem_gib']:.1f} GiB"
     ok = result.get("lm_loss") is not None and result.get("psi_finite")
     return text + ("" if ok else ", NON-FINITE loss/psi")
+
+
+def context_parallel_figure(result) -> str:
+    """CP2 against CP1 at one sequence: step time and memory per rank, and the loss check;
+    or CP1's figures and why CP2 did not run."""
+    cp1, seq = result["cp1"], f"seq {result['seq']}"
+    memory = "GiB allocated" if result["device"] == "cuda" else "MiB saved activations"
+    unit = 2**30 if result["device"] == "cuda" else 2**20
+    key = "peak_bytes_per_rank" if result["device"] == "cuda" else "saved_bytes_per_rank"
+    if result["cp2"] is None:
+        return (f"{seq}: CP1 {cp1['tokens_per_s']:,.0f} tok/s, {cp1[key] / unit:.2f} {memory}; "
+                f"CP2 skipped: {result['cp2_skipped']}")
+    ratios, check = result["ratios"], result["check"]
+    diff = "not finite" if check["max_rel_diff"] is None else f"{check['max_rel_diff']:.1e}"
+    return (f"{seq}: CP2/CP1 step time {ratios['step_s']:.2f}x, saved activations/rank "
+            f"{ratios['saved_bytes_per_rank']:.2f}x, peak memory/rank {ratios['peak_bytes_per_rank']:.2f}x; "
+            f"loss and Psi rel diff {diff}")
 
 
 def checkpoint_formats_figure(result) -> str:
@@ -507,7 +537,7 @@ def print_summary(rows, device: str, quick: bool, te: bool) -> None:
 
 
 def main() -> int:
-    limits = "\n".join(f"  {name:20s} {limit:4d} s" for name, limit in LIMITS_S.items())
+    limits = "\n".join(f"  {name:28s} {limit:4d} s" for name, limit in LIMITS_S.items())
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"limits of the CUDA plan (sum {sum(LIMITS_S.values())} s <= {BUDGET_S} s):\n{limits}")

@@ -49,6 +49,8 @@ def test_gpu_checks_quick_on_cpu(tmp_path):
     for jreg in ("off", "on"):
         assert by_name[f"1b sdpa, JREG {jreg}"]["result"]["attention"] == "sdpa"
     assert by_name["1b sdpa: JREG on/off step time"]["status"] == "ok"
+    context = by_name["context parallel CP1 vs CP2"]
+    assert context["result"]["check"]["ok"] and context["figure"].startswith("seq 256: CP2/CP1 step time")
 
     resume = by_name["trainer resume"]["result"]
     assert resume["steps_compared"] == [5, 6, 7, 8] and resume["precision"] == "fp32"
@@ -72,7 +74,8 @@ def test_cuda_plan_fits_the_budget():
     total = gpu_checks.plan_limit_s("cuda", quick=False)
     assert total == sum(gpu_checks.LIMITS_S.values()) <= gpu_checks.BUDGET_S <= 480
     names = [name for name, _, _ in gpu_checks.checks("cuda", False)]
-    assert {"gpu tests", "trainer resume", "kernel accuracy", "checkpoint formats"} <= set(names)
+    assert {"gpu tests", "trainer resume", "kernel accuracy", "checkpoint formats",
+            "context parallel CP1 vs CP2"} <= set(names)
 
 
 def _live_members(pgid):
