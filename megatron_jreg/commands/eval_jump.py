@@ -182,7 +182,8 @@ def _check_args(args: argparse.Namespace, entries: List[SourceEntry]) -> List[st
             raise InputError(f"{flag} must be >= 1, got {value}")
     layout_flags = layout_flags_given(args)
     if layout_flags and not getattr(args, "load", None):
-        raise InputError(f"{' and '.join(layout_flags)} only apply to --load CKPT")
+        verb = "applies" if len(layout_flags) == 1 else "apply"
+        raise InputError(f"{' and '.join(layout_flags)} only {verb} to --load CKPT")
     report_files = list(args.reports)
     if args.compare is not None:
         if len(args.compare) not in (0, 2):

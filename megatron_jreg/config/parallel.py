@@ -51,7 +51,7 @@ class ParallelConfig:
         "(default p2p); all_gather only without it (its default)", nargs="+"))
     hierarchical_context_parallel_sizes: Optional[List[int]] = field(default=None, metadata=option(
         "--hierarchical-context-parallel-sizes", "the CP group's levels for --cp-comm-type "
-        "a2a+p2p (their product is --context-parallel-size)", nargs="+"))
+        "a2a+p2p (their product is --context-parallel-size)", nargs="+", min=1))
     expert_model_parallel_size: int = field(default=1, metadata=option(
         "--expert-model-parallel-size", "expert-parallel ranks (--num-experts models): the "
         "experts are split over this many data-parallel ranks", min=1))
@@ -85,6 +85,9 @@ class ParallelConfig:
     def _check_context_parallel(self) -> None:
         cp, kinds = self.context_parallel_size, self.cp_comm_type
         if kinds is not None:
+            if not kinds:
+                raise ConfigError(f"--cp-comm-type: no kind given; give one ({', '.join(CP_COMM_TYPES)}) "
+                                  "or one per layer, or drop it")
             kinds = ["all_gather" if k == "allgather" else k for k in kinds]
             unknown = [k for k in kinds if k not in CP_COMM_TYPES]
             if unknown:

@@ -102,7 +102,7 @@ def test_context_parallel_layout_refusals(trained_checkpoints, uneven_text, caps
     assert code == 2 and err.count("\n") == 1
     assert "--context-parallel-size 2 needs 2 processes" in err
     code = main(["--reports", "x.json", "--context-parallel-size", "2"])
-    assert code == 2 and "--context-parallel-size only apply to --load" in capsys.readouterr().err
+    assert code == 2 and "--context-parallel-size only applies to --load" in capsys.readouterr().err
     with pytest.raises(InputError, match=r"3 processes do not split into .* x "
                                          r"--context-parallel-size 2; .* multiple of 2$"):
         check_layout(ParallelConfig(context_parallel_size=2), 3)

@@ -112,7 +112,7 @@ def test_layout_flags_need_torchrun_and_load(trained_checkpoints, uneven_text, c
     assert code == 0 and captured.out == plain
     assert "--sequence-parallel: turned off at --tensor-model-parallel-size 1" in captured.err
     code = main(["--reports", "x.json", "--pipeline-model-parallel-size", "2"])
-    assert code == 2 and "only apply to --load" in capsys.readouterr().err
+    assert code == 2 and "--pipeline-model-parallel-size only applies to --load" in capsys.readouterr().err
 
 
 def test_layout_checks_name_the_fix():

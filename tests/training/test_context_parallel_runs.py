@@ -93,6 +93,29 @@ def test_uneven_sequence_is_refused_with_the_flags(flags, message, capsys, monke
     assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--context-parallel-size", "0"], "--context-parallel-size must be >= 1, got 0"),
+    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "-1", "-2"],
+     "--hierarchical-context-parallel-sizes must be >= 1, got -1"),
+])
+def test_bad_context_parallel_values_are_refused_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        from_argv(["--data-path", "x", "--model-preset", "tiny"] + flags)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_an_empty_cp_comm_type_in_a_config_file_is_refused(tmp_path, capsys):
+    """The command line needs a value after --cp-comm-type; a YAML list may be empty."""
+    config = tmp_path / "run.yaml"
+    config.write_text("context_parallel_size: 2\ncp_comm_type: []\n")
+    with pytest.raises(SystemExit) as exc:
+        from_argv(["--config", str(config), "--data-path", "x", "--model-preset", "tiny"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert "--cp-comm-type: no kind given" in err, err
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--cp-comm-type", "p2p"], "--cp-comm-type p2p needs Transformer Engine's attention"),
     (["--cp-comm-type", "all_gather", "a2a", "all_gather", "all_gather"],
