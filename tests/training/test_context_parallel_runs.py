@@ -155,3 +155,33 @@ def test_all_gather_is_what_the_sdpa_attention_runs(demo_data, monkeypatch):
     assert run.parallel.cp_comm_types(4, True) == "all_gather"
     assert from_argv(["--data-path", demo_data, "--context-parallel-size", "2"]
                      ).parallel.cp_comm_types(4, True) == "p2p"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--cp-comm-type", "a2a", "--context-parallel-size", "4"],
+     "--cp-comm-type a2a splits each TP rank's 4 attention heads and 2 query groups over 4 CP "
+     "ranks, which must divide both"),
+    (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "4",
+      "--hierarchical-context-parallel-sizes", "4", "1"],
+     "--cp-comm-type a2a+p2p splits each TP rank's 4 attention heads and 2 query groups over 4"),
+    (["--cp-comm-type", "a2a", "--context-parallel-size", "2"], None),
+    (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "4",
+      "--hierarchical-context-parallel-sizes", "2", "2"], None),
+])
+def test_transformer_engine_all_to_all_needs_heads_per_cp_rank(demo_data, extra, message,
+                                                               monkeypatch):
+    """Transformer Engine's arm of the check, taken on CPU: its all-to-all kinds exchange
+    heads for sequence, so the heads and query groups split over the exchanging ranks."""
+    from megatron_jreg.config import model as model_config
+
+    monkeypatch.setattr(model_config, "transformer_engine_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    run = from_argv(["--data-path", demo_data, "--model-preset", "tiny", "--tokenizer-type",
+                     "ByteTokenizer", "--train-iters", "1", "--lr", "1e-3",
+                     "--transformer-impl", "transformer_engine"] + extra)
+    if message is None:
+        run.validate(tokenizer_vocab_size=259)
+        return
+    with pytest.raises(ValueError) as exc:
+        run.validate(tokenizer_vocab_size=259)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
