@@ -33,9 +33,10 @@ EXTRAS = {
     "hf-train": ["transformers", "accelerate", "peft", "trl>=1.16,<2"],
 }
 # the tests cover the optional readers and both t-test paths (scipy and the exact one)
-# (pytest-xdist: pytest.ini spreads the suite over the cores; filelock: fixtures built once)
-EXTRAS["test"] = ["pytest>=7", "pytest-xdist>=3.6", "filelock", *EXTRAS["data"], *EXTRAS["stats"],
-                  *EXTRAS["hf-train"]]
+# (pytest-xdist: pytest.ini spreads the suite over the cores; filelock: fixtures built once;
+# ruff: `ruff check .` with ruff.toml's rules, pinned so a new release adds no findings)
+EXTRAS["test"] = ["pytest>=7", "pytest-xdist>=3.6", "filelock", "ruff==0.17.6", *EXTRAS["data"],
+                  *EXTRAS["stats"], *EXTRAS["hf-train"]]
 
 
 def _extension_build():

@@ -24,8 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_jreg.config.model import ModelConfig  # noqa: E402
 from megatron_jreg.checkpoint.manifest import verify_manifest, write_manifest  # noqa: E402
+from megatron_jreg.config.model import ModelConfig  # noqa: E402
 
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight, fp32 main param, Adam exp_avg and exp_avg_sq
 

@@ -108,9 +108,9 @@ def measure(args) -> dict:
     import torch
     import torch.distributed as dist
 
+    from megatron_jreg.checkpoint import formats
     from megatron_jreg.checkpoint.async_save import AsyncSaver
     from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir, save_checkpoint
-    from megatron_jreg.checkpoint import formats
     from megatron_jreg.checkpoint.loading import load_checkpoint
     from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
     from megatron_jreg.config.run import OptimConfig

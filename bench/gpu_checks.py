@@ -122,7 +122,8 @@ class Preflight:
 def _version(module) -> str:
     version = getattr(module, "__version__", None)
     if version is None:
-        from importlib.metadata import PackageNotFoundError, version as dist_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
 
         try:
             version = dist_version(module.__name__.split(".")[0].replace("_", "-"))

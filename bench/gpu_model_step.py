@@ -46,9 +46,9 @@ def run(args) -> dict:
         ParallelConfig,
         resolve_transformer_impl,
     )
+    from megatron_jreg.config.run import OptimConfig
     from megatron_jreg.model.builder import core_attention
     from megatron_jreg.model.jreg_layer import JregTracker
-    from megatron_jreg.config.run import OptimConfig
     from megatron_jreg.training.metrics import model_flops_per_token
     from megatron_jreg.training.optimizer import build_optimizer
     from megatron_jreg.training.step import forward_backward

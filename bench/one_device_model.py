@@ -46,10 +46,10 @@ def build(model_cfg, parallel, tracker, device, *, float16_module=False, distrib
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_jreg.config.run import OptimConfig
     from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
     from megatron_jreg.model.builder import build_model, transformer_config
     from megatron_jreg.training import data_parallel
-    from megatron_jreg.config.run import OptimConfig
 
     initialize_model_parallel(model_cfg, parallel)
     seed_everything(1234)

@@ -23,7 +23,6 @@ from typing import Callable, Iterator, Optional, Set
 
 from megatron_jreg.errors import InputError
 
-
 _TAG: Optional[tuple] = None  # (pid, tag): a forked child gets a tag of its own
 
 

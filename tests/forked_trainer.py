@@ -206,9 +206,10 @@ def _child(request):
 def serve():
     # what a tiny run imports, done once; nothing runs a tensor op here, so the children
     # fork from a process with one thread
+    import torch._dynamo  # noqa: F401  (torch.optim imports it as the optimizer is built)
+
     import megatron_jreg.training.experiment  # noqa: F401
     import megatron_jreg.training.trainer  # noqa: F401
-    import torch._dynamo  # noqa: F401  (torch.optim imports it as the optimizer is built)
 
     assert threading.active_count() == 1, threading.enumerate()
     requests, replies = sys.stdin, sys.stdout

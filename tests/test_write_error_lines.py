@@ -13,10 +13,10 @@ import errno
 import os
 
 import pytest
-from unwritable import unwritable_dir
 
 from megatron_jreg.commands.exit_codes import USAGE, run_command
 from megatron_jreg.errors import write_error_at, write_error_line
+from unwritable import unwritable_dir
 
 FULL = "the disk is full; free space or write elsewhere"
 

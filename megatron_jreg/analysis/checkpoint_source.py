@@ -29,9 +29,9 @@ from typing import List, Optional
 import torch
 
 from megatron_jreg.analysis.batching import MeasureWorld, one_process
-from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
+from megatron_jreg.analysis.source_flags import CheckpointSourceFlags
 from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.checkpoint.formats import Source
 from megatron_jreg.checkpoint.model_loader import LoadedModel, check_layout, load_model
@@ -40,13 +40,13 @@ from megatron_jreg.checkpoint.run_configs import (
     checkpoint_sources,
     launched_world_size,
 )
-from megatron_jreg.errors import InputError
-from megatron_jreg.analysis.source_flags import CheckpointSourceFlags
 from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.config.resolve import effective_parallel
+from megatron_jreg.errors import InputError
+from megatron_jreg.model.builder import causal_attention_mask
 from megatron_jreg.ops.context_chunks import local_part
 from megatron_jreg.ops.psi_accumulator import local_token_mask, owns_tokens
-from megatron_jreg.model.builder import causal_attention_mask
+from megatron_jreg.platform.device import resolve_device
 
 
 class CheckpointSource:

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
-from megatron_jreg.errors import InputError
 from megatron_jreg.analysis.jump_accumulator import JumpReport
+from megatron_jreg.errors import InputError
 
 
 def load_report(path: str) -> JumpReport:

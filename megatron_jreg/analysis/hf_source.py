@@ -21,12 +21,12 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_jreg import hf_models
-from megatron_jreg.platform.device import resolve_device
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.analysis.layer_capture import LayerCapture
+from megatron_jreg.analysis.source_flags import HFSourceFlags
 from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.errors import InputError
-from megatron_jreg.analysis.source_flags import HFSourceFlags
+from megatron_jreg.platform.device import resolve_device
 
 # (decoder layers, final norm) attribute paths, tried in order.
 _LAYOUTS: Tuple[Tuple[str, str], ...] = (

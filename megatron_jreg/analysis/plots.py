@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple
 
+from megatron_jreg.analysis.jump_accumulator import JumpReport
 from megatron_jreg.atomic_write import write_atomic
 from megatron_jreg.errors import missing_extra
-from megatron_jreg.analysis.jump_accumulator import JumpReport
 
 
 def _pyplot():

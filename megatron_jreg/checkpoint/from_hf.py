@@ -35,22 +35,22 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_jreg.atomic_write import check_output_dir, temp_dir_beside
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.hf_families import FAMILY_NAMES as FAMILIES
 from megatron_jreg.checkpoint.hf_families import megatron_state_dict
 from megatron_jreg.checkpoint.hf_inputs import check_finite_weights, config_before_weights
-from megatron_jreg.config.run import SECTIONS
-from megatron_jreg.config.yaml_settings import to_yaml
-from megatron_jreg.errors import InputError
-from megatron_jreg.atomic_write import check_output_dir, temp_dir_beside
-from megatron_jreg.writer_lock import output_lock
 from megatron_jreg.checkpoint.model_loader import init_world
 from megatron_jreg.checkpoint.run_configs import launched_world_size
+from megatron_jreg.config.model import ModelConfig, ParallelConfig
+from megatron_jreg.config.run import SECTIONS
+from megatron_jreg.config.yaml_settings import to_yaml
 from megatron_jreg.data.tokenizers.build import HuggingFaceTokenizer, tokenizer_identity
 from megatron_jreg.distributed.setup import initialize_model_parallel, seed_everything
+from megatron_jreg.errors import InputError
 from megatron_jreg.hf_models import CHECKPOINT_DTYPES, load_causal_lm, resolve_hf_model, torch_dtype
 from megatron_jreg.model.builder import build_model
-from megatron_jreg.config.model import ModelConfig, ParallelConfig
+from megatron_jreg.writer_lock import output_lock
 
 DTYPES = CHECKPOINT_DTYPES  # of the saved weights; bfloat16 sets --bf16 in the run config
 # seq_length of the saved run config: the longest context, at most this (a trainer run

@@ -24,19 +24,19 @@ import torch
 
 from megatron_jreg.checkpoint.formats import Source
 from megatron_jreg.checkpoint.loading import load_checkpoint
-from megatron_jreg.errors import InputError
-from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.checkpoint.run_configs import (
     checkpoint_sources,
     launched_world_size,
     saved_vocab_rows,
 )
+from megatron_jreg.config.model import ParallelConfig
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
     initialize_model_parallel,
     seed_everything,
     teardown,
 )
+from megatron_jreg.errors import InputError
 from megatron_jreg.model.builder import build_model
 
 

@@ -11,7 +11,11 @@ import sys
 from typing import Dict, List, Optional
 
 from megatron_jreg.checkpoint import catalog, formats
-from megatron_jreg.data.tokenizers.build import build_tokenizer, describe_tokenizer, tokenizer_identity
+from megatron_jreg.data.tokenizers.build import (
+    build_tokenizer,
+    describe_tokenizer,
+    tokenizer_identity,
+)
 from megatron_jreg.data.tokenizers.records import earlier_record_fix, holds_same_ids
 from megatron_jreg.errors import InputError
 

@@ -51,21 +51,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_jreg.config.tokenizer_names import SENTENCEPIECE_TOKENIZERS
-from megatron_jreg.data.tokenizers.records import LEGACY_IDS
-from megatron_jreg.checkpoint import dist_checkpoint as ckpt
-from megatron_jreg.checkpoint.model_loader import load_model
-from megatron_jreg.checkpoint.run_configs import (
-    build_run_tokenizer,
-    checkpoint_sources,
-    launched_world_size,
-)
 from megatron_jreg.atomic_write import (
     check_output_dir,
     give_open_modes,
     temp_dir_beside,
 )
-from megatron_jreg.writer_lock import output_lock
+from megatron_jreg.checkpoint import dist_checkpoint as ckpt
 from megatron_jreg.checkpoint.hf_families import (  # noqa: F401 (also this module's API)
     HF_CLASSES,
     check_exportable,
@@ -75,9 +66,17 @@ from megatron_jreg.checkpoint.hf_families import (  # noqa: F401 (also this modu
     megatron_to_hf_state_dict,
     split_qkv,
 )
+from megatron_jreg.checkpoint.model_loader import load_model
+from megatron_jreg.checkpoint.run_configs import (
+    build_run_tokenizer,
+    checkpoint_sources,
+    launched_world_size,
+)
+from megatron_jreg.config.tokenizer_names import SENTENCEPIECE_TOKENIZERS
+from megatron_jreg.data.tokenizers.records import LEGACY_IDS
 from megatron_jreg.errors import InputError, missing_extra
 from megatron_jreg.hf_models import DTYPE_NAMES, torch_dtype
-
+from megatron_jreg.writer_lock import output_lock
 
 # ---- tokenizers ----------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from megatron_jreg import strict_json
 from megatron_jreg.atomic_write import check_output_path, write_text_atomic
-from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.commands.exit_codes import OK, run_command
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.errors import InputError
 from megatron_jreg.stats.downstream_scores import read_report_scores
 from megatron_jreg.stats.seed_stats import (

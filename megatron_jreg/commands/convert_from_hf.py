@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass, field
 
 from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
-from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.hf_models import CHECKPOINT_DTYPES
 
 PROG = "convert_from_hf"

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from megatron_jreg.atomic_write import signals_as_interrupt, stop_reason
-from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.checkpoint.faults import TOOLS
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser
 from megatron_jreg.hf_models import DTYPE_NAMES
 
 PROG = "convert_to_hf"

@@ -15,12 +15,12 @@ from typing import Optional, Sequence
 
 from megatron_jreg import strict_json
 from megatron_jreg.atomic_write import stop_reason, write_text_atomic
-from megatron_jreg.writer_lock import output_locks
-from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
 from megatron_jreg.checkpoint.faults import TOOLS
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, run_command
-from megatron_jreg.downstream.settings import PROG, DownstreamConfig
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
 from megatron_jreg.downstream.report import format_table, to_csv
+from megatron_jreg.downstream.settings import PROG, DownstreamConfig
+from megatron_jreg.writer_lock import output_locks
 
 DESCRIPTION = ("Downstream accuracy (the paper's Table 3) of checkpoints or HF models through "
                "lm-evaluation-harness. See docs/evaluation.md.")

@@ -31,15 +31,13 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_jreg import strict_json
-from megatron_jreg.atomic_write import check_output_path, write_text_atomic
-from megatron_jreg.writer_lock import output_locks
+from megatron_jreg.analysis.compare import compare_reports, format_summary_table, load_report
+from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
 from megatron_jreg.analysis.source_flags import (
     CheckpointSourceFlags,
     HFSourceFlags,
     layout_flags_given,
 )
-from megatron_jreg.analysis.compare import compare_reports, format_summary_table, load_report
-from megatron_jreg.analysis.jump_accumulator import JumpReport, reports_to_csv
 from megatron_jreg.analysis.sources import SourceEntry
 from megatron_jreg.analysis.text_inputs import read_documents, token_sequences
 from megatron_jreg.analysis.trajectory import (
@@ -47,11 +45,13 @@ from megatron_jreg.analysis.trajectory import (
     sort_trajectory,
     trajectory_to_csv,
 )
+from megatron_jreg.atomic_write import check_output_path, write_text_atomic
 from megatron_jreg.checkpoint.faults import TOOLS
 from megatron_jreg.commands.exit_codes import NONFINITE, OK, run_command
 from megatron_jreg.commands.flags import add_fields, tool_parser
-from megatron_jreg.errors import InputError
 from megatron_jreg.config.schema import setting
+from megatron_jreg.errors import InputError
+from megatron_jreg.writer_lock import output_locks
 
 PROG = "eval_jump"
 EXIT_NONFINITE = NONFINITE  # as the trainer exits on a NaN loss

@@ -36,6 +36,7 @@ from typing import Any, Dict, Mapping, Sequence, Type
 from megatron_jreg.config import values as config_values
 from megatron_jreg.config import yaml_settings
 from megatron_jreg.config.schema import base_type, field_default, field_docs, flag_of
+
 # the saved run config's YAML, beside the command line it was parsed from
 from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml  # noqa: F401
 

@@ -6,8 +6,8 @@
 
 import sys
 
-from megatron_jreg.commands.flags import tool_values
 from megatron_jreg.commands.exit_codes import OK, run_command
+from megatron_jreg.commands.flags import tool_values
 from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, write_demo_corpus
 
 

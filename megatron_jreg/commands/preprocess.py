@@ -14,10 +14,10 @@ from __future__ import annotations
 import signal
 import sys
 
-from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
 from megatron_jreg.commands.exit_codes import INTERRUPTED, OK, TERMINATED, run_command
-from megatron_jreg.data.preprocess.pipeline import _raise_terminated, run_preprocess
+from megatron_jreg.commands.flags import ArgumentParser, tool_parser, tool_values
 from megatron_jreg.data.preprocess.config import PreprocessConfig, Terminated
+from megatron_jreg.data.preprocess.pipeline import _raise_terminated, run_preprocess
 from megatron_jreg.data.preprocess.sft_files import metadata_path
 
 DESCRIPTION = ("Tokenise raw text into megatron-core .bin/.idx datasets; with --sft, chat "

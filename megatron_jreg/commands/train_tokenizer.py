@@ -5,8 +5,8 @@
 
 import sys
 
-from megatron_jreg.commands.flags import tool_values
 from megatron_jreg.commands.exit_codes import OK, run_command
+from megatron_jreg.commands.flags import tool_values
 from megatron_jreg.data.tokenizers.training import TrainTokenizerConfig, train_tokenizer
 
 

@@ -4,8 +4,8 @@ model config uses it."""
 
 from __future__ import annotations
 
-from megatron_jreg.errors import ConfigError
 from megatron_jreg.config.presets import preset_flags
+from megatron_jreg.errors import ConfigError
 
 
 def family_of(model) -> str:

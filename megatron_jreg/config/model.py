@@ -13,13 +13,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_jreg.config import values as config_values
+from megatron_jreg.config.families import check_experts, family_of
+from megatron_jreg.config.parallel import ParallelConfig  # noqa: F401 (the run's sections are here)
+from megatron_jreg.config.presets import (
+    MEGATRON_LM_MODEL_DEFAULTS,
+    PRESET_FLAGS,
+    SIZING,
+    preset_flags,
+)
 from megatron_jreg.config.schema import option, read_flags
+from megatron_jreg.config.shapes import check_head_size
 from megatron_jreg.errors import ConfigError
 from megatron_jreg.jreg import WEIGHTINGS
-from megatron_jreg.config.families import check_experts, family_of
-from megatron_jreg.config.presets import MEGATRON_LM_MODEL_DEFAULTS, PRESET_FLAGS, SIZING, preset_flags
-from megatron_jreg.config.shapes import check_head_size
-from megatron_jreg.config.parallel import ParallelConfig  # noqa: F401 (the run's sections are here)
 
 # --attention-backend: Megatron-LM's values, and sdpa (PyTorch's fused attention)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron_jreg.config import values as config_values
+from megatron_jreg.config.megatron_lm import MegatronLMConfig
+from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.config.resolve import kept_schedule
 from megatron_jreg.config.schema import option
 from megatron_jreg.config.tokenizer_names import TOKENIZER_TYPES, tokenizer_type_error
 from megatron_jreg.errors import ConfigError
-from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
-from megatron_jreg.config.megatron_lm import MegatronLMConfig
+
 
 def _normalize(config, **values) -> None:
     """Set fields of a frozen section while it is built (its own ``__post_init__``): the

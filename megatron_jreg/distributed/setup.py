@@ -13,10 +13,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_jreg.config.model import ModelConfig, ParallelConfig
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.platform import cpu as cpu_platform
 from megatron_jreg.platform import mcore_fixes
 from megatron_jreg.platform.device import backend, use_cpu
-from megatron_jreg.errors import ConfigError
 
 
 def print_rank_0(message: str) -> None:

@@ -23,10 +23,10 @@ import os
 from typing import Dict, Optional
 
 from megatron_jreg.atomic_write import write_text_atomic
-from megatron_jreg.writer_lock import output_locks
+from megatron_jreg.checkpoint.manifest import MANIFEST
 from megatron_jreg.data.tokenizers.build import file_sha256
 from megatron_jreg.errors import InputError
-from megatron_jreg.checkpoint.manifest import MANIFEST
+from megatron_jreg.writer_lock import output_locks
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 HASHED_BYTES = 256 << 20  # a larger non-weight file is keyed by size and mtime

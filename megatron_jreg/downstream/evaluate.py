@@ -14,8 +14,8 @@ temporary directory for lm-eval's ``hf`` backend (removed afterwards, also on er
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -31,17 +31,16 @@ from megatron_jreg.atomic_write import (
     check_output_path,
     signals_as_interrupt,
 )
-from megatron_jreg.downstream import cache as cache_mod
-from megatron_jreg.downstream import harness
-from megatron_jreg.downstream.report import DownstreamReport, TaskScore
-from megatron_jreg.downstream.tasks import pick_metric, resolve_tasks
-from megatron_jreg.errors import InputError, UserError
 from megatron_jreg.checkpoint.faults import TOOLS, phrase
 from megatron_jreg.checkpoint.run_configs import checkpoint_sources
 from megatron_jreg.checkpoint.to_hf import convert
-from megatron_jreg.platform.device import resolve_device
-
+from megatron_jreg.downstream import cache as cache_mod
+from megatron_jreg.downstream import harness
+from megatron_jreg.downstream.report import DownstreamReport, TaskScore
 from megatron_jreg.downstream.settings import PROG, DownstreamConfig
+from megatron_jreg.downstream.tasks import pick_metric, resolve_tasks
+from megatron_jreg.errors import InputError, UserError
+from megatron_jreg.platform.device import resolve_device
 
 
 @dataclasses.dataclass

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional
 
 from megatron_jreg.downstream.cache import file_key
 from megatron_jreg.downstream.task_checks import check_duplicates, check_targets, skipped_yaml
-from megatron_jreg.errors import InputError, missing_extra
 from megatron_jreg.downstream.tasks import task_metrics
+from megatron_jreg.errors import InputError, missing_extra
 from megatron_jreg.platform.device import device_type
 
 OFFLINE_HINT = (

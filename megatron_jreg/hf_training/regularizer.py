@@ -36,10 +36,9 @@ pairs recorded are those of its last decode step (one token per row, no graph), 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
-
 import inspect
 import math
+from typing import Dict, List, Optional, Tuple
 
 import torch
 

@@ -28,6 +28,7 @@ from megatron.core.utils import divide
 
 from megatron_jreg.model import context_parallel
 
+
 def sdpa_reads_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: Optional[torch.Tensor], dropout: float, causal: bool) -> bool:
     """Whether SDPA's kernel for these inputs takes K/V with fewer heads than Q

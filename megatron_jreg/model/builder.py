@@ -30,18 +30,19 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_jreg.model.attention import SDPAttention
 from megatron_jreg.config.model import (
     ModelConfig,
     ParallelConfig,
     core_attention,
     resolve_transformer_impl,
 )
-from megatron_jreg.model.fusions import Fusions, decide as decide_fusions
+from megatron_jreg.errors import ConfigError
+from megatron_jreg.model.attention import SDPAttention
+from megatron_jreg.model.fusions import Fusions
+from megatron_jreg.model.fusions import decide as decide_fusions
 from megatron_jreg.model.jreg_layer import JregTracker, JregTransformerLayer
 from megatron_jreg.model.norm import norm_class
 from megatron_jreg.platform import mcore_fixes
-from megatron_jreg.errors import ConfigError
 
 
 def _impl(model: ModelConfig) -> str:

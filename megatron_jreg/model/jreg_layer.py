@@ -28,8 +28,8 @@ from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_jreg.jreg import layer_weights, masked_mean, regularizer
 from megatron_jreg.config.model import JregConfig
+from megatron_jreg.jreg import layer_weights, masked_mean, regularizer
 from megatron_jreg.ops import attach_penalty, token_displacement
 from megatron_jreg.ops.psi_accumulator import PsiAccumulator, local_token_mask, owns_tokens
 from megatron_jreg.platform.device import current_device

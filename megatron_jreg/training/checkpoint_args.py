@@ -18,11 +18,11 @@ import os
 import types
 from typing import Dict, List, Optional
 
+from megatron_jreg.checkpoint.faults import NoDirectory, Wording
+from megatron_jreg.config.model import ModelConfig
+from megatron_jreg.config.run import CheckpointConfig
 from megatron_jreg.config.schema import flag_of
 from megatron_jreg.errors import ConfigError
-from megatron_jreg.config.model import ModelConfig
-from megatron_jreg.checkpoint.faults import NoDirectory, Wording
-from megatron_jreg.config.run import CheckpointConfig
 from megatron_jreg.training import source as starting
 
 # the ModelConfig fields a checkpoint's weights do not pin

@@ -19,16 +19,21 @@ from megatron_jreg.checkpoint.faults import TRAINER, Wording
 from megatron_jreg.checkpoint.interrupted import finish_interrupted_saves
 from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_args
-from megatron_jreg.checkpoint.save_lock import SaveLock
-from megatron_jreg.distributed.setup import print_rank_0
-from megatron_jreg.errors import (CheckpointError, ConfigError, InputError, os_write_error,
-                                  write_error_at)
-from megatron_jreg.training.experiment import ExperimentConfig
-from megatron_jreg.training.source import StartingPoint
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
+from megatron_jreg.checkpoint.save_lock import SaveLock
 from megatron_jreg.data.tokenizers.build import describe_tokenizer, tokenizer_identity
 from megatron_jreg.data.tokenizers.records import earlier_record_fix, holds_same_ids, other_ids_fix
+from megatron_jreg.distributed.setup import print_rank_0
+from megatron_jreg.errors import (
+    CheckpointError,
+    ConfigError,
+    InputError,
+    os_write_error,
+    write_error_at,
+)
 from megatron_jreg.training.checkpoint_args import architecture_differences
+from megatron_jreg.training.experiment import ExperimentConfig
+from megatron_jreg.training.source import StartingPoint
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -15,15 +15,12 @@ import math
 import os
 from typing import Dict, List, Mapping, Optional
 
-from megatron_jreg.config import yaml_settings
 from megatron_jreg.checkpoint import catalog
 from megatron_jreg.checkpoint.catalog import TRACKER
 from megatron_jreg.checkpoint.run_configs import launched_world_size
-from megatron_jreg.data.datasets.batches import data_prefixes
-from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
-from megatron_jreg.errors import ConfigError
+from megatron_jreg.config import yaml_settings
+from megatron_jreg.config.megatron_lm import MegatronLMConfig
 from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig, core_attention
-from megatron_jreg.config.shapes import check_tensor_split
 from megatron_jreg.config.run import (
     SECTIONS,
     CheckpointConfig,
@@ -32,10 +29,13 @@ from megatron_jreg.config.run import (
     OptimConfig,
     TrainingConfig,
 )
+from megatron_jreg.config.shapes import check_tensor_split
+from megatron_jreg.data.datasets.batches import data_prefixes
+from megatron_jreg.data.datasets.gpt import GPTDataConfig, check_indexed_dataset
+from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.errors import ConfigError
 from megatron_jreg.training.checkpoint_args import missing_directory
 from megatron_jreg.training.source import choose, loads_own_save
-from megatron_jreg.config.megatron_lm import MegatronLMConfig
-from megatron_jreg.data.datasets.sft import SFTDataset
 
 DESCRIPTION = "Pretrain a Llama model with JREG on megatron-core"
 

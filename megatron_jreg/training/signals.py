@@ -9,7 +9,6 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-
 # Iterations between the ranks' agreements on a stop (a signal, --exit-duration-in-mins):
 # with several processes a stop is honoured within this many steps, or at the next save
 # if that comes first. Slurm's warning (examples/slurm) must outlast them and a save.

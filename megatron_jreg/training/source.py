@@ -22,7 +22,10 @@ from megatron_jreg.checkpoint import catalog, formats
 from megatron_jreg.checkpoint.faults import CheckpointFault, Wording
 from megatron_jreg.config.resolve import NULL_TOKENIZER, model_vocab
 from megatron_jreg.data.tokenizers.build import build_tokenizer
-from megatron_jreg.data.tokenizers.megatron_lm import MEGATRON_LM_TOKENIZERS, build_megatron_tokenizer
+from megatron_jreg.data.tokenizers.megatron_lm import (
+    MEGATRON_LM_TOKENIZERS,
+    build_megatron_tokenizer,
+)
 from megatron_jreg.errors import CheckpointError
 
 

@@ -21,10 +21,14 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
 from megatron_jreg.checkpoint.dist_checkpoint import CHAT_TEMPLATE
+from megatron_jreg.checkpoint.faults import phrase
+from megatron_jreg.config.megatron_lm import notes
+from megatron_jreg.config.model import resolve_attention_backend, resolve_transformer_impl
 from megatron_jreg.config.resolve import RunFacts, resolve
 from megatron_jreg.data.datasets.batches import rank_microbatches
 from megatron_jreg.data.datasets.gpt import build_gpt_datasets
 from megatron_jreg.data.datasets.run_data_check import check_data_against_run
+from megatron_jreg.data.datasets.sample_order import CyclicOrder
 from megatron_jreg.data.datasets.sft_samples import build_sft_samples
 from megatron_jreg.data.tokenizers.build import tokenizer_identity
 from megatron_jreg.distributed.setup import (
@@ -34,17 +38,14 @@ from megatron_jreg.distributed.setup import (
     seed_everything,
     teardown,
 )
+from megatron_jreg.errors import ConfigError, UserError
 from megatron_jreg.model.builder import build_model, decide_fusions, transformer_config
-from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_build
-from megatron_jreg.platform import device as platform_device
-from megatron_jreg.config.model import resolve_attention_backend, resolve_transformer_impl
 from megatron_jreg.model.init import layout_invariant_init
 from megatron_jreg.model.jreg_layer import JregTracker
+from megatron_jreg.ops.displacement import describe_impl, fused_available, kernel_build
+from megatron_jreg.platform import device as platform_device
 from megatron_jreg.training import data_parallel
-from megatron_jreg.checkpoint.faults import phrase
 from megatron_jreg.training.checkpointing import Checkpointer
-from megatron_jreg.training.model_fit import model_fit
-from megatron_jreg.training.source import run_tokenizer, starting_point
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.metrics import (
     TRAIN,
@@ -56,12 +57,11 @@ from megatron_jreg.training.metrics import (
     run_summary,
     validation_summary,
 )
-from megatron_jreg.config.megatron_lm import notes
+from megatron_jreg.training.model_fit import model_fit
 from megatron_jreg.training.optimizer import build_optimizer, build_scheduler, optimizer_step
-from megatron_jreg.data.datasets.sample_order import CyclicOrder
-from megatron_jreg.training.signals import SignalFlag
-from megatron_jreg.errors import ConfigError, UserError
 from megatron_jreg.training.outputs import check_outputs
+from megatron_jreg.training.signals import SignalFlag
+from megatron_jreg.training.source import run_tokenizer, starting_point
 from megatron_jreg.training.step import forward_backward
 from megatron_jreg.training.window import reduce_window
 

@@ -13,16 +13,16 @@ import sys
 
 import torch
 
+from megatron_jreg.checkpoint import formats
+from megatron_jreg.checkpoint.loading import load_checkpoint
+from megatron_jreg.config.model import JregConfig, ParallelConfig
 from megatron_jreg.distributed.setup import (
     initialize_distributed,
     initialize_model_parallel,
     seed_everything,
 )
 from megatron_jreg.model.builder import build_model, causal_attention_mask
-from megatron_jreg.config.model import JregConfig, ParallelConfig
 from megatron_jreg.model.jreg_layer import JregTracker
-from megatron_jreg.checkpoint import formats
-from megatron_jreg.checkpoint.loading import load_checkpoint
 from megatron_jreg.training.step import forward_backward
 
 

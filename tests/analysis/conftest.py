@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-from session_cache import build_once
-
 from tiny_tokenizer import SPECIAL, VOCAB_WORDS
 from tiny_tokenizer import save_tokenizer as _save_tokenizer
+
+from session_cache import build_once
 
 
 def _documents(n: int, seed: int = 0):

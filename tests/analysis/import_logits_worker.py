@@ -19,8 +19,8 @@ def main(root, tp, pp, ids_file, out_file):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_jreg.checkpoint.model_loader import load_model
-    from megatron_jreg.model.builder import causal_attention_mask
     from megatron_jreg.config.model import ParallelConfig
+    from megatron_jreg.model.builder import causal_attention_mask
 
     loaded = load_model(root, parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                                       pipeline_model_parallel_size=pp))

@@ -12,11 +12,11 @@ import os
 import subprocess
 import sys
 
-import forked_trainer
 import pytest
 import torch
-
 from checkpoint_runs import REPO, run_env
+
+import forked_trainer
 from session_cache import build_once
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -199,7 +199,6 @@ def _tiny_models():
 
 def _save_tiny(family, directory):
     import transformers
-
     from tiny_tokenizer import save_tokenizer
 
     config = _tiny_models()[family]

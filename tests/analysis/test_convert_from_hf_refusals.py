@@ -22,7 +22,6 @@ import time
 
 import pytest
 import torch
-
 from test_convert_from_hf import _run, _save_tiny
 
 GEMMA3_ERROR = ("--hf-model {path}: a GGUF file of architecture 'gemma3' (general.architecture), "

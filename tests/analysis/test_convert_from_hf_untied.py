@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-
 from test_convert_from_hf import _hf_logits, _our_logits, _relative, _run, _tiny_models
 
 FAMILIES = ["llama", "qwen3", "mixtral", "gpt2"]
@@ -26,7 +25,6 @@ EMBEDDING = {"gpt2": "transformer.wte.weight"}
 
 def _save_untied(family, directory, config_says_tied):
     import transformers
-
     from tiny_tokenizer import save_tokenizer
 
     config = _tiny_models()[family]

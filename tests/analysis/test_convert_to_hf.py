@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from checkpoint_runs import REPO, SEQ, run_tool
+
 from megatron_jreg.checkpoint.to_hf import (
     byte_tokenizer_fast,
     megatron_to_hf_state_dict,

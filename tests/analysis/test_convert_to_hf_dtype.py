@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-
 from checkpoint_runs import ITERS, run
 
 pytest.importorskip("transformers")

@@ -11,9 +11,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
 from checkpoint_runs import REPO, run_env, run_tool
 from downstream_tasks import CHOICE, write_tasks
+
 from megatron_jreg.downstream.evaluate import _batch_size
 from megatron_jreg.errors import InputError
 

@@ -9,8 +9,8 @@ name given by two YAMLs (both named)."""
 import re
 
 import pytest
-
 from downstream_tasks import CHOICE, LAMBADA, write_tasks
+
 from megatron_jreg.downstream import harness
 from megatron_jreg.errors import InputError
 

@@ -27,11 +27,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import forked_trainer
 import pytest
-
 from checkpoint_runs import REPO, make_dataset, run_env, train
 from hub_cache import TASKS, populate_paper_datasets
+
+import forked_trainer
 
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")

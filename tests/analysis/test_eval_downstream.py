@@ -7,12 +7,10 @@ The --load path (checkpoint -> temporary HF export -> lm-eval) and the --hf-mode
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
-
 from checkpoint_runs import REPO, run_env
 from downstream_tasks import CHOICE, LAMBADA, write_tasks
 

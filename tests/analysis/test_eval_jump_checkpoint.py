@@ -8,8 +8,8 @@ import json
 import os
 
 import pytest
-
 from checkpoint_runs import ITERS, SEQ, eval_jump
+
 from megatron_jreg.commands.eval_jump import main
 
 

@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 
-import forked_trainer
 import pytest
-
 from checkpoint_runs import REPO, run_env
+
+import forked_trainer
 from megatron_jreg.checkpoint.model_loader import check_layout
 from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.config.model import ParallelConfig

@@ -15,10 +15,10 @@ import sys
 
 import pytest
 import torch
-
 from checkpoint_runs import ITERS, SEQ, run
-from megatron_jreg.commands.eval_jump import main
+
 from megatron_jreg.analysis.jump_accumulator import JumpReport
+from megatron_jreg.commands.eval_jump import main
 
 pytest.importorskip("transformers")
 

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import pytest
+from tiny_tokenizer import VOCAB_WORDS
 
 from megatron_jreg.analysis import hf_source
 from megatron_jreg.analysis.text_inputs import (
@@ -32,8 +33,6 @@ from megatron_jreg.analysis.text_inputs import (
     token_sequences,
 )
 from megatron_jreg.commands.eval_jump import main
-
-from tiny_tokenizer import VOCAB_WORDS
 
 pytest.importorskip("transformers")
 

@@ -17,8 +17,8 @@ import torch
 
 from megatron_jreg.analysis.compare import compare_reports, load_report
 from megatron_jreg.analysis.jump_accumulator import JumpReport
-from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.analysis.trajectory import format_trajectory_table, trajectory_to_csv
+from megatron_jreg.commands.eval_jump import main
 
 NAN = float("nan")
 A = JumpReport(model="baseline", num_layers=4, tokens=100, displacement=[0.10, 0.04, 0.05, 0.30])

@@ -3,11 +3,11 @@ IndexError traceback from the position embedding."""
 
 import os
 
-import forked_trainer
 import pytest
 import torch
-
 from tiny_tokenizer import SPECIAL, VOCAB_WORDS, save_tokenizer
+
+import forked_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

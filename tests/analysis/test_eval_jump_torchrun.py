@@ -10,14 +10,14 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import forked_trainer
 import pytest
-
 from checkpoint_runs import REPO, run_env
+
+import forked_trainer
 from megatron_jreg.checkpoint.model_loader import check_layout, check_model_split
-from megatron_jreg.errors import InputError
 from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.config.model import ParallelConfig
+from megatron_jreg.errors import InputError
 
 # seven documents (DP=2 with --batch-size 3: rank 0 runs 4 documents in two batches,
 # rank 1 three documents and one fully masked batch); 47 is odd, so SP pads the width

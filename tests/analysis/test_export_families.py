@@ -27,10 +27,13 @@ FAMILIES = {
 
 
 def _megatron_model(flags):
-    from megatron_jreg.distributed.setup import (initialize_distributed,
-                                                 initialize_model_parallel, seed_everything)
-    from megatron_jreg.model.builder import build_model
     from megatron_jreg.config.model import ModelConfig, ParallelConfig
+    from megatron_jreg.distributed.setup import (
+        initialize_distributed,
+        initialize_model_parallel,
+        seed_everything,
+    )
+    from megatron_jreg.model.builder import build_model
 
     cfg = ModelConfig.from_preset("tiny", vocab_size=VOCAB, seq_length=SEQ, **flags)
     parallel = ParallelConfig()

@@ -32,8 +32,8 @@ import subprocess
 import sys
 
 import pytest
-
 from checkpoint_runs import REPO, run_env
+
 from megatron_jreg.errors import InputError
 from real_model import smollm2_gguf
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_jreg.analysis.batching import pad_batch
+from megatron_jreg.analysis.hf_source import HFCausalLMSource, find_decoder_layers
 from megatron_jreg.analysis.jump_accumulator import JumpAccumulator
 from megatron_jreg.errors import InputError
-from megatron_jreg.analysis.hf_source import HFCausalLMSource, find_decoder_layers
 
 transformers = pytest.importorskip("transformers")
 

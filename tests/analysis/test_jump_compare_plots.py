@@ -9,13 +9,13 @@ import pytest
 
 from megatron_jreg.analysis.compare import compare_reports, load_report
 from megatron_jreg.analysis.jump_accumulator import JumpReport
-from megatron_jreg.errors import InputError
-from megatron_jreg.commands.eval_jump import main
 from megatron_jreg.analysis.trajectory import (
     format_trajectory_table,
     sort_trajectory,
     trajectory_to_csv,
 )
+from megatron_jreg.commands.eval_jump import main
+from megatron_jreg.errors import InputError
 
 A = JumpReport(model="baseline", num_layers=4, tokens=100, displacement=[0.10, 0.04, 0.05, 0.30])
 B = JumpReport(model="jreg", num_layers=4, tokens=100, displacement=[0.12, 0.05, 0.04, 0.08])

@@ -17,12 +17,12 @@ import threading
 import time
 from types import SimpleNamespace
 
-import forked_trainer
 import pytest
-
 from checkpoint_runs import REPO, run_env
-from megatron_jreg.writer_lock import lock_path, output_lock
+
+import forked_trainer
 from megatron_jreg.errors import InputError
+from megatron_jreg.writer_lock import lock_path, output_lock
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,6 +47,7 @@ def busy(proc, flag, path):
 def checkpoint(tmp_path_factory):
     """One tiny run of the trainer (3 steps, byte tokenizer)."""
     from checkpoint_runs import make_dataset, train
+
     from session_cache import build_once
 
     def build(root):

@@ -6,11 +6,11 @@ naming the flag, exit 2, and no model load (no progress bar, no table, no export
 
 import json
 
-import forked_trainer
 import pytest
-from unwritable import unwritable_dir
-
 from checkpoint_runs import REPO, run_env
+
+import forked_trainer
+from unwritable import unwritable_dir
 
 
 def run_tool(script, argv):

@@ -12,8 +12,8 @@ writer of common.pt (convert_from_hf), the tokenizers and safetensors libraries 
 import os
 
 import pytest
-
 from checkpoint_runs import run_env, run_tool
+
 from write_limits import FULL, LIMIT_FIX, one_line, run_limited, tiny_disk
 
 FROM, TO = "tools/convert_from_hf.py", "tools/convert_to_hf.py"

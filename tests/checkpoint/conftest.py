@@ -19,6 +19,7 @@ for folder in ("analysis", "training"):
 def checkpoint(tmp_path_factory):
     """A --save directory of the trainer: iterations 2 and 3 (the tools' shared one)."""
     from checkpoint_runs import make_dataset, train
+
     from session_cache import build_once
 
     def build(root):
@@ -29,7 +30,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory):
-    from session_cache import build_once
     from trainer_runs import build_demo_data
+
+    from session_cache import build_once
 
     return build_once(tmp_path_factory, "demo_data", build_demo_data)

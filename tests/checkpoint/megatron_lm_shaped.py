@@ -21,7 +21,6 @@ Run as a script (one process or under torchrun) it sets up the trainer from the 
 """
 
 import argparse
-import io
 import os
 import random
 import sys

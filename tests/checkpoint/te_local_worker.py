@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_lm_shaped import TE_EXTRA_STATE, te_shape  # noqa: E402
 
 from megatron_jreg.checkpoint import dist_checkpoint as ckpt  # noqa: E402
+from megatron_jreg.checkpoint import formats  # noqa: E402
 from megatron_jreg.checkpoint.loading import load_checkpoint  # noqa: E402
 from megatron_jreg.checkpoint.model_loader import eval_model_config  # noqa: E402
-from megatron_jreg.checkpoint import formats  # noqa: E402
 from megatron_jreg.checkpoint.run_configs import saved_vocab_rows  # noqa: E402
 from megatron_jreg.config.model import ParallelConfig  # noqa: E402
 from megatron_jreg.distributed.setup import (  # noqa: E402

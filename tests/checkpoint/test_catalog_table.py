@@ -11,7 +11,6 @@ import shutil
 import zlib
 
 import pytest
-
 from checkpoint_runs import ITERS
 
 from megatron_jreg.checkpoint import catalog, faults, formats

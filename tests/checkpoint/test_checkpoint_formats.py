@@ -25,8 +25,16 @@ import time
 
 import pytest
 import torch
-
-from trainer_runs import REPO, base_args, read_metrics, read_until, run_env, start_trainer, step_of, train
+from trainer_runs import (
+    REPO,
+    base_args,
+    read_metrics,
+    read_until,
+    run_env,
+    start_trainer,
+    step_of,
+    train,
+)
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 

@@ -8,12 +8,11 @@ import sys
 
 import pytest
 import torch
-
 from trainer_runs import REPO, base_args, run_env, train
 
+from megatron_jreg.checkpoint import formats
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
 from megatron_jreg.checkpoint.megatron_lm_args import sections_from_args
-from megatron_jreg.checkpoint import formats
 from megatron_jreg.checkpoint.state_keys import compare
 from megatron_jreg.training.checkpoint_args import architecture_differences
 

@@ -17,13 +17,12 @@ import pickle
 import re
 import shutil
 
-import forked_trainer
 import pytest
 import torch
-
-import crafted_checkpoints as crafted
 from trainer_runs import REPO, base_args, run_env, train
 
+import crafted_checkpoints as crafted
+import forked_trainer
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
 
 ITERS = 3

@@ -8,12 +8,11 @@ object every model load reads from the shards."""
 
 import shutil
 
-import forked_trainer
 import pytest
-
-import crafted_checkpoints as crafted
 from checkpoint_runs import ITERS, REPO, run_env
 
+import crafted_checkpoints as crafted
+import forked_trainer
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
 
 transformers = pytest.importorskip("transformers")

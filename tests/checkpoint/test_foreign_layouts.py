@@ -13,12 +13,11 @@ import json
 import os
 import shutil
 
-import forked_trainer
 import pytest
 import torch
-
 from checkpoint_runs import ITERS, REPO, run_env
 
+import forked_trainer
 from megatron_jreg.checkpoint import catalog, faults, formats, run_configs
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
 from megatron_jreg.training import source

@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-
 from trainer_runs import REPO, base_args, read_metrics, run_env, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
@@ -120,8 +119,9 @@ def test_megatron_lm_checkpoint_starts_a_run_with_its_args(demo_data, tmp_path, 
 def test_eval_jump_and_convert_to_hf_read_megatron_lm_checkpoints(demo_data, tmp_path, tmp_path_factory):
     """The tools give the same numbers and weights from Megatron-LM's checkpoint as from
     ours holding the same weights."""
-    import forked_trainer
     from safetensors.torch import load_file
+
+    import forked_trainer
 
     _, _, ours = _source(demo_data, tmp_path_factory, "tp2_fully_reshardable")
     target = write_megatron_lm(demo_data, ours, tmp_path / "mlm", "tp2_fully_reshardable", "te")

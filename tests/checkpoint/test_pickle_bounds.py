@@ -96,8 +96,14 @@ def _metadata_of_every_kind():
     """A dist-checkpointing index holding each allow-listed class, as torch writes it."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-        TensorProperties, TensorStorageMetadata)
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
     from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
     size = torch.Size([4, 8])

@@ -20,7 +20,6 @@ import os
 import shutil
 
 import pytest
-
 from trainer_runs import base_args, read_metrics, train
 
 from megatron_jreg.checkpoint import catalog

@@ -19,7 +19,6 @@ import sys
 import time
 
 import pytest
-
 from trainer_runs import REPO, base_args, read_until, run_env, step_of, train
 
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, iteration_dir

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from checkpoint_runs import ITERS, REPO, run_env
 
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir

@@ -6,22 +6,21 @@ path to another run's shard), with the manifest rewritten to match, as an attack
 Each in the library and in every command that reads a checkpoint: one line, exit 2, nothing
 run, nothing written."""
 
+import json
 import os
 import pickle
 import shutil
 import stat
 import threading
 import zlib
-import json
 
-import forked_trainer
 import pytest
-
 from checkpoint_runs import ITERS, REPO, run_env
 
+import forked_trainer
 from megatron_jreg.checkpoint import formats, safe_pickle
-from megatron_jreg.checkpoint.faults import UnsafeCheckpoint
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
+from megatron_jreg.checkpoint.faults import UnsafeCheckpoint
 
 PAYLOAD = b"cos\nsystem\n(S'touch %s'\ntR."  # a pickle that runs `touch MARKER`
 

@@ -8,9 +8,8 @@ import pytest
 
 from megatron_jreg.commands.train import from_argv
 from megatron_jreg.config.resolve import RunFacts, kept_schedule, resolve
-from megatron_jreg.errors import ConfigError
 from megatron_jreg.config.run import OptimConfig
-from megatron_jreg.training.experiment import ExperimentConfig
+from megatron_jreg.errors import ConfigError
 
 FACTS = RunFacts(tokenizer_vocab_size=259, tokenizer_identity="abc", transformer_impl="local")
 

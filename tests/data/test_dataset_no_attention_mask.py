@@ -4,10 +4,10 @@ it is never built): the other fields equal the ones megatron-core gives with the
 a long sample (s = 8192: the mask would be 268 MB) comes without it."""
 
 import pytest
+from test_indexed_dataset_check import build
 
 from megatron_jreg.data.datasets.gpt import GPTDataConfig, build_gpt_datasets
 from megatron_jreg.data.tokenizers.build import ByteTokenizer
-from test_indexed_dataset_check import build
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 

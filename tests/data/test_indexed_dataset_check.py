@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
-
-from megatron_jreg.data.datasets import gpt as gpt_datasets
-from megatron_jreg.commands.preprocess import main as preprocess
 from preprocess_helpers import make_documents, write_jsonl
+
+from megatron_jreg.commands.preprocess import main as preprocess
+from megatron_jreg.data.datasets import gpt as gpt_datasets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,12 +14,12 @@ import sys
 
 import numpy
 import pytest
+from preprocess_helpers import make_documents, write_jsonl
 
-from megatron_jreg.data.preprocess.writer import DTYPE_CODES, IndexedDatasetWriter
 from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.data.preprocess.writer import DTYPE_CODES, IndexedDatasetWriter
 from megatron_jreg.data.tokenizers.build import build_tokenizer
-from preprocess_helpers import make_documents, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

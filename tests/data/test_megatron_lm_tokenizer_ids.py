@@ -22,9 +22,9 @@ without --legacy-tokenizer, and for the EOD of default data from its
 import hashlib
 import os
 
+import megatron_lm_tokenizer_files as files
 import pytest
 
-import megatron_lm_tokenizer_files as files
 from megatron_jreg.commands.preprocess import main
 from megatron_jreg.config.model import ModelConfig
 from megatron_jreg.data.tokenizers.build import build_tokenizer

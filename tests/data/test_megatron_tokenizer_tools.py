@@ -10,10 +10,10 @@ import sys
 
 import numpy
 import pytest
-
-from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
-from megatron_jreg.commands.preprocess import main
 from preprocess_helpers import SENTENCES, make_documents, write_jsonl
+
+from megatron_jreg.commands.preprocess import main
+from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NULL_VOCAB = 500
@@ -189,9 +189,9 @@ def run_configs(kind, sp_model, gpt2_files, legacy=False):
 
     The trainer's own ``run_tokenizer`` runs on the flags (it sets NullTokenizer's
     vocabulary to --vocab-size + 1), then the sections go through YAML as a save does."""
-    from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml
     from megatron_jreg.config.model import ModelConfig
     from megatron_jreg.config.run import DataConfig
+    from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml
     from megatron_jreg.training.source import run_tokenizer
 
     _, kwargs = flags_and_tokenizer(kind, sp_model, gpt2_files)
@@ -291,6 +291,7 @@ def test_export_of_hugging_face_tokenizer_gives_the_runs_ids(tmp_path, legacy):
     """HuggingFaceTokenizer: by default the run's ids have none of the tokenizer's special
     tokens (Megatron-LM's default), and neither does the export's encoding; with
     --legacy-tokenizer both start with its BOS."""
+    from megatron_lm_tokenizer_files import make_hf_llama3_style
     from transformers import AutoTokenizer
 
     from megatron_jreg.checkpoint.to_hf import export_tokenizer
@@ -298,7 +299,6 @@ def test_export_of_hugging_face_tokenizer_gives_the_runs_ids(tmp_path, legacy):
     from megatron_jreg.config.run import DataConfig
     from megatron_jreg.config.yaml_settings import from_yaml_text, to_yaml
     from megatron_jreg.training.source import run_tokenizer
-    from megatron_lm_tokenizer_files import make_hf_llama3_style
 
     source = make_hf_llama3_style(str(tmp_path / "tok"))
     data = DataConfig(data_path=["x_text_document"], tokenizer_type="HuggingFaceTokenizer",

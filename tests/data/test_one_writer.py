@@ -16,8 +16,8 @@ import time
 import pytest
 
 from megatron_jreg.atomic_write import write_text_atomic
-from megatron_jreg.writer_lock import OutputBusy, lock_path, output_lock
 from megatron_jreg.checkpoint.save_lock import SaveLock
+from megatron_jreg.writer_lock import OutputBusy, lock_path, output_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

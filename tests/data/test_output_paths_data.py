@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from unwritable import unwritable_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

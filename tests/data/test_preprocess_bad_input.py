@@ -4,10 +4,10 @@ import os
 import signal
 
 import pytest
-
-from megatron_jreg.data.preprocess import pipeline as preprocess
-from megatron_jreg.commands.preprocess import main
 from preprocess_helpers import make_documents, output_files, write_jsonl
+
+from megatron_jreg.commands.preprocess import main
+from megatron_jreg.data.preprocess import pipeline as preprocess
 
 GOOD = '{"text": "a good document"}'
 BAD_LINES = [

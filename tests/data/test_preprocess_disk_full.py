@@ -12,9 +12,9 @@ import io
 import os
 
 import pytest
+from preprocess_helpers import make_documents, output_files, write_jsonl
 
 from megatron_jreg.commands.preprocess import main
-from preprocess_helpers import make_documents, output_files, write_jsonl
 
 MESSAGE_END = "; free space or pick another --output-prefix"
 

@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from preprocess_helpers import make_documents, write_jsonl
+from test_preprocess_roundtrip import read_documents
 
 from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.tokenizers.build import build_tokenizer
-from preprocess_helpers import make_documents, write_jsonl
-from test_preprocess_roundtrip import read_documents
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BYTE = ["--tokenizer-type", "ByteTokenizer", "--append-eod"]

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from preprocess_helpers import make_documents, output_files, write_jsonl
 
 from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.tokenizers.build import ByteTokenizer
-from preprocess_helpers import make_documents, output_files, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD = '{"text": "a good document"}'

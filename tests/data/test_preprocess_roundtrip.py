@@ -8,10 +8,10 @@ import json
 import numpy
 import pytest
 import torch
+from preprocess_helpers import make_documents, write_jsonl
 
 from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.tokenizers.build import build_tokenizer
-from preprocess_helpers import make_documents, write_jsonl
 
 KINDS = ["ByteTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
 

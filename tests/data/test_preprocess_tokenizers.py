@@ -4,10 +4,10 @@ import json
 
 import numpy
 import pytest
+from preprocess_helpers import SENTENCES
 
 from megatron_jreg.data.preprocess.workers import token_dtype
 from megatron_jreg.data.tokenizers.build import build_tokenizer
-from preprocess_helpers import SENTENCES
 
 KINDS = ["ByteTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
 

@@ -13,14 +13,17 @@ import shutil
 
 import numpy
 import pytest
+from preprocess_helpers import write_jsonl
 
-from megatron_jreg.data.preprocess.chat_templates import TULU_TEMPLATE, ChatEncoder, ConversationError
 from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.data.preprocess.chat_templates import (
+    TULU_TEMPLATE,
+    ChatEncoder,
+    ConversationError,
+)
 from megatron_jreg.data.tokenizers.build import build_tokenizer
-from preprocess_helpers import write_jsonl
 from sft_reference import CONVERSATIONS, run_sft, tulu_parts, tulu_text
-
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
           "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"

@@ -11,14 +11,21 @@ import re
 import shutil
 
 import pytest
-from sft_reference import (BYTE_EOS, CONVERSATIONS, byte_tulu, reference_sample, run_sft,
-                           sample_order, tulu_text)
 
-from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, write_demo_corpus
 from megatron_jreg.commands.preprocess import main
 from megatron_jreg.data.datasets.sft import SFTDataset
 from megatron_jreg.data.datasets.sft_samples import build_sft_samples
+from megatron_jreg.data.preprocess.demo_corpus import DemoCorpusConfig, write_demo_corpus
 from megatron_jreg.errors import InputError
+from sft_reference import (
+    BYTE_EOS,
+    CONVERSATIONS,
+    byte_tulu,
+    reference_sample,
+    run_sft,
+    sample_order,
+    tulu_text,
+)
 
 BYTE = ("--tokenizer-type", "ByteTokenizer")
 LENGTHS = [len(byte_tulu(m)[0]) for m in CONVERSATIONS]

@@ -16,7 +16,9 @@ SEQ = 16
 
 
 def _dataset(tmp_path, doc_lengths, pad_partial=True):
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

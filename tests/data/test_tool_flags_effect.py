@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from preprocess_helpers import write_jsonl
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")

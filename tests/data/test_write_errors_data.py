@@ -12,8 +12,8 @@ import os
 import subprocess
 
 import pytest
-
 from preprocess_helpers import make_documents, output_files, write_jsonl
+
 from write_limits import LIMIT_FIX, REPO, one_line, run_limited, tiny_disk
 
 

@@ -31,10 +31,10 @@ import sys
 import torch
 import torch.distributed as dist
 import transformers
-
-from megatron_jreg.hf_training import HFJreg
 from test_hf_penalty import batch, model_of
 from test_hf_trainer import JregTrainer, Samples
+
+from megatron_jreg.hf_training import HFJreg
 
 LAM, ALPHA = 0.5, 1.0
 
@@ -118,8 +118,11 @@ def plain_case(kind, rank):
     loss.backward()
     opt.step()
     if kind == "fsdp1":
-        from torch.distributed.fsdp import (FullStateDictConfig, FullyShardedDataParallel,
-                                            StateDictType)
+        from torch.distributed.fsdp import (
+            FullStateDictConfig,
+            FullyShardedDataParallel,
+            StateDictType,
+        )
 
         with FullyShardedDataParallel.state_dict_type(
                 wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):

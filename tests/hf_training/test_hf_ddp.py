@@ -29,8 +29,8 @@ import sys
 
 import pytest
 import torch
-
 from test_hf_penalty import batch, model_of, reference_penalty
+
 from training.trainer_runs import REPO, run_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))

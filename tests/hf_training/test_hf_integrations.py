@@ -35,10 +35,10 @@ import tokenizers
 import torch
 import transformers
 import trl
-
-from megatron_jreg.hf_training import HFJreg, JregTrainerMixin
 from test_hf_penalty import batch, model_of, reference_penalty
 from test_hf_trainer import JregTrainer, Samples
+
+from megatron_jreg.hf_training import HFJreg, JregTrainerMixin
 
 LAM, ALPHA = 0.5, 1.0
 

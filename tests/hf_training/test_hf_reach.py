@@ -12,12 +12,12 @@ import weakref
 import pytest
 import torch
 import transformers
+from test_hf_penalty import batch, model_of
+from test_hf_trainer import Samples
 
 from megatron_jreg.errors import InputError
 from megatron_jreg.hf_training import HFJreg, JregTrainerMixin
 from megatron_jreg.ops.displacement import token_displacement_reference
-from test_hf_penalty import batch, model_of
-from test_hf_trainer import Samples
 
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

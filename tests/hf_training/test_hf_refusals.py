@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 import transformers
+from test_hf_penalty import batch, model_of
+from test_hf_trainer import Samples
 
 from megatron_jreg.errors import InputError
 from megatron_jreg.hf_training import HFJreg, JregTrainerMixin
-from test_hf_penalty import batch, model_of
-from test_hf_trainer import Samples
 
 
 class JregTrainer(JregTrainerMixin, transformers.Trainer):

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 import transformers
+from test_hf_penalty import batch, model_of, reference_penalty
 
 from megatron_jreg.hf_training import JregTrainerMixin
-from test_hf_penalty import batch, model_of, reference_penalty
 
 
 class JregTrainer(JregTrainerMixin, transformers.Trainer):

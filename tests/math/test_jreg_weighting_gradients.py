@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
+from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.distributed.setup import initialize_distributed, initialize_model_parallel
 from megatron_jreg.jreg import WEIGHTINGS
-from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
 from megatron_jreg.model.jreg_layer import JregTracker
 
 L, S, B, H = 4, 7, 3, 16

@@ -117,11 +117,14 @@ def tracked_grads(chunks):
 
 def run_task(task, ckpt_dir, out_dir):
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
-    from megatron_jreg.model.builder import build_model, transformer_config
     from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
+    from megatron_jreg.model.builder import build_model, transformer_config
     from megatron_jreg.model.jreg_layer import JregTracker
     from megatron_jreg.training.step import forward_backward
 
@@ -171,8 +174,8 @@ def run_manual(model, model_cfg, tracker, out_dir, task):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from megatron_jreg.jreg import layer_weights
-    from megatron_jreg.ops import displacement
     from megatron_jreg.model.builder import causal_attention_mask
+    from megatron_jreg.ops import displacement
 
     for layer in model.decoder.layers:
         layer.jreg_tracker = None

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from test_parallel_layouts import RTOL, _run, assemble, assert_matches_reference, max_rel_diff
 
 FAMILIES = {

@@ -17,8 +17,11 @@ from megatron_jreg.config import model as config_model
 from megatron_jreg.config.megatron_lm import MegatronLMConfig
 from megatron_jreg.config.model import ModelConfig, ParallelConfig
 from megatron_jreg.config.run import TrainingConfig
-from megatron_jreg.distributed.setup import (initialize_distributed, initialize_model_parallel,
-                                             seed_everything)
+from megatron_jreg.distributed.setup import (
+    initialize_distributed,
+    initialize_model_parallel,
+    seed_everything,
+)
 from megatron_jreg.model import fusions
 from megatron_jreg.model.builder import build_model, causal_attention_mask, transformer_config
 from megatron_jreg.model.init import layout_invariant_init

@@ -9,11 +9,14 @@ import math
 
 import torch
 
-from megatron_jreg.distributed.setup import (initialize_distributed, initialize_model_parallel,
-                                             seed_everything)
+from megatron_jreg.config.model import ModelConfig, ParallelConfig
+from megatron_jreg.distributed.setup import (
+    initialize_distributed,
+    initialize_model_parallel,
+    seed_everything,
+)
 from megatron_jreg.model import init
 from megatron_jreg.model.builder import build_model, transformer_config
-from megatron_jreg.config.model import ModelConfig, ParallelConfig
 
 
 def test_every_weight_is_drawn_on_the_cpu(monkeypatch):

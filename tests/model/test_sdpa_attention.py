@@ -9,11 +9,14 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_jreg.distributed.setup import (initialize_distributed, initialize_model_parallel,
-                                             seed_everything)
+from megatron_jreg.config.model import ModelConfig, ParallelConfig, resolve_attention_backend
+from megatron_jreg.distributed.setup import (
+    initialize_distributed,
+    initialize_model_parallel,
+    seed_everything,
+)
 from megatron_jreg.model import attention
 from megatron_jreg.model.attention import SDPAttention
-from megatron_jreg.config.model import ModelConfig, ParallelConfig, resolve_attention_backend
 
 S, B, HEAD_DIM = 12, 3, 8
 

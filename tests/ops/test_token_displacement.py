@@ -3,8 +3,8 @@ gradcheck, dispatch, torch.compile, and what autograd saves."""
 
 import pytest
 import torch
-
 from devices import DEVICES
+
 from megatron_jreg.jreg import EPS
 from megatron_jreg.ops import (
     displacement,

@@ -71,8 +71,9 @@ obs["fork_differs_from_default"] = not torch.equal(a, plain)
 obs["cuda_rng_state_empty"] = mrandom._get_cuda_rng_state().numel() == 0
 
 # device redirection only: no megatron-core fix rides on the CPU platform
-from megatron_jreg.platform import mcore_fixes  # noqa: E402
 from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
+
+from megatron_jreg.platform import mcore_fixes  # noqa: E402
 
 obs["mcore_fixes_applied"] = mcore_fixes.is_applied()
 obs["checkpoint_without_output_fp8"] = mrandom.CheckpointWithoutOutput().fp8

@@ -20,8 +20,8 @@ import torch.distributed as dist
 def build_case(case):
     from megatron.core import parallel_state
 
-    from megatron_jreg.model.builder import build_model, transformer_config
     from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
+    from megatron_jreg.model.builder import build_model, transformer_config
     from megatron_jreg.model.jreg_layer import JregTracker
 
     model_cfg = ModelConfig(**case["model"])

@@ -8,8 +8,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
-from megatron_jreg.platform.device import resolve_device
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_jreg.checkpoint import model_loader, rng_state
@@ -18,6 +16,7 @@ from megatron_jreg.errors import InputError
 from megatron_jreg.platform import cpu as cpu_platform
 from megatron_jreg.platform import device
 from megatron_jreg.platform.device import peak_memory_gib as memory_gib
+from megatron_jreg.platform.device import resolve_device
 
 # the module (the package's ``displacement`` is the layer-mean function of the same name)
 displacement = importlib.import_module("megatron_jreg.ops.displacement")

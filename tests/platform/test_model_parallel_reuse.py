@@ -5,8 +5,8 @@ one layout; eval_jump's layouts under torchrun are tests/analysis/test_eval_jump
 
 from megatron.core import parallel_state
 
-from megatron_jreg.distributed.setup import initialize_distributed, initialize_model_parallel
 from megatron_jreg.config.model import ModelConfig, ParallelConfig
+from megatron_jreg.distributed.setup import initialize_distributed, initialize_model_parallel
 
 
 def test_same_layout_keeps_the_groups():

@@ -3,9 +3,10 @@ docstrings, byte tokenizer), the README demo's data, SFT chat data. The helpers 
 trainer are in trainer_runs.py."""
 
 import pytest
-from session_cache import build_once
 from trainer_runs import build_demo_data
 from trainer_runs import run_tool_ok as _tool
+
+from session_cache import build_once
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,14 @@ import json
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from megatron_jreg.distributed.setup import initialize_distributed, initialize_model_parallel, seed_everything
-from megatron_jreg.model.builder import build_model, transformer_config, causal_attention_mask
+
 from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
+from megatron_jreg.distributed.setup import (
+    initialize_distributed,
+    initialize_model_parallel,
+    seed_everything,
+)
+from megatron_jreg.model.builder import build_model, causal_attention_mask, transformer_config
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.training.metrics import model_flops_per_token
 

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from trainer_runs import REPO, run_env
 
 SCRIPT = os.path.join("bench", "context_parallel_step.py")

@@ -8,8 +8,8 @@ in tests/model/test_parallel_layouts.py; the attention alone in tests/model/test
 """
 
 import pytest
-
 from trainer_runs import base_args, read_metrics, train
+
 from megatron_jreg.commands.train import from_argv
 
 SEQ = 256

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import torch
-
 from trainer_runs import REPO, run_env
 
 

@@ -8,7 +8,6 @@ import sys
 
 import numpy
 import pytest
-
 from trainer_runs import REPO, base_args, run_env
 
 

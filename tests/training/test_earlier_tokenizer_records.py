@@ -10,8 +10,9 @@ import os
 import zlib
 from types import SimpleNamespace
 
-from trainer_runs import base_args, train
 from test_pinned_run import one_line_error
+from trainer_runs import base_args, train
+
 from megatron_jreg.checkpoint.run_configs import build_run_tokenizer
 from megatron_jreg.data.tokenizers.build import build_tokenizer, file_sha256
 from megatron_jreg.data.tokenizers.records import earlier_record_fix, holds_same_ids, identity
@@ -97,8 +98,8 @@ def test_a_resume_that_turns_legacy_tokenizer_on_or_off_is_named(demo_sp_data, t
     """A run saved with --legacy-tokenizer, resumed without it (or the reverse), is refused in
     one line naming the flag, not as a changed tokenizer file; --use-checkpoint-args takes the
     setting from the checkpoint with the rest of the tokenizer."""
-    from megatron_jreg.data.tokenizers.records import other_ids_fix
     from megatron_jreg.data.tokenizers.build import tokenizer_identity
+    from megatron_jreg.data.tokenizers.records import other_ids_fix
 
     prefix, model = demo_sp_data
     default = build_tokenizer("SentencePieceTokenizer", model)

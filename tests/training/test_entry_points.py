@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-
 from trainer_runs import REPO, run_env
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))

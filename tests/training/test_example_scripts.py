@@ -10,8 +10,8 @@ import json
 import subprocess
 
 import pytest
-
 from trainer_runs import REPO, read_metrics, run_env
+
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):

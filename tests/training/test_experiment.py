@@ -2,8 +2,8 @@
 check in one method, before any work."""
 
 import pytest
-
 from trainer_runs import base_args
+
 from megatron_jreg.commands.train import from_argv
 from megatron_jreg.data.datasets.batches import data_prefixes
 from megatron_jreg.training.experiment import ExperimentConfig

@@ -5,8 +5,9 @@ import json
 import os
 import subprocess
 
-from forked_trainer import run_tool
 from trainer_runs import REPO, run_env
+
+from forked_trainer import run_tool
 
 ITERS = 21  # steps of each run (the script warms up for 20)
 EVAL_TOKENS = 8192  # tokens eval_jump reads per model

@@ -10,12 +10,11 @@ import time
 import typing
 
 import pytest
-import yaml
+from trainer_runs import REPO, run_env
 
 from megatron_jreg.commands import flags as cli
 from megatron_jreg.config.model import ModelConfig
 from megatron_jreg.config.run import BUILDERS, SECTIONS
-from trainer_runs import REPO, run_env
 
 
 def parse(argv):

@@ -8,10 +8,10 @@ import re
 import subprocess
 import sys
 
-import forked_trainer
 import pytest
-
 from trainer_runs import REPO, base_args, run_env
+
+import forked_trainer
 
 TIMING = re.compile(r"(tokens/s|in) [\d,.]+s?|mem [\d.]+ GiB|\d+\.\ds")
 RATE = re.compile(r" in [\d.]+ s \([^)]*\)")  # preprocess_data's time and throughput

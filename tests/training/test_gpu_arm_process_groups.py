@@ -5,13 +5,11 @@ rank and at DP 2 and CP 2 with the distributed optimizer, and its losses equal t
 Before the groups were created on every device, this failed at the optimizer's build with
 megatron's "Intra partial data parallel group is not initialized", as every GPU run did."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-
 from trainer_runs import REPO, base_args, read_metrics, run_env, train
 
 WORKER = os.path.join(REPO, "tests", "training", "gpu_arm_trainer.py")

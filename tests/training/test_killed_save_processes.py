@@ -18,7 +18,6 @@ import threading
 import time
 
 import pytest
-
 from trainer_runs import base_args, read_until, start_trainer, step_of
 
 from megatron_jreg.platform.checkpoint_writers import WRITER_NAME

@@ -4,8 +4,8 @@ sequence-parallel overlap needs it, as Megatron-LM's scripts set), unless the us
 import os
 import subprocess
 
-from trainer_runs import REPO
 from test_slurm_script import env_for, stand_ins
+from trainer_runs import REPO
 
 # torchrun stand-in that records the variable the trainer processes would see
 TORCHRUN = """#!/bin/sh

@@ -8,8 +8,8 @@ import os
 import subprocess
 
 import pytest
-
 from trainer_runs import REPO
+
 from megatron_jreg.commands import flags as cli
 from megatron_jreg.config.model import PRESETS
 from megatron_jreg.config.run import BUILDERS, SECTIONS

@@ -9,10 +9,10 @@ import os
 from types import SimpleNamespace
 
 import pytest
-
 from trainer_runs import REPO, base_args, read_metrics, run_env, train
-from megatron_jreg.commands.train import from_argv
+
 from megatron_jreg.commands import flags as cli
+from megatron_jreg.commands.train import from_argv
 from megatron_jreg.config.model import PRESETS, preset_flags
 from megatron_jreg.config.run import BUILDERS, SECTIONS, OptimConfig
 from megatron_jreg.training.experiment import ExperimentConfig

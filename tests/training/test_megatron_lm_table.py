@@ -10,13 +10,13 @@ import sys
 import types
 
 import pytest
-
 from trainer_runs import REPO
+
 from megatron_jreg import train
 from megatron_jreg.commands import flags as cli
 from megatron_jreg.config import megatron_lm
-from megatron_jreg.config.run import SECTIONS
 from megatron_jreg.config.megatron_lm import ACCEPTED, NOTED, REFUSED, TABLE
+from megatron_jreg.config.run import SECTIONS
 
 BASE = ["--data-path", "x"]
 DOC = os.path.join(REPO, "docs", "megatron_lm_flags.md")

@@ -5,8 +5,8 @@ and NullTokenizer, as Megatron-LM 0.16 defines them, and the trainer taking them
 import json
 
 import pytest
-
 from trainer_runs import base_args, train
+
 from megatron_jreg.data.tokenizers.megatron_lm import (
     GPT2BPETokenizer,
     Llama2Tokenizer,

@@ -4,9 +4,9 @@ an unwritable one is one line naming the flag, exit 2, before the model is built
 import os
 
 import pytest
-from unwritable import unwritable_dir
-
 from trainer_runs import base_args, read_metrics, train
+
+from unwritable import unwritable_dir
 
 
 def test_missing_output_directories_are_made(demo_data, tmp_path):

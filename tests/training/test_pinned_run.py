@@ -5,10 +5,10 @@ naming both, and an explicit choice goes on, said once."""
 import os
 import shutil
 
-import forked_trainer
 import pytest
-
 from trainer_runs import base_args, run_env, train
+
+import forked_trainer
 
 
 def tool(argv, check=True):

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pytest
-
 from trainer_runs import REPO, base_args, run_env
+
 from megatron_jreg.config.model import transformer_engine_available
 
 # the trainer with megatron_jreg._C unimportable: a kernel that failed to build or load

@@ -8,9 +8,17 @@ import sys
 import time
 
 import pytest
-
-from trainer_runs import (REPO, base_args, rank_pids, read_metrics, read_until, run_env,
-                          start_trainer, step_of, train)
+from trainer_runs import (
+    REPO,
+    base_args,
+    rank_pids,
+    read_metrics,
+    read_until,
+    run_env,
+    start_trainer,
+    step_of,
+    train,
+)
 
 from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
 

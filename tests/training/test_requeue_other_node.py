@@ -11,8 +11,16 @@ import subprocess
 import sys
 import time
 
-from trainer_runs import (REPO, base_args, read_metrics, read_until, run_env, start_trainer,
-                          step_of, train)
+from trainer_runs import (
+    REPO,
+    base_args,
+    read_metrics,
+    read_until,
+    run_env,
+    start_trainer,
+    step_of,
+    train,
+)
 
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
 

@@ -4,11 +4,11 @@ its checkpoint's schedule and embedding rows."""
 
 from trainer_runs import base_args, train
 
-from megatron_jreg.commands.train import from_argv
 from megatron_jreg.checkpoint import formats
+from megatron_jreg.commands.train import from_argv
+from megatron_jreg.config.model import resolve_transformer_impl
 from megatron_jreg.config.resolve import RunFacts, resolve
 from megatron_jreg.data.tokenizers.build import build_tokenizer, tokenizer_identity
-from megatron_jreg.config.model import resolve_transformer_impl
 from megatron_jreg.training.checkpointing import Checkpointer
 from megatron_jreg.training.experiment import ExperimentConfig
 from megatron_jreg.training.source import starting_point

@@ -12,11 +12,18 @@ import sys
 
 import pytest
 import torch
+from trainer_runs import (
+    REPO,
+    base_args,
+    read_metrics,
+    read_until,
+    run_env,
+    start_trainer,
+    step_of,
+    train,
+)
 
-from trainer_runs import (REPO, base_args, read_metrics, read_until, run_env, start_trainer,
-                          step_of, train)
-
-from megatron_jreg.checkpoint.dist_checkpoint import COMPLETE, TRACKER, iteration_dir
+from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, iteration_dir
 
 
 def strict_json_lines(path):

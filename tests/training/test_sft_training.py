@@ -13,13 +13,13 @@ import os
 import subprocess
 import sys
 
-import forked_trainer
 import numpy as np
 import pytest
 import torch
-
-from sft_reference import byte_tulu, reference_sample, sample_order
 from trainer_runs import REPO, base_args, read_metrics, run_env, train
+
+import forked_trainer
+from sft_reference import byte_tulu, reference_sample, sample_order
 
 SEQ = 128
 PRETRAIN = dict(train_iters=2, seq_length=64, jreg_lambda=0.0)

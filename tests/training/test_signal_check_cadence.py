@@ -3,7 +3,6 @@ collective; several all-reduce them only every CHECK_INTERVAL iterations and at 
 the steps between carry no collective and no wait on the device, and every rank still
 stops at the same iteration."""
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -8,10 +8,11 @@ import signal
 import subprocess
 import time
 
+from test_launch_scripts import RECORDER, validated
 from trainer_runs import REPO
+
 from megatron_jreg.commands import flags as cli
 from megatron_jreg.config.run import BUILDERS, SECTIONS
-from test_launch_scripts import RECORDER, validated
 
 SCRIPT = os.path.join(REPO, "examples", "slurm", "pretrain_3b_jreg.sbatch")
 

@@ -7,7 +7,6 @@ to its initial weights at the first step (loss 3.16, then 5.94 at a learning rat
 
 import pytest
 import torch
-
 from set_up_trainer import set_up
 from trainer_runs import base_args, train
 

@@ -4,7 +4,6 @@ kernel built without CUDA, is tests/platform/test_device_arms.py::test_kernel_di
 the fusions' arms with Transformer Engine or apex are tests/model/test_fusions.py)."""
 
 import pytest
-
 from trainer_runs import base_args, train
 
 

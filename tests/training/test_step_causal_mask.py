@@ -4,13 +4,19 @@ step writes into the shared mask."""
 
 import pytest
 import torch
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                       finalize_model_grads)
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 
-from megatron_jreg.distributed.setup import (initialize_distributed, initialize_model_parallel,
-                                             seed_everything)
-from megatron_jreg.model.builder import build_model, causal_attention_mask, transformer_config
 from megatron_jreg.config.model import JregConfig, ModelConfig, ParallelConfig
+from megatron_jreg.distributed.setup import (
+    initialize_distributed,
+    initialize_model_parallel,
+    seed_everything,
+)
+from megatron_jreg.model.builder import build_model, causal_attention_mask, transformer_config
 from megatron_jreg.model.jreg_layer import JregTracker
 from megatron_jreg.training import step
 

@@ -19,9 +19,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
-
 from set_up_trainer import set_up
+from torch.overrides import TorchFunctionMode
 from trainer_runs import base_args
 
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,

@@ -19,15 +19,14 @@ from set_up_trainer import NEGATIONS, RESTORED
 from trainer_runs import base_args
 
 from megatron_jreg import train
-from megatron_jreg.commands.train import from_argv
-from megatron_jreg.commands import flags as cli
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER, CheckpointError
 from megatron_jreg.checkpoint.scheduler_state import load_scheduler
-from megatron_jreg.distributed import setup
-from megatron_jreg.model.builder import transformer_config
+from megatron_jreg.commands import flags as cli
+from megatron_jreg.commands.train import from_argv
 from megatron_jreg.config import megatron_lm
 from megatron_jreg.config.run import SECTIONS
-from megatron_jreg.training.experiment import ExperimentConfig
+from megatron_jreg.distributed import setup
+from megatron_jreg.model.builder import transformer_config
 from megatron_jreg.training.optimizer import build_scheduler
 
 

@@ -12,10 +12,10 @@ import json
 import math
 import random
 
-import forked_trainer
 import pytest
 from trainer_runs import base_args, read_metrics, run_env, train
 
+import forked_trainer
 from megatron_jreg.jreg import regularizer
 
 # Runs the trainer as `python -m megatron_jreg.train` does, recording on the side:

@@ -5,7 +5,6 @@ runs examples/demo.sh as written.
 """
 
 import pytest
-
 from trainer_runs import base_args, read_metrics, train
 
 

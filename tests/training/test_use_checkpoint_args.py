@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 
-import forked_trainer
 import pytest
 import torch
 import yaml
-
-from session_cache import build_once
 from trainer_runs import read_metrics, run_env, train
+
+import forked_trainer
+from session_cache import build_once
 
 
 def _run(cmd):

@@ -11,12 +11,18 @@ import os
 import subprocess
 
 import pytest
-
 from trainer_runs import base_args, read_until, run_env, start_trainer, step_of, train
-from write_limits import (FULL, LIMIT_FIX, READ_ONLY, make_read_only, one_line, run_limited,
-                          tiny_disk)
 
 from megatron_jreg.checkpoint.dist_checkpoint import TRACKER
+from write_limits import (
+    FULL,
+    LIMIT_FIX,
+    READ_ONLY,
+    make_read_only,
+    one_line,
+    run_limited,
+    tiny_disk,
+)
 
 
 def _left(save):

@@ -8,8 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from trainer_runs import REPO, base_args, run_env, train
 
 LONG = "Please read this long question carefully before you answer it. " * 4  # > 64 bytes

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.data.datasets.sft_samples import refuse_no_loss_tokens
 from megatron_jreg.data.datasets.token_range import (
     cached_max_token_id,
     max_token_id,
@@ -21,8 +23,6 @@ from megatron_jreg.data.datasets.token_range import (
     store_max_token_id,
 )
 from megatron_jreg.errors import InputError
-from megatron_jreg.data.datasets.sft import SFTDataset
-from megatron_jreg.data.datasets.sft_samples import refuse_no_loss_tokens
 
 
 def default_cache_dir(prefixes: Sequence[str], cache_dir: Optional[str]) -> str:

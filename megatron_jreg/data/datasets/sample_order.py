@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 import torch
+
 from megatron_jreg.errors import InputError
 
 

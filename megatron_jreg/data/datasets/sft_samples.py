@@ -18,8 +18,8 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from megatron_jreg.errors import InputError
 from megatron_jreg.data.datasets.sft import SFTDataset
+from megatron_jreg.errors import InputError
 
 
 def split_ranges(num: int, split: str) -> List[range]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass, field
 
+from megatron_jreg.config.tokenizer_names import tokenizer_type_error
 from megatron_jreg.data.preprocess.chat_templates import resolve_chat_template
-from megatron_jreg.data.preprocess.workers import EncoderSpec
 from megatron_jreg.data.preprocess.sft_files import metadata_path, sft_prefixes
 from megatron_jreg.data.preprocess.sft_workers import OVERLONG_CHOICES, SFTSpec
 from megatron_jreg.data.preprocess.sources import INPUT_FORMATS
-from megatron_jreg.config.tokenizer_names import tokenizer_type_error
+from megatron_jreg.data.preprocess.workers import EncoderSpec
 from megatron_jreg.data.tokenizers.build import MEGATRON_LM_TOKENIZERS
 from megatron_jreg.errors import InputError
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from megatron_jreg.atomic_write import check_output_path, temp_marker
-from megatron_jreg.writer_lock import output_lock
 from megatron_jreg.errors import InputError
+from megatron_jreg.writer_lock import output_lock
 
 # Directories whose docstrings are test scaffolding or vendored code, not prose.
 _SKIP_DIRS = frozenset({"test", "tests", "site-packages", "dist-packages", "__pycache__",

@@ -28,7 +28,6 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 
 from megatron_jreg.atomic_write import check_output_dir, temp_marker
-from megatron_jreg.writer_lock import OutputBusy, output_lock
 from megatron_jreg.data.preprocess.config import (
     _NO_ROOM,
     PreprocessConfig,
@@ -48,6 +47,7 @@ from megatron_jreg.data.preprocess.sources import (
 from megatron_jreg.data.preprocess.workers import encode_chunk_in_worker, init_worker
 from megatron_jreg.data.preprocess.writer import IndexedDatasetOutput
 from megatron_jreg.errors import InputError
+from megatron_jreg.writer_lock import OutputBusy, output_lock
 
 # A one-line chunk over this many bytes is encoded in the parent (see the module docstring).
 IN_PARENT_BYTES = 1 << 23

@@ -31,6 +31,14 @@ from megatron_jreg.config.tokenizer_names import (
     SENTENCEPIECE_TOKENIZERS,
     tokenizer_type_error,
 )
+from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
+from megatron_jreg.data.tokenizers.records import (
+    LEGACY_IDS,
+    MEGATRON_CORE_IDS,
+    EarlierRecord,
+    identity,
+)
+from megatron_jreg.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from megatron_jreg.data.tokenizers.token_arrays import (  # noqa: F401 (pack: the callers' import)
     LONG_TEXT_CHARS,
     file_sha256,
@@ -38,16 +46,7 @@ from megatron_jreg.data.tokenizers.token_arrays import (  # noqa: F401 (pack: th
     pack_texts,
     space_cuts,
 )
-from megatron_jreg.data.tokenizers.megatron_lm import build_megatron_tokenizer
-from megatron_jreg.data.tokenizers.sentencepiece import SentencePieceTokenizer
-from megatron_jreg.data.tokenizers.records import (
-    LEGACY_IDS,
-    MEGATRON_CORE_IDS,
-    EarlierRecord,
-    identity,
-)
 from megatron_jreg.errors import InputError
-
 
 # Special-token names that end a document, most specific first. Used only when a bare
 # tokenizer.json has no tokenizer_config.json beside it to name the EOS token.

@@ -26,7 +26,6 @@ from megatron_jreg.data.tokenizers.records import LEGACY_IDS, MEGATRON_CORE_IDS,
 from megatron_jreg.data.tokenizers.token_arrays import file_sha256, pack, pack_texts
 from megatron_jreg.errors import InputError
 
-
 __all__ = ["MEGATRON_LM_TOKENIZERS", "GPT2BPETokenizer", "Llama2Tokenizer", "NullTokenizer",
            "build_megatron_tokenizer"]
 

@@ -15,11 +15,10 @@ from megatron_jreg.atomic_write import (
     write_atomic,
     write_text_atomic,
 )
-from megatron_jreg.writer_lock import output_lock
 from megatron_jreg.config.values import check_fields
 from megatron_jreg.data.preprocess.sources import resolve_inputs
 from megatron_jreg.errors import InputError
-
+from megatron_jreg.writer_lock import output_lock
 
 # The smallest --max-sentences: the bound of sentencepiece's own sampling (its
 # input_sentence_size refuses 1 to 100), kept for the sample drawn here.
