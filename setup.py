@@ -64,8 +64,8 @@ def _extension_build():
         arch_list = default_cuda_arch_list(torch, nvcc)
         if arch_list:
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
-            print(f"megatron-jreg: no GPU is visible; building for TORCH_CUDA_ARCH_LIST={arch_list} "
-                  "(set it to choose others)")
+            print("megatron-jreg: no GPU is visible; building for "
+                  f"TORCH_CUDA_ARCH_LIST={arch_list} (set it to choose others)")
         print("megatron-jreg: building the fused displacement kernel for CPU and CUDA")
         ext = CUDAExtension(
             "megatron_jreg._C",

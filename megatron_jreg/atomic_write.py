@@ -1,14 +1,10 @@
 """Write output files under a temporary name and rename them into place; one writer each.
 
 A reader (or a crashed run) never sees a half-written JSON, CSV or PNG, and what lands has
-the mode a plain ``open(path, "w")`` gives (0666 & ~umask), not mkstemp's 0600.
-
-One writer per output is writer_lock.py's. Temporary names carry :func:`temp_marker` (pid
-and a random part) and the lock file records it, so taking over the lock of a SIGKILLed
-writer removes exactly that writer's temporaries beside the output, never a live writer's
-(a reused pid has another random part).
-:func:`signals_as_interrupt` turns SIGTERM/SIGHUP into KeyboardInterrupt, so the cleanup
-of temporary files that Ctrl-C runs also runs for a ``kill``.
+the mode a plain ``open(path, "w")`` gives. Temporary names carry :func:`temp_marker`, which
+writer_lock.py records, so a takeover removes exactly a dead writer's temporaries;
+:func:`signals_as_interrupt` turns SIGTERM/SIGHUP into KeyboardInterrupt so they are
+cleaned up after a ``kill`` too.
 """
 
 from __future__ import annotations
@@ -140,7 +136,7 @@ def give_open_modes(directory: str) -> None:
     to the one ``os.mkdir`` gives: writers that stage through mkstemp (safetensors' 0600
     ``model.safetensors``) would otherwise keep others out of what is renamed into place."""
     umask = _umask()
-    for root, dirs, files in os.walk(directory):
+    for root, _dirs, files in os.walk(directory):
         os.chmod(root, 0o777 & ~umask)
         for name in files:
             path = os.path.join(root, name)

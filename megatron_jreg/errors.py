@@ -33,7 +33,8 @@ def missing_extra(package: str, extra: str, purpose: str) -> InputError:
     """The error for an optional dependency that is not installed."""
     return InputError(
         f"{package} is not installed but is needed for {purpose}; "
-        f"install it from the repository root with `pip install --no-build-isolation -e \".[{extra}]\"`"
+        "install it from the repository root with "
+        f"`pip install --no-build-isolation -e \".[{extra}]\"`"
     )
 
 

@@ -1,21 +1,11 @@
 """The JREG math as pure functions: displacement, jump rates, layer weights.
 
-Definitions (Shibata et al., "Suppressing Final Layer Hidden State Jumps in Transformer
-Pretraining"):
-
-    psi_l(token) = (1 - cos(h_{l-1}, h_l)) / 2                      in [0, 1]
-    Psi_l        = mean of psi_l over counted (unmasked) tokens
-    zeta_l       = 100 * sum_{k=l..L} max(0, Psi_k - Psi_{k-1}),     2 <= l <= L
-                   (NaN when any Psi_k, k >= l-1, is not finite; never 0)
-    R            = sum_l w_l(alpha) * Psi_l,   L_total = L_CE + lambda * R
-
-with cos(a, b) = dot(a, b) / max(|a||b|, EPS). The per-token psi is an op with a fused
-kernel and a pure-PyTorch reference (``megatron_jreg.ops.displacement``); everything after
-it, the masked mean Psi_l, the weights w_l, R and zeta_l, is here, and the training layer
-(``megatron_jreg.model.jreg_layer``) calls these functions.
-
-This module imports neither megatron, torch.distributed nor ``megatron_jreg.ops``: anyone
-can read and test it.
+Shibata et al., "Suppressing Final Layer Hidden State Jumps in Transformer Pretraining":
+psi_l = (1 - cos(h_{l-1}, h_l)) / 2 per token, Psi_l its masked mean, w_l(alpha) the layer
+weights, R = sum_l w_l Psi_l and the jump rate zeta_l (docs/design.md, "The math"). The
+per-token psi is ``megatron_jreg.ops.displacement``; the training layer
+(``megatron_jreg.model.jreg_layer``) calls these functions. Imports neither megatron,
+torch.distributed nor ``megatron_jreg.ops``: anyone can read and test it.
 """
 
 from __future__ import annotations
@@ -138,10 +128,12 @@ def regularizer(psi: Union[Sequence[float], torch.Tensor],
     if isinstance(psi, torch.Tensor):
         weights = torch.as_tensor(weights)
         if psi.shape != weights.shape:
-            raise ValueError(f"regularizer: {psi.numel()} displacements for {weights.numel()} weights")
+            raise ValueError(
+                f"regularizer: {psi.numel()} displacements for {weights.numel()} weights")
         return (psi * weights.to(psi)).sum()
     values = [float(p) for p in psi]
-    w: List[float] = weights.tolist() if isinstance(weights, torch.Tensor) else [float(x) for x in weights]
+    w: List[float] = (weights.tolist() if isinstance(weights, torch.Tensor)
+                      else [float(x) for x in weights])
     if len(values) != len(w):
         raise ValueError(f"regularizer: {len(values)} displacements for {len(w)} weights")
     return float(sum(w_l * p for w_l, p in zip(w, values)))

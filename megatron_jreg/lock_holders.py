@@ -208,7 +208,20 @@ def takeover_reason(holder: Dict, age: Optional[float], host: str, job: Dict,
                     path: str = "") -> Optional[str]:
     """Why ``holder`` (the record of lock file ``path``, whose heartbeat is ``age`` seconds
     old) is gone, seen from a process on ``host`` in Slurm ``job``; None when it may be
-    alive."""
+    alive. A holder is gone when:
+
+    - the same Slurm job (``SLURM_JOB_ID``) was requeued, on any host: this process's
+      ``SLURM_RESTART_COUNT`` is higher than the holder's;
+    - on the same host, the holder ran before the host's last boot, or no process holds the
+      file's ``flock`` any more (a SIGKILL, an OOM kill, a container restarted with the same
+      pid 1), or, for a record without the ``flock``: its pid is not running, is this very
+      process, or belongs to a process that started at another time (or, for an earlier
+      version's record, after the lock was taken);
+    - on another host, the heartbeat is older than the lease (``LEASE_S``, 600 s, or
+      ``MEGATRON_JREG_LOCK_LEASE_S``): the node died or lost the file system.
+
+    A live holder keeps its lock; an earlier version's lock (no lease) on another host
+    cannot be judged and holds."""
     theirs, restart = holder.get("slurm_job_id"), holder.get("slurm_restart_count")
     if (theirs and theirs == job["slurm_job_id"] and isinstance(restart, int)
             and job["slurm_restart_count"] > restart):

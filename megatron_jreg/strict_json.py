@@ -1,4 +1,5 @@
-"""JSON as the trainer and the analysis tools write it: strict, with ``null`` for a non-finite number.
+"""JSON as the trainer and the analysis tools write it: strict, with ``null`` for a
+non-finite number.
 
 ``json.dumps`` writes NaN and infinities as the bare words ``NaN``/``Infinity``, which
 are not JSON (strict parsers, ``jq`` and JavaScript reject the file). A NaN displacement

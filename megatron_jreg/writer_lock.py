@@ -1,30 +1,11 @@
 """One writer per output: a lock file naming its holder, taken over only from a holder that is
 provably gone.
 
-The lock is created with ``O_CREAT | O_EXCL`` (of two processes starting together exactly
-one wins) and holds the holder's host, pid, who that pid is (the host's boot id, the pid
-namespace and the process's start time, :func:`process_identity`), run id, temporary-name
-tag (:func:`atomic_write.temp_marker`), Slurm job id and restart count, and its lease. The
-holder also keeps an ``flock`` on the file for as long as it lives: the kernel drops it when
-the process ends, however it ends, in whatever pid namespace it ran. While it holds the
-lock, the holder refreshes the file's modification time every ``lease / 10`` seconds (the
-heartbeat). A lock is taken over when its holder is gone (:func:`takeover_reason`):
-
-- the same Slurm job (``SLURM_JOB_ID``) requeued, on any host: this process's
-  ``SLURM_RESTART_COUNT`` is higher than the holder's;
-- the same host, and the holder ran before the host's last boot, or no process holds the
-  file's ``flock`` any more (a SIGKILL, an OOM kill, a container restarted with the same
-  pid 1), or, for a record without the ``flock``: its pid is not running, is this very
-  process, or belongs to a process that started at another time (or, for an earlier
-  version's record, after the lock was taken);
-- another host, and the heartbeat is older than the lease (:data:`LEASE_S`, 600 s, or
-  ``MEGATRON_JREG_LOCK_LEASE_S``): the node died or lost the file system.
-
-A live holder keeps its lock. A lock of an earlier version (no lease) on another host
-cannot be judged and holds. Each takeover prints one line naming the holder and the rule
-that applied. A holder whose lock was taken over (its lease lapsed while it was stopped,
-say) learns it from :meth:`WriterLock.still_held` and writes nothing more (the trainer
-checks before each save).
+The lock is created with ``O_CREAT | O_EXCL``, records its holder (host, pid and process
+identity, run id, temporary-name tag, Slurm job, lease), keeps an ``flock`` and a heartbeat,
+and is taken over only by the rules of ``lock_holders.takeover_reason``. The trainer's
+``--save`` lock (``checkpoint.save_lock``) and the tools' outputs (:func:`output_lock`) use
+it; a holder checks :meth:`WriterLock.still_held` before it writes.
 """
 
 from __future__ import annotations
@@ -109,7 +90,14 @@ def _heartbeat_age(path: str) -> Optional[float]:
 
 
 class WriterLock:
-    """The lock file ``path`` (see the module's docstring). :meth:`acquire` returns None
+    """The lock file ``path``, created with ``O_CREAT | O_EXCL`` (of two processes starting
+    together exactly one wins). Its record names the holder: host, pid and who that pid is
+    (the host's boot id, the pid namespace and the process's start time,
+    :func:`process_identity`), run id, temporary-name tag (:func:`atomic_write.temp_marker`),
+    Slurm job id and restart count, and its lease. The holder also keeps an ``flock`` on the
+    file for as long as it lives (the kernel drops it when the process ends, however it ends,
+    in whatever pid namespace it ran) and refreshes the file's modification time every
+    ``lease / 10`` seconds (the heartbeat). :meth:`acquire` returns None
     when it took the lock, a warning line when it took over a gone holder's, and raises
     :meth:`busy`'s error when a live process holds it. The record's ``temp_tag`` names the
     holder's temporaries; :meth:`remove_leftovers` removes a gone holder's at takeover."""

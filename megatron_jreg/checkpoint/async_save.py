@@ -2,29 +2,10 @@
 persistent worker (``--use-persistent-ckpt-worker``), on megatron-core's async machinery
 (``dist_checkpointing.save(..., async_sharded_save=True)``, ``AsyncCallsQueue``).
 
-A save in three parts (``dist_checkpoint.save_checkpoint`` given an :class:`AsyncSaver`):
-
-- in the training loop, the time it is blocked: the non-finite check, the state dict,
-  ``common.pt`` (rank 0), the save plan (a collective), and a host copy of this rank's
-  share of the tensors;
-- in the background: one worker process per rank (megatron-core's
-  ``PersistentAsyncCaller``, started at the first save) writes those copies as the
-  ``.distcp`` shards into ``iter_N.partial-RUNID``;
-- at a later step, on every rank (:meth:`AsyncSaver.finalize`, collective): once every
-  rank's worker is done, megatron-core gathers the write results and writes ``.metadata``
-  and ``metadata.json``, raising on every rank when a rank's write failed; then the save
-  is completed as a synchronous one is (run config, manifest over the written files,
-  completion marker, rename, tracker). Until then nothing marks the iteration.
-
-One save is in flight at a time: a save waits for the one before. A run that ends on an
-error abandons a pending save (its worker is killed, its directory stays ``.partial`` and
-the next run on that ``--save`` removes it); a killed trainer takes its worker with it.
-
-Why the host copy: megatron-core's worker copies device tensors to the host itself
-before the trainer goes on (its ``preload_fn``), but takes host tensors by reference, and
-the next optimizer steps would change them while they are written: on a CPU every tensor
-is such a tensor (megatron-core notes it as a TODO at ``_clone_if_needed``). Copying every
-tensor here gives both devices one path, and the worker needs no device at all.
+``dist_checkpoint.save_checkpoint`` given an :class:`AsyncSaver` blocks only for the state
+dict, the save plan and a host copy of this rank's tensors; a worker process per rank writes
+the shards; :meth:`AsyncSaver.finalize` (collective, at a later step) completes the save as a
+synchronous one is. One save is in flight at a time.
 """
 
 from __future__ import annotations
@@ -144,8 +125,13 @@ class _Worker(PersistentAsyncCaller):
 
 
 def _host_copies(request: AsyncRequest) -> AsyncRequest:
-    """``request`` writing a copy of each of its tensors in host memory, taken now (see the
-    module's docstring)."""
+    """``request`` writing a copy of each of its tensors in host memory, taken now.
+
+    megatron-core's worker copies device tensors to the host itself before the trainer goes
+    on (its ``preload_fn``), but takes host tensors by reference, and the next optimizer
+    steps would change them while they are written: on a CPU every tensor is such a tensor
+    (megatron-core notes it as a TODO at ``_clone_if_needed``). Copying every tensor here
+    gives both devices one path, and the worker needs no device at all."""
     if request.async_fn is None:  # nothing to write on this rank
         return request
     # FileSystemWriterAsync.get_save_function_and_args: (rank, write buckets, results queue)

@@ -1,19 +1,10 @@
 """The one catalog of a save directory: which iterations are whole, which to read, what a
 killed save left. Every reader and the writer ask it; nothing else decides wholeness.
 
-An iteration is whole when its directory holds our completion marker (a save of ours), or,
-holding none of our files, dist-checkpointing's last files (another megatron-core program:
-Megatron-LM). A save killed after its marker, in its renames, left its whole copy under a
-temporary name (interrupted.py): readers read that copy where it is (they hold no lock and
-never rename), the next writer renames it. The tracker names the latest save; without one
-(a kill before its update, a copy by hand) the newest whole iteration is read.
-
-Two of Megatron-LM's layouts are recognised and named: its legacy ``--ckpt-format torch``
-iterations (``mp_rank_00/model_optim_rng.pt``, ``mp_rank_00_000/`` with pipeline stages),
-which dist-checkpointing cannot read (a fault naming Megatron-LM's conversion), and its
-``release`` tracker and ``release/`` directory: the released weights, which Megatron-LM
-reads as iteration 0 without optimizer or random state (megatron/training/checkpointing.py
-``read_metadata``, ``get_checkpoint_name``), and so does every reader here.
+An iteration is whole when it holds our completion marker, or, holding none of our files,
+dist-checkpointing's last files (Megatron-LM). The tracker names the latest save; without one
+the newest whole iteration is read. Megatron-LM's legacy ``--ckpt-format torch`` iterations
+are named (with their conversion), and its ``release/`` directory is read as iteration 0.
 """
 
 from __future__ import annotations
@@ -142,7 +133,8 @@ class Catalog:
         if iteration is None:
             if self.tracker is None:
                 if self.own_iteration is not None:
-                    raise faults.IterationDirectoryGiven(root=self.root, iteration=self.own_iteration)
+                    raise faults.IterationDirectoryGiven(
+                        root=self.root, iteration=self.own_iteration)
                 if self.own_legacy is not None:
                     base = os.path.basename(os.path.normpath(self.root))
                     raise faults.LegacyTorchFormat(path=self.root, shard=self.own_legacy,

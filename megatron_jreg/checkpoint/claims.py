@@ -1,14 +1,11 @@
 """What a checkpoint says its model is, compared with the tensors it lists, before either is
 believed.
 
-An iteration describes its model twice: in words (``run_config.yaml``'s model section, or
-Megatron-LM's ``args`` in ``common.pt``) and in the global shape of every tensor its
-``.metadata`` lists. :func:`check` compares the two before any model is built or any tensor
-read (``formats.describe`` calls it, so every reader goes through it): the layer count, the
-hidden size, the attention, MLP and expert sizes (``model.weight_shapes``), and the bytes the
-listed tensors take against the bytes of the shard files. A claim the tensors do not bear
-out (``num_layers: 100000`` over tensors of 4 layers) is one line naming the field, its
-value and what the tensors hold, not a model built to the claim until memory runs out.
+:func:`check` (called by ``formats.describe``, so every reader goes through it) compares the
+model section of ``run_config.yaml`` (or Megatron-LM's ``args``) with the global shapes
+``.metadata`` lists (``model.weight_shapes``) and the bytes of the shard files, before any
+model is built: a claim the tensors do not bear out is one line naming the field, its value
+and what the tensors hold.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
-"""Checkpoints in Megatron's layout with dist-checkpointing (torch_dist), readable and
-resumable by Megatron-LM, and reading Megatron-LM's.
+"""Saving a checkpoint in Megatron's layout with dist-checkpointing (torch_dist), readable
+and resumable by Megatron-LM.
 
     SAVE/latest_checkpointed_iteration.txt
-    SAVE/iter_0000100/            dist-ckpt shards, .metadata, common.pt, metadata.json
-                      run_config.yaml     the resolved config of the run
-                      tokenizer/          a Hugging Face tokenizer's files, carried
-                      jreg_manifest.json  per-file CRC-32 (manifest.py)
-                      jreg_complete.json  written last: the directory is whole
+    SAVE/iter_0000100/  dist-ckpt shards, .metadata, common.pt, metadata.json,
+                        run_config.yaml, tokenizer/, jreg_manifest.json, jreg_complete.json
 
-The common state carries Megatron-LM's fields beside ours: ``args`` (the run as
-Megatron-LM's argument namespace, megatron_lm_args.py), ``checkpoint_version`` 3.0,
-``iteration``, ``opt_param_scheduler``, ``num_floating_point_operations_so_far``; the
-random state is Megatron-LM's sharded ``rng_state`` (rng_state.py). The distributed
-optimizer is saved ``dp_reshardable`` (Megatron-LM's default) or, with
-``--dist-ckpt-optim-fully-reshardable``, ``fully_reshardable``; the content metadata says
-which, and a load reads it from there.
-
-A save goes to ``iter_XXXXXXX.partial-RUNID`` and is renamed once every rank has written;
-the tracker file is replaced atomically after that. The tensors are written before
-``save_checkpoint`` returns, or in the background (``--async-save``, async_save.py), when
-the rest waits for the finalize that follows every rank's writes. The tensors that
-data-parallel ranks hold alike are written by the first of them, or spread over them all
-(``--ckpt-fully-parallel-save``); either way the checkpoint holds the same. Which
-iterations are whole is the catalog's (catalog.py); reading is the trusted open's
-(trusted.py), the descriptor's (formats.py) and loading.py's. Non-finite parameters are
-never saved.
+The trainer's ``training.checkpointing`` calls :func:`save_checkpoint`; a save goes to
+``iter_N.partial-RUNID`` and is renamed once every rank has written. Reading is catalog.py's,
+trusted.py's, formats.py's and loading.py's.
 """
 
 from __future__ import annotations

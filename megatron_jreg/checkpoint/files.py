@@ -10,8 +10,8 @@ import stat
 
 from megatron_jreg.checkpoint.faults import DamagedFile, UnsafeCheckpoint
 
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a link"}
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a link"}
 
 
 def kind_of(mode: int) -> str:

@@ -127,12 +127,14 @@ def describe(opened: trusted.Opened) -> IterationFormat:
     configs, has_run_config = _configs(opened)
     rows = entries.get(EMBEDDING_KEY)
     if not rows and opened.metadata is not None:
-        raise faults.NotAModel(root=opened.ref.root,
-                               detail=f"{opened.path} holds no {EMBEDDING_KEY}; not a GPT checkpoint")
+        raise faults.NotAModel(
+            root=opened.ref.root,
+            detail=f"{opened.path} holds no {EMBEDDING_KEY}; not a GPT checkpoint")
     # the architecture claimed, compared with the tensors listed, before anything is built
     if has_run_config:
         claimed_by = f"{os.path.join(opened.path, catalog.RUN_CONFIG)}: model"
-        fix = f"{catalog.RUN_CONFIG} does not describe these weights; restore the one saved with them"
+        fix = (f"{catalog.RUN_CONFIG} does not describe these weights; "
+               "restore the one saved with them")
     else:
         claimed_by = f"{os.path.join(opened.path, COMMON_FILE)}: args"
         fix = ("the checkpoint's args do not describe its weights; it was edited or damaged: "

@@ -2,28 +2,11 @@
 
     python tools/convert_from_hf.py --hf-model DIR --save CKPT
 
-The architecture becomes the run config's model section (the flags a trainer run with
-this architecture would have been given), the weights become megatron-core GPTModel
-tensors under the names ``to_hf``'s docstring lists, and the tokenizer files are
-copied into the iteration directory (``tokenizer/``), so the checkpoint needs nothing
-else later. The checkpoint is written by the trainer's own save (dist-checkpointing,
-manifest, completion marker, renamed when whole) at iteration 0, so ``--load``,
-``--pretrained-checkpoint``, ``eval_jump --load`` and ``convert_to_hf --load`` read it.
-
-dist-checkpointing stores each tensor whole, whatever layout wrote it, and reshards it at
-load: the files are the same for every TP/PP. ``--tensor-model-parallel-size`` and
-``--pipeline-model-parallel-size`` check that the model splits at that layout (heads,
-query groups, FFN and vocabulary by TP; layers by PP) before anything is written, and
-are recorded as the layout the checkpoint was prepared for.
-
-What the model families here cannot represent is refused by name, never approximated:
-RoPE scaling (Llama 3.x ``llama3``, ``yarn``, ...), sliding-window attention, biases or
-activations the family does not have, a head dim other than hidden / heads, and model
-types that are not Llama, Qwen3, Mixtral or GPT-2. The output layer is what transformers
-builds from the same files: a distinct ``lm_head.weight`` is imported untied, whatever
-``tie_word_embeddings`` says (:func:`untied_output_layer`). The config (a GGUF file's
-architecture first, from its header), its values and ``--save`` are checked before any
-weight is read; non-finite weights are refused by tensor name before anything is written.
+The architecture becomes the run config's model section, the weights become megatron-core
+GPTModel tensors (:mod:`.hf_families`), and the tokenizer files are copied into the
+iteration; the trainer's own save writes it at iteration 0, so every ``--load`` reads it.
+What the model families cannot represent is refused by name, never approximated, and the
+config and ``--save`` are checked before any weight is read (:mod:`.hf_inputs`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 megatron-core GPTModel state dict (TP1, as ``model_loader.load_model`` rebuilds it) ->
 ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` or ``GPT2LMHeadModel``
-names and config; ``to_hf`` writes the directory. The names are listed in
-``to_hf``'s docstring. :func:`megatron_state_dict` is the inverse, for ``from_hf``.
+names and config; ``to_hf`` writes the directory (docs/design.md, "Hugging Face names",
+lists the names). :func:`megatron_state_dict` is the inverse, for ``from_hf``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ def split_qkv(
     qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
 ) -> Dict[str, torch.Tensor]:
     """megatron's fused [groups * (heads/groups + 2) * d, h] QKV -> q, k, v projections."""
+    # megatron's rows are grouped per key/value group g: [q heads of g; k_g; v_g]
+    # (SelfAttention.get_query_key_value_tensors). HF's repeat_kv gives query head i the key
+    # head i // (heads / groups), the same assignment, so q_proj is the groups' query blocks
+    # in order. RoPE needs no permutation: megatron without rotary_interleaved rotates halves
+    # (_rotate_half: cat(-x2, x1)) with inv_freq = base^(-2i/d), HF Llama's convention.
     per_group = num_heads // num_groups
     hidden = qkv.shape[-1]
     expected = num_groups * (per_group + 2) * head_dim
@@ -105,7 +110,8 @@ def megatron_to_hf_state_dict(
         "model.embed_tokens.weight": take("embedding.word_embeddings.weight"),
         "model.norm.weight": take("decoder.final_layernorm.weight"),
     }
-    out["lm_head.weight"] = out["model.embed_tokens.weight"] if tied else take("output_layer.weight")
+    out["lm_head.weight"] = (out["model.embed_tokens.weight"] if tied
+                             else take("output_layer.weight"))
     for i in range(num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
@@ -196,7 +202,8 @@ def hf_config(model_cfg, padded_vocab: int):
 def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.Tensor]:
     """HF names of the run's family for a TP1 GPTModel state dict."""
     family = check_exportable(model_cfg)
-    heads, groups, head_dim = model_cfg.num_attention_heads, model_cfg.query_groups, model_cfg.head_dim
+    heads, groups = model_cfg.num_attention_heads, model_cfg.query_groups
+    head_dim = model_cfg.head_dim
     if family == "gpt2":
         return _gpt2_state_dict(state, model_cfg.num_layers, heads, head_dim,
                                 tied=not model_cfg.untie_embeddings_and_output_weights)
@@ -205,8 +212,10 @@ def hf_state_dict(state: Dict[str, torch.Tensor], model_cfg) -> Dict[str, torch.
     for i in range(model_cfg.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         if family == "qwen3":
-            extra[dst + "self_attn.q_norm.weight"] = state.pop(src + "self_attention.q_layernorm.weight")
-            extra[dst + "self_attn.k_norm.weight"] = state.pop(src + "self_attention.k_layernorm.weight")
+            extra[dst + "self_attn.q_norm.weight"] = state.pop(
+                src + "self_attention.q_layernorm.weight")
+            extra[dst + "self_attn.k_norm.weight"] = state.pop(
+                src + "self_attention.k_layernorm.weight")
         if family == "mixtral":
             extra[dst + "mlp.gate.weight"] = state.pop(src + "mlp.router.weight")
             fc1, fc2 = [], []
@@ -239,8 +248,10 @@ def _gpt2_state_dict(state: Dict[str, torch.Tensor], num_layers: int, num_heads:
         for ours, theirs in _GPT2_NORMS:
             out[dst + f"{theirs}.weight"] = take(src + f"{ours}.weight")
             out[dst + f"{theirs}.bias"] = take(src + f"{ours}.bias")
-        out[dst + "attn.c_attn.weight"] = qkv_cat(take(src + "self_attention.linear_qkv.weight")).t().contiguous()
-        out[dst + "attn.c_attn.bias"] = qkv_cat(take(src + "self_attention.linear_qkv.bias")[:, None])[:, 0]
+        qkv_weight = take(src + "self_attention.linear_qkv.weight")
+        qkv_bias = take(src + "self_attention.linear_qkv.bias")
+        out[dst + "attn.c_attn.weight"] = qkv_cat(qkv_weight).t().contiguous()
+        out[dst + "attn.c_attn.bias"] = qkv_cat(qkv_bias[:, None])[:, 0]
         for ours, theirs in _GPT2_CONV1D:
             out[dst + f"{theirs}.weight"] = take(src + f"{ours}.weight").t().contiguous()
             out[dst + f"{theirs}.bias"] = take(src + f"{ours}.bias")
@@ -306,7 +317,8 @@ def megatron_state_dict(hf_state: Dict[str, torch.Tensor], model_cfg) -> Dict[st
             out[dst + "self_attention.k_layernorm.weight"] = take(src + "self_attn.k_norm.weight")
         if family == "mixtral":
             out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight")
-            gate_up, down = take(src + "mlp.experts.gate_up_proj"), take(src + "mlp.experts.down_proj")
+            gate_up = take(src + "mlp.experts.gate_up_proj")
+            down = take(src + "mlp.experts.down_proj")
             for e in range(model_cfg.num_experts):
                 expert = dst + f"mlp.experts.local_experts.{e}."
                 out[expert + "linear_fc1.weight"] = gate_up[e].contiguous()

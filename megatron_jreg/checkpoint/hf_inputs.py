@@ -78,7 +78,8 @@ def config_before_weights(path: str, hf_model: str):
         try:
             return transformers.AutoConfig.from_pretrained(path)
         except Exception as err:
-            raise InputError(f"--hf-model {hf_model}: cannot read config.json ({brief(err)})") from None
+            raise InputError(
+                f"--hf-model {hf_model}: cannot read config.json ({brief(err)})") from None
     architecture = gguf_architecture(path)
     if architecture not in FAMILIES:
         raise InputError(

@@ -1,24 +1,10 @@
 """What a save killed midway leaves in its directory, and how the next writer puts it right.
 
-A save of iteration N is written to ``iter_N.partial-RUNID``. Once every rank's files and
-the manifest are there, rank 0 writes the completion marker into it; then only renames are
-left (``dist_checkpoint._complete``): an ``iter_N`` already there (the run resumed from an
-earlier iteration) moves to ``iter_N.replaced-RUNID``, the partial becomes ``iter_N``, the
-replaced copy is removed and the tracker file is updated.
-
-The rule: a save is committed once its marker is written. After that the directory is
-whole and nothing but renames remains, so a kill is finished, not undone: a whole partial
-becomes ``iter_N`` (a present ``iter_N`` is the copy it was replacing). Without a whole
-partial, an ``iter_N.replaced-*`` with no ``iter_N`` beside it is put back: it is what
-``iter_N`` was before (a kill between the two renames of a partial that was then removed
-by hand). Either way no iteration ever saved is left without an ``iter_N``, and what
-remains is never the only copy of an iteration: partials without the marker (saves that
-never finished) and replaced copies of a present ``iter_N``; the writer removes those
-(``training.checkpointing``). The tracker is left alone: it names the last save that
-finished in full, and a resume from it takes the same steps again.
-
-Readers never rename (they may not hold the lock): the catalog (catalog.py) tells them
-where an iteration missing under its own name is whole, and they read it there.
+A save is committed once its completion marker is written; a kill after that is finished,
+not undone: :func:`left_whole_of` finds the whole copy left under a temporary name
+(``iter_N.partial-RUNID`` or ``iter_N.replaced-RUNID``) and :func:`finish_interrupted_saves`
+(the writer, ``training.checkpointing``, holding the lock) renames it to ``iter_N``.
+Readers never rename: the catalog (catalog.py) tells them where such a copy is.
 """
 
 from __future__ import annotations

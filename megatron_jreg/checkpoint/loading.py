@@ -1,15 +1,10 @@
 """Loading one torch_dist iteration, whoever saved it: this project (any earlier version),
 Megatron-LM, a Transformer Engine or a local-spec model.
 
-Before any tensor is read, the model's requests are compared with the checkpoint's
-metadata (state_keys.py): a missing or unexpected weight, or one of another shape, is
-named; Transformer Engine's ``_extra_state`` entries present on one side only are left
-out and said once. The distributed optimizer's format comes from the checkpoint's content
-metadata. The schedule, the samples consumed, the FLOPs so far and the random state are
-read under whichever names the checkpoint holds them (ours, Megatron-LM's, an earlier
-version's); a checkpoint without a random state says so in one line. A fully parallel load
-(``--ckpt-fully-parallel-load``) reads each tensor several data-parallel ranks need once
-and sends it to the others.
+:func:`load_checkpoint` (the trainer's resume, ``model_loader``) compares the model's
+requests with the checkpoint's metadata (state_keys.py) before any tensor is read, then loads
+through the trusted open (trusted.py); the schedule, train state and random state are read
+under whichever names the checkpoint holds them.
 """
 
 from __future__ import annotations
@@ -117,7 +112,8 @@ def _load_modules(model_chunks, loaded: Dict, path: str) -> None:
         off = [k for k in (*result.missing_keys, *result.unexpected_keys)
                if not k.endswith(EXTRA_STATE)]
         if off:
-            raise CheckpointError(f"checkpoint {path} does not fit this model: {', '.join(off[:4])}")
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: {', '.join(off[:4])}")
 
 
 def _fully_parallel_group():

@@ -1,14 +1,9 @@
 """Per-file checksums of an iteration directory, written before its completion marker.
 
 ``jreg_manifest.json`` maps every file's path (relative to the iteration directory) to its
-size and CRC-32. A load checks both before reading a tensor and names the file that
-changed: dist-checkpointing itself has no checksums, and a flipped bit in a ``.distcp``
-shard otherwise loads silently (an exponent flip later reads as a NaN loss).
-
-CRC-32 from zlib: no extra dependency, about 3.8 GB/s on one core here, and zlib drops the
-GIL while it hashes, so a thread pool hashes files in parallel. Under torch.distributed
-every rank hashes its share of the files (round-robin over the sorted list) and rank 0
-writes the manifest; ``bench/checkpoint_checksum.py`` measures the cost.
+size and CRC-32: dist-checkpointing has no checksums of its own. The save writes it
+(:func:`write_manifest`, every rank hashing a share) and the trusted open checks it
+(:func:`verify_manifest`), naming the file that changed.
 """
 
 from __future__ import annotations
@@ -87,7 +82,8 @@ def write_manifest(directory: str) -> None:
     rank, world = _rank_world()
     files = [listed_files(directory)]
     if world > 1:
-        dist.broadcast_object_list(files, src=0)  # one list: ranks may see the fs at different times
+        # one list: ranks may see the fs at different times
+        dist.broadcast_object_list(files, src=0)
     mine = files[0][rank::world]
     entries = _gather_to_all(_hash_share(directory, mine))
     if rank == 0:

@@ -1,19 +1,9 @@
 """Megatron-LM's ``args`` in a checkpoint's common state, both ways.
 
-Megatron-LM saves an ``argparse.Namespace``; ours is a ``types.SimpleNamespace`` of the
-same fields (what Megatron-LM itself falls back to when a checkpoint has no args): its
-loaders only get, set and list attributes.
-
-Megatron-LM saves its whole argument namespace with every checkpoint and reads it back:
-for ``--use-checkpoint-args`` (the architecture, tokenizer and layout), to check a resume,
-for the samples consumed so far, and in ``tools/checkpoint``'s converters. This module
-writes that namespace from a resolved run (:func:`megatron_lm_args`), so Megatron-LM
-resumes and converts what we save, and reads one back into this project's config
-sections (:func:`sections_from_args`) for a checkpoint that has no ``run_config.yaml``
-(one Megatron-LM saved). Field names are Megatron-LM's argparse destinations, which the
-config sections already use; the values that differ in meaning are translated here.
-
-Imports neither megatron-core nor the model.
+:func:`megatron_lm_args` writes a resolved run as Megatron-LM's argument namespace (a
+``types.SimpleNamespace`` of its argparse destinations), so Megatron-LM resumes and converts
+what we save; :func:`sections_from_args` reads one back into this project's config sections,
+for a checkpoint without ``run_config.yaml``. Imports neither megatron-core nor the model.
 """
 
 from __future__ import annotations
@@ -148,7 +138,8 @@ def megatron_lm_args(run, *, world_size: int, consumed_samples: int,
         world_size=world_size, data_parallel_size=world_size // (tp * pp * cp),
         consumed_train_samples=int(consumed_samples),
         dist_ckpt_optim_fully_reshardable=fully_reshardable,
-        transformer_impl="transformer_engine" if m.transformer_impl == "transformer_engine" else "local",
+        transformer_impl=("transformer_engine" if m.transformer_impl == "transformer_engine"
+                          else "local"),
     )
     return types.SimpleNamespace(**values)
 
@@ -206,7 +197,8 @@ def sections_from_args(args, where: str) -> Dict[str, object]:
                  make_vocab_size_divisible_by=divisible * tp,
                  transformer_impl=(args.transformer_impl if getattr(args, "transformer_impl", None)
                                    in TRANSFORMER_IMPLS else "local"))
-    if model.get("kv_channels") == model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1)):
+    default_head_dim = model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1))
+    if model.get("kv_channels") == default_head_dim:
         model["kv_channels"] = None  # the default head dim, as our settings say it
     if not getattr(args, "num_experts", None):
         model.pop("moe_ffn_hidden_size", None)

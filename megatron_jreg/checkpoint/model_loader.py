@@ -1,15 +1,9 @@
 """Open one iteration of a megatron-jreg checkpoint as a model, at any TP/PP layout.
 
 Shared by ``eval_jump --load`` (one process, or under torchrun) and
-``tools/convert_to_hf.py``. The run's resolved config (``run_config.yaml`` in the iteration
-directory) rebuilds the model at the requested TP/PP; dist-checkpointing reshards the
-weights from whatever TP/PP/VPP layout wrote them. One process is the TP1 PP1 DP1 case of
-a torchrun world. The model is built with the embedding's row count as saved (read from
-the checkpoint's metadata), not re-padded: checkpoints of earlier versions padded the
-vocabulary per TP size.
-
-Everything a user can get wrong (paths, torn saves, a layout that does not fit, a moved
-tokenizer) raises :class:`InputError` before any weights are read where it can.
+``tools/convert_to_hf.py``. The run's resolved config rebuilds the model at the requested
+TP/PP, with the embedding's rows as saved; dist-checkpointing reshards the weights. What a
+user can get wrong raises :class:`InputError` before any weights are read where it can.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Each rank's random state in a checkpoint, in Megatron-LM's form: the sharded object
-``rng_state`` (one shard per pipeline x tensor rank, replicated over data-parallel ranks)
-holding a list of dicts with Python's, NumPy's and torch's CPU generators, the CUDA
-generator and megatron's model-parallel streams (the RNG tracker: dropout and init under
-tensor parallelism). Megatron-LM's list holds one entry (data-parallel rank 0's); ours holds
-every data-parallel rank's, so each rank resumes its own (Megatron-LM reads entry 0, as it
-does for its own saves). Checkpoints of earlier versions kept one file per rank
-(``rng/rank_NNNNN.pt``, other key names): :func:`set_rng_state` reads those too.
+``rng_state`` (Python's, NumPy's and torch's generators and megatron's model-parallel
+streams), one entry per data-parallel rank so each rank resumes its own.
 
-The tracker's streams are generator states of the device that saved them (mt19937 on a
-CPU, Philox on a GPU). A CPU run saves its CPU streams under a key of ours and, under
-Megatron-LM's names, the CUDA generator and the streams as a GPU run seeded from the same
-seeds holds them before its first draw, so a GPU run (ours or Megatron-LM's, which sets them
-unconditionally) resumes a CPU save without ``--no-load-rng``. A GPU save resumed on a CPU
-keeps the streams this run seeded from ``--seed`` and says so; the host generators are
-restored either way.
+``dist_checkpoint`` saves :func:`sharded_rng_state`; ``loading`` restores it with
+:func:`set_rng_state`, which also reads earlier versions' ``rng/rank_NNNNN.pt`` files and
+a state saved on the other device.
 """
 
 from __future__ import annotations
@@ -103,7 +94,8 @@ def _cuda_streams(state: Dict) -> bool:
             and all(torch.is_tensor(s) and s.numel() == 16 for s in streams.values()))
 
 
-def set_rng_state(state: Dict, report: Callable[[str], None], source: str = "the checkpoint") -> None:
+def set_rng_state(state: Dict, report: Callable[[str], None],
+                  source: str = "the checkpoint") -> None:
     """Restore :func:`rng_state`'s ``state`` (or an earlier version's); ``report`` says once
     when the device streams are not the ones the saving run drew from."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -162,7 +154,8 @@ def sharded_rng_state(loading: bool = False):
             data = [own]
         else:
             data = [None] * dp
-            dist.all_gather_object(data, own, group=ps.get_data_parallel_group(with_context_parallel=True))
+            dist.all_gather_object(
+                data, own, group=ps.get_data_parallel_group(with_context_parallel=True))
     return ShardedObject(SHARDED_KEY, data, shape, offset, replica_id=replica)
 
 

@@ -1,37 +1,12 @@
 """The pickles of a checkpoint are read as data, never as code.
 
-A torch_dist iteration directory holds four kinds of pickle, and the libraries that read
-them would run whatever a crafted one names:
-
-- ``.metadata``, dist-checkpointing's index of the shards: torch's
-  ``FileSystemReader.read_metadata`` reads it with plain ``pickle.load``;
-- the byte entries inside the ``.distcp`` shards (megatron-core's sharded objects: the
-  random state, the distributed optimizer's parameter groups, layers' extra state): torch's
-  ``DefaultLoadPlanner.load_bytes`` reads them with ``torch.load(weights_only=False)``;
-- ``common.pt``, megatron-core's common state: ``torch.load`` with torch's default, which is
-  ``weights_only`` unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set;
-- ``rng/rank_NNNNN.pt``, the random state of this project's earlier versions.
-
-:func:`read_metadata` (then ``index_shape.check_index``), :func:`load_torch_file` and
-:func:`check_byte_entries` read them here, as the trusted open (trusted.py) hands them
-over, before any dependency does: ``.metadata`` with an unpickler that imports only the
-classes dist-checkpointing's index is made of (:data:`METADATA_GLOBALS`: what torch 2.13 and
-megatron-core 0.16.1 write, traced from the saves of every checkpoint kind the tests make),
-the others with ``torch.load(weights_only=True)`` and the numpy classes of a random state
-beside megatron-core's own allow-list (which it registers with torch when imported). A file that
-names anything else is refused in one line (``faults.UnsafeCheckpoint``) and nothing in it
-runs; a file these readers cannot read stops the load as damaged (a reader that stops early
-cannot vouch for the rest of the file).
-
-Allow-listed is not yet bounded: ``.metadata``'s reader also refuses a BUILD on anything but
-a fresh instance of its dataclasses (on a class or enum member it would change that object
-for the whole process) and a memo index past the file's size (the C unpickler allocates
-the memo up to the index). torch's weights_only reader already builds only allow-listed
-instances and keeps its memo in a dict (``torch/_weights_only_unpickler.py``).
-
-Nor is allow-listed yet well-formed: its classes can still make something other than the
-index (a root of nested lists, ``Metadata`` built with ``state_dict_metadata=5``), which its
-readers would meet as an AttributeError wherever a field is first used; ``index_shape.check_index`` refuses it as damaged, naming the field and its type.
+A torch_dist iteration holds four kinds of pickle (``.metadata``, the byte entries inside
+the ``.distcp`` shards, ``common.pt``, earlier versions' ``rng/rank_NNNNN.pt``), and the
+libraries that read them would run whatever a crafted one names. :func:`read_metadata` (an
+unpickler that imports only :data:`METADATA_GLOBALS`), :func:`load_torch_file` and
+:func:`check_byte_entries` (``torch.load(weights_only=True)``) read them first, as the
+trusted open (trusted.py) hands them over; a file naming anything else is refused
+(``faults.UnsafeCheckpoint``) and nothing in it runs.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def scheduler_state(scheduler) -> Dict:
     return state
 
 
-def scheduler_differences(scheduler, saved: Dict, samples_per_iter: int) -> List[Tuple[str, str, str]]:
+def scheduler_differences(scheduler, saved: Dict,
+                          samples_per_iter: int) -> List[Tuple[str, str, str]]:
     """(flag, the flags' value, the checkpoint's value as a flag) for each schedule value
     that differs; a length is in steps (``--lr-decay-iters 100``) where whole, else in
     samples. The WSD values count only where the flags or the checkpoint decay by WSD."""

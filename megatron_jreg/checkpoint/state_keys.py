@@ -28,7 +28,8 @@ def is_extra_state(key: str) -> bool:
     return base_key(key).endswith(EXTRA_STATE)
 
 
-def checkpoint_entries(entries: Dict[str, Optional[Tuple[int, ...]]]) -> Dict[str, Optional[Tuple[int, ...]]]:
+def checkpoint_entries(
+        entries: Dict[str, Optional[Tuple[int, ...]]]) -> Dict[str, Optional[Tuple[int, ...]]]:
     """Key -> global shape of each tensor the checkpoint holds (None for objects), from the
     trusted open's ``Opened.entries()``."""
     return {base_key(k): shape for k, shape in entries.items()}
@@ -81,7 +82,8 @@ class Comparison:
         for what, keys in (("lacks", self.missing), ("holds entries this model does not have:",
                                                      self.unexpected)):
             if keys:
-                shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+                more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+                shown = ", ".join(keys[:4]) + more
                 parts.append(f"the checkpoint {what} {shown}")
         if self.shapes:
             parts.append("shapes differ: " + "; ".join(self.shapes[:3])

@@ -2,45 +2,10 @@
 
     python tools/convert_to_hf.py --load CKPT [--iteration N] --output DIR
 
-The family follows from the run's architecture flags (``ModelConfig.family``): the Llama
-form exports as ``LlamaForCausalLM``, the GPT-2 form as ``GPT2LMHeadModel``, Qwen3 (query/key
-norms) as ``Qwen3ForCausalLM`` and Mixtral (mixture of experts) as ``MixtralForCausalLM``;
-an architecture no family has is refused in one line. The weights come from the TP1 PP1
-model that :func:`model_loader.load_model` rebuilds (any saved layout), on one process.
-Llama names, from megatron-core's local layer spec:
-
-    embedding.word_embeddings.weight                 -> model.embed_tokens.weight
-    decoder.layers.i.input_layernorm.weight          -> model.layers.i.input_layernorm.weight
-    decoder.layers.i.self_attention.linear_qkv.weight -> q_proj, k_proj, v_proj (see below)
-    decoder.layers.i.self_attention.linear_proj.weight -> self_attn.o_proj.weight
-    decoder.layers.i.pre_mlp_layernorm.weight        -> post_attention_layernorm.weight
-    decoder.layers.i.mlp.linear_fc1.weight = [gate; up] -> mlp.gate_proj, mlp.up_proj
-    decoder.layers.i.mlp.linear_fc2.weight           -> mlp.down_proj.weight
-    decoder.final_layernorm.weight                   -> model.norm.weight
-    output_layer.weight                              -> lm_head.weight
-
-megatron's fused QKV rows are grouped per key/value group g: [q heads of g; k_g; v_g]
-(``SelfAttention.get_query_key_value_tensors``). HF's repeat_kv gives query head i the key
-head i // (heads / groups), which is the same assignment, so q_proj is the groups' query
-blocks in order. megatron's RoPE without ``rotary_interleaved`` rotates halves
-(``_rotate_half``: cat(-x2, x1)) with inv_freq = base^(-2i/d), HF Llama's convention.
-
-The other families differ from it as follows:
-
-- Qwen3: ``self_attention.{q,k}_layernorm.weight`` -> ``self_attn.{q,k}_norm.weight``.
-- Mixtral: ``mlp.router.weight`` -> ``mlp.gate.weight``; expert e's ``linear_fc1`` ([gate;
-  up]) and ``linear_fc2`` -> ``mlp.experts.gate_up_proj[e]`` and ``mlp.experts.down_proj[e]``.
-  megatron's router takes the top k logits and a softmax over them, which is HF's softmax,
-  top k and renormalisation.
-- GPT-2: Conv1D weights are stored [in, out] (transposed); ``c_attn`` is [q; k; v] over all
-  heads (megatron's rows are per head: [q_h; k_h; v_h]), biases likewise; LayerNorm
-  weights and biases; ``embedding.position_embeddings`` -> ``wpe``; the output layer is the
-  embedding (tied) unless the run has ``--untie-embeddings-and-output-weights``
-  (``output_layer.weight`` -> ``lm_head.weight``, ``tie_word_embeddings: false``); megatron's
-  GeLU is the exact one (HF ``gelu``, not ``gelu_new``).
-
-The vocabulary keeps the checkpoint's padded size (the extra rows are never produced by
-the tokenizer), and the embeddings stay tied or untied, as trained.
+The family follows from the run's architecture flags (``ModelConfig.family``): Llama, Qwen3,
+Mixtral or GPT-2; an architecture no family has is refused in one line. The weights come
+from the TP1 PP1 model that :func:`model_loader.load_model` rebuilds (any saved layout), on
+one process, renamed by :mod:`.hf_families`; the tokenizer is written beside them.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The one trusted open of an iteration directory, and the only reader of its files.
 
-:func:`open_iteration` checks, before anything is unpickled:
-
-- every entry of the directory is a regular file or a directory, or a link to one inside
-  it (a FIFO, device, socket or link out of it is refused: nothing waits on a writer or
-  reads another run's files);
-- ``.metadata`` and ``common.pt`` are each read once, into memory, from a descriptor that
-  is a regular file, compared with the manifest's size and CRC-32, and unpickled from those
-  bytes under their allow-lists (safe_pickle.py); every storage file ``.metadata`` names is
-  a plain name of a regular file in the directory (no ``..``, no absolute path).
-
-The handle (:class:`Opened`) then serves the common state, the tensors' metadata, the
-earlier versions' random state files, and :meth:`Opened.load`: megatron-core's load, given
-the metadata and common state already read (no second read of either file, nothing read
-but what was checked), after the shards' checksums (collective) and the pickled entries in
-them are checked. This module alone imports dist-checkpointing's and torch DCP's readers
-(``tests/test_package_structure.py``); megatron-core is imported only when a load needs it.
+:func:`open_iteration` checks, before anything is unpickled, that every entry is a regular
+file or directory inside it, reads ``.metadata`` and ``common.pt`` once into memory, checks
+them against the manifest and unpickles them under allow-lists (safe_pickle.py). The handle
+(:class:`Opened`) serves the common state, the metadata and megatron-core's load over them.
+This module alone imports dist-checkpointing's and torch DCP's readers.
 """
 
 from __future__ import annotations

@@ -2,17 +2,10 @@
 cache, or a GGUF file.
 
 ``--hf-model`` of ``eval_jump``, ``eval_downstream`` and ``convert_from_hf`` takes any of
-the three; nothing is downloaded (the hub is read offline, from the cache only).
-
-- a directory written by ``save_pretrained`` (``config.json`` and the weight files);
-- a hub id such as ``HuggingFaceTB/SmolLM2-135M`` whose snapshot is in the local cache
-  (``HF_HOME`` / ``HF_HUB_CACHE``), resolved to that snapshot directory;
-- a ``.gguf`` file, which transformers (with the ``gguf`` package) reads and dequantizes;
-  :func:`dequantize_gguf` writes it out as a plain directory once, so the other tools and
-  the trainer read ordinary safetensors.
-
-Before any of them is built, :mod:`.claims` compares the architecture its config.json (or
-GGUF metadata) claims with the shapes its weight files list (:mod:`.weight_headers`).
+the three through :func:`resolve_hf_model`; nothing is downloaded (the hub is read from the
+cache only), and a GGUF file is dequantized once into a plain directory
+(:func:`dequantize_gguf`). Before any model is built, :mod:`.claims` checks the config
+against the weight files' headers (:mod:`.weight_headers`).
 """
 
 from __future__ import annotations

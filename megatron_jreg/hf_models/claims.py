@@ -1,24 +1,10 @@
 """What a Hugging Face model's config claims about its architecture, checked against what
 its weight files list, before any model is built or any tensor read.
 
-transformers builds the model config.json (or a GGUF file's metadata) describes and only
-then loads the weights into it: ``num_hidden_layers: 1000000`` beside the weights of 6
-layers builds for minutes, gigabytes and growing, before any mismatch is seen. The files
-list every tensor's shape in a header that costs next to nothing to read: safetensors and
-``pytorch_model.bin`` files through :mod:`megatron_jreg.hf_models.weight_headers`; a
-``.gguf`` file through the gguf package's reader, which parses the metadata and tensor
-index of the memory-mapped file, no tensor data (the metadata keys transformers turns
-into config fields, its ``GGUF_CONFIG_MAPPING``, are the claims).
-
-Each architecture field (layers, hidden size, heads, key/value heads, head_dim, FFN size,
-vocabulary) is type-checked, then compared with the shapes the weights give for it (the
-decoder stack's layer indices, the embedding's rows, the layer norms' size, the query and
-key projections' rows, the dense FFN's size). A field the weights say nothing about (a
-naming no rule here knows, a directory without weight files) is held to a bound no model
-reaches. Each problem is one InputError: ``<file>: <field> is <value>, ...``.
-:func:`check_claims` is called by ``hf_models.resolve_hf_model``, which every reader of a
-Hugging Face model goes through (convert_from_hf, eval_jump ``--hf-model``,
-eval_downstream).
+:func:`check_claims` (called by ``hf_models.resolve_hf_model``) type-checks each
+architecture field of config.json or GGUF metadata and compares it with the shapes in the
+weight files' headers (:mod:`.weight_headers`, the gguf reader); a field the weights say
+nothing about is held to a bound no model reaches. Each problem is one InputError.
 """
 
 from __future__ import annotations

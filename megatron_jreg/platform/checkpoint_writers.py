@@ -1,39 +1,10 @@
 """megatron-core's checkpoint writer processes end with the process that forked them.
 
-megatron-core 0.16.1 writes every torch_dist save, synchronous ones included, through
-``FileSystemWriterAsync.write_preloaded_data_multiproc``
-(``dist_checkpointing/strategies/filesystem_async.py:235-333``): it forks one process per
-file (``ctx = mp.get_context("fork")``, line 266) and waits for them on two queues that only
-it feeds and reads. A trainer killed mid-save (SIGKILL, the out-of-memory killer, a node
-agent) leaves those writers blocked for ever, on a queue item its feeder thread never sent
-or on flushing their results into a pipe no one reads: orphans that hold a copy of the
-trainer's memory, seen in 3 of 10 kills during a save. They also inherit the trainer's
-SIGTERM handler (``training.signals``), which only sets a flag, so ``kill`` does not end
-them. (The handler stays: under Slurm, a SIGTERM to every process of the job lets a save
-in flight finish before the trainer saves and exits.)
-
-:func:`fix_writers_die_with_parent` wraps the fork and the writer's body (class attributes:
-megatron-core reads them at each save, ``partial(FileSystemWriterAsync.write_preloaded_data,
-...)``), and the save of ``common.pt``:
-
-- each forked writer asks Linux to SIGKILL it when the process that forked it dies
-  (``PR_SET_PDEATHSIG``; also for ``--async-save``, whose worker process forks them), and
-  exits at once if that process died before it asked. (The signal follows the forking
-  thread: both fork from their main thread, which lives as long as the process);
-- an exception out of the wait (Ctrl-C without the signal handler) kills and reaps the
-  writers before it goes on, instead of leaving them to multiprocessing's exit handler,
-  which waits for them;
-- a writer's failure names the file it was writing and keeps its OS error number
-  (``errors.write_error_at`` where torch's zip writer lost it: "unexpected pos"), so the
-  command reports a full disk or the file size limit in one line naming the file; the
-  log line megatron-core writes about it first (line 323, "Local process N encountered an
-  error") is dropped, since the error it raises says the same. ``common.pt``, written by
-  the saving process itself with ``torch.save`` to a path
-  (``strategies/common.py:48``), fails the same way, named the same way.
-
-What SIGKILL still leaves: a writer killed mid-file leaves that file short, in the save's
-``iter_N.partial-RUNID`` directory, which nothing marks whole and the next run on that
-``--save`` removes. Without prctl (not Linux) nothing ends the writers.
+megatron-core 0.16.1 forks one writer process per file for every torch_dist save
+(``dist_checkpointing/strategies/filesystem_async.py:266``); a trainer killed mid-save left
+them blocked for ever. :func:`fix_writers_die_with_parent` (one of ``mcore_fixes.FIXES``)
+makes each writer die with its parent, reaps them when the wait fails, and names the file
+a failed write was writing.
 """
 
 from __future__ import annotations
@@ -100,8 +71,23 @@ class _NamingQueue:
 
 
 def fix_writers_die_with_parent() -> None:
-    """Wrap megatron-core's writer fork and writer body (see the module's docstring);
-    idempotent."""
+    """Wrap megatron-core's writer fork and writer body (class attributes: megatron-core
+    reads them at each save, ``partial(FileSystemWriterAsync.write_preloaded_data, ...)``)
+    and the save of ``common.pt``; idempotent.
+
+    - each forked writer asks Linux to SIGKILL it when the process that forked it dies
+      (``PR_SET_PDEATHSIG``; also for ``--async-save``, whose worker process forks them), and
+      exits at once if that process died before it asked (the signal follows the forking
+      thread: both fork from their main thread, which lives as long as the process);
+    - an exception out of the wait (Ctrl-C without the signal handler) kills and reaps the
+      writers before it goes on, instead of leaving them to multiprocessing's exit handler,
+      which waits for them;
+    - a writer's failure names the file it was writing and keeps its OS error number
+      (``errors.write_error_at``, where torch's zip writer lost it: "unexpected pos"), so a
+      full disk or the file size limit is one line naming the file; megatron-core's own log
+      line about it (line 323, "Local process N encountered an error") is dropped.
+      ``common.pt``, written by the saving process with ``torch.save``
+      (``strategies/common.py:48``), fails the same way, named the same way."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.common import (
         COMMON_STATE_FNAME,

@@ -1,15 +1,9 @@
 """Run megatron-core 0.16.1 on CPU with the gloo backend.
 
 megatron-core assumes CUDA in about fifteen places. On a CPU run (tests, CI, the README's
-demo) :func:`activate` redirects each of them; on a GPU run it is never called. Every
-patch names the megatron file and the behaviour it answers to; ``tests/platform`` covers
-each one (the alltoall token dispatcher's: ``tests/training/test_moe_dispatchers.py``).
-The redirections are process-global and idempotent.
-
-Only device redirection lives here. Workarounds for megatron-core bugs and for missing
-optional packages (Transformer Engine, Apex) apply on every device and live in
-:mod:`megatron_jreg.platform.mcore_fixes` (and the layer spec), applied by the model
-builder whatever the device.
+demo) :func:`activate` (called by ``distributed.setup``) redirects each of them; on a GPU
+run it is never called. Every patch names the megatron file it answers to; the redirections
+are process-global and idempotent. Fixes of megatron-core bugs live in :mod:`.mcore_fixes`.
 """
 
 from __future__ import annotations
@@ -126,7 +120,9 @@ def _patch_torch_devices() -> None:
         def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
             if dtype is None:
                 name = original_type(self)
-                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+                if name.startswith("torch.cuda."):
+                    return name
+                return name.replace("torch.", "torch.cuda.", 1)
             return original_type(self, dtype, non_blocking, **kwargs)
 
         tensor_type._megatron_jreg_cpu = True

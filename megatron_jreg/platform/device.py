@@ -1,7 +1,7 @@
 """The device mapping: which device a run's tensors live on and which backend its
-collectives use; a tool's ``--device``, the CUDA generator's state and the memory figure. Every other module asks here instead of testing the device itself, so a
-CPU run (CI) and a GPU run take the same code paths; docs/design.md lists the few places
-that still branch on the device and the CPU tests that run their GPU arms.
+collectives use; a tool's ``--device``, the CUDA generator's state and the memory figure.
+Every other module asks here instead of testing the device itself, so a CPU run (CI) and a
+GPU run take the same code paths (docs/design.md, "Where the code branches on the device").
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from megatron_jreg.errors import InputError
 
 def use_cpu() -> bool:
     """CPU when no GPU is present or MEGATRON_JREG_DEVICE=cpu is set."""
-    return os.environ.get("MEGATRON_JREG_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available()
+    return (os.environ.get("MEGATRON_JREG_DEVICE", "").lower() == "cpu"
+            or not torch.cuda.is_available())
 
 
 def device_type() -> str:
@@ -51,7 +52,7 @@ def resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise InputError(f"--device {device}: not a device name; use cpu, cuda or cuda:N")
+        raise InputError(f"--device {device}: not a device name; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available here; use --device cpu")
     return dev

@@ -1,17 +1,11 @@
-"""megatron-core's compiled fusions are handed to ``torch.compile`` on first call, not at import.
+"""megatron-core's compiled fusions are handed to ``torch.compile`` on first call, not at
+import.
 
-megatron-core 0.16.1 decorates about forty functions with ``megatron.core.jit.jit_fuser``,
-which is ``torch.compile`` (``jit.py:21``), as its modules are imported. Each decoration
-builds a dynamo wrapper and the first one imports ``torch._dynamo`` and ``torch._inductor``:
-about 1.7 s of every process that imports megatron-core (the trainer, eval_jump, the
-converter), though a run calls few of those functions or none. Nothing is compiled at
-decoration either way: ``torch.compile`` compiles on a function's first call.
-
-:func:`install` (run by ``import megatron_jreg``) adds an import finder that, as
-``megatron.core.jit`` is loaded, wraps its ``jit_fuser``: a decorated function goes to
-``torch.compile``, with the same arguments, the first time it is called. What is compiled,
-and that it compiles at the first call, is unchanged, on every device. A process that
-imports megatron-core before ``megatron_jreg`` keeps megatron-core's eager decoration.
+:func:`install` (run by ``import megatron_jreg``) adds an import finder that wraps
+``megatron.core.jit.jit_fuser`` as it loads: a decorated function goes to ``torch.compile``,
+with the same arguments, the first time it is called, which saves the 1.7 s of importing
+dynamo at import (docs/design.md, "Start-up time"). A process that imports megatron-core
+before ``megatron_jreg`` keeps megatron-core's eager decoration.
 """
 
 from __future__ import annotations

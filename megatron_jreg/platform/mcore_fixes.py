@@ -1,23 +1,9 @@
 """Workarounds for megatron-core 0.16.1 bugs and missing optional packages, on every device.
 
-These are not CPU matters: a GPU run without Transformer Engine or Apex hits each of them.
-:func:`apply` is idempotent and is called by :func:`megatron_jreg.model.builder.build_model`
-and by :func:`megatron_jreg.distributed.setup.initialize_distributed`, whatever the device;
-:mod:`megatron_jreg.platform.cpu` only maps CUDA onto the CPU. Each fix names the
-megatron-core line it answers to and is tested on its own in ``tests/platform``.
-
-| fix | megatron-core 0.16.1 | hits |
-|---|---|---|
-| :func:`fix_checkpoint_without_output_fp8` | ``tensor_parallel/random.py:636`` | selective recompute of layernorm/mlp without TE |
-| :func:`fix_checkpoint_writer_queue` | ``dist_checkpointing/strategies/filesystem_async.py:54`` | every synchronous save |
-| ``checkpoint_writers.fix_writers_die_with_parent`` | ``dist_checkpointing/strategies/filesystem_async.py:266`` | every save: its forked writers outlived a killed trainer |
-| :func:`fix_distributed_optimizer_checkpoints` | ``optimizer/distrib_optimizer.py:641, 820, 911`` | DistributedOptimizer + torch Adam (no Apex/TE) |
-| :func:`fix_moe_router_without_te` | ``transformer/moe/moe_utils.py:1192, 1225`` | every MoE forward/backward without TE |
-| sequence-parallel RMSNorm (``model/norm.py``) | ``transformer/torch_norm.py:32``, ``transformer/transformer_block.py:63`` | ``--sequence-parallel`` without TE |
-| viewless JREG carrier output (``model/jreg_layer.py``) | ``pipeline_parallel/schedules.py`` ``deallocate_output_tensor`` | PP with ``deallocate_pipeline_outputs`` |
-
-The last two are fixed through megatron-core's seams (the layer/block spec and our own
-layer), not by patching, so they need no entry in :func:`apply`.
+:func:`apply` (idempotent) runs every fix in :data:`FIXES`; it is called by
+``model.builder.build_model`` and ``distributed.setup.initialize_distributed``, whatever the
+device. Each fix names the megatron-core line it answers to and is tested in
+``tests/platform``; docs/design.md lists them with what they hit.
 """
 
 from __future__ import annotations
@@ -104,7 +90,8 @@ def fix_distributed_optimizer_checkpoints() -> None:
     original_set_states = cls._set_main_param_and_optimizer_states
 
     def set_states(self, model_param, tensors):
-        if not do.HAVE_APEX_OR_TE and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if (not do.HAVE_APEX_OR_TE
+                and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
             group_index, order = self.model_param_group_index_map[model_param]
             live = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][order]]
             if "step" in live:
