@@ -10,12 +10,12 @@ distributed optimizer), takes two Adam steps on random tokens, then for each for
 iteration 1 with the trainer's own ``save_checkpoint`` and loads it back with
 ``load_checkpoint`` (its checksum check included), plain and fully parallel, checking that
 the weights come back equal (the async saves after a first one that starts the worker,
-timed apart, as a job's later saves are). Columns: the time the loop is blocked by the save, the time
-until the save is whole (the same for synchronous saves), the load times, the bytes on
-disk, each against the plain save of the same optimizer format. For the async saves the
-loop trains on while the shards are written: the median step time then, against the
-median step time without a save, is the cost of the overlap. Prints a markdown table and a
-``RESULT {json}`` line (read by bench/gpu_checks.py).
+timed apart, as a job's later saves are). Columns: the time the loop is blocked by the
+save, the time until the save is whole (the same for synchronous saves), the load times,
+the bytes on disk, each against the plain save of the same optimizer format. For the async
+saves the loop trains on while the shards are written: the median step time then, against
+the median step time without a save, is the cost of the overlap. Prints a markdown table
+and a ``RESULT {json}`` line (read by bench/gpu_checks.py).
 
     python bench/checkpoint_formats.py                       # CPU, 2 gloo ranks
     python bench/checkpoint_formats.py --preset tiny --vocab 512 --seq 64   # seconds
@@ -66,7 +66,8 @@ def launch(args) -> int:
     """This script under torchrun on ``--nproc`` ranks (rank 0 prints)."""
     nproc = args.nproc or (2 if args.device == "cpu" else 1)
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE), env.get("PYTHONPATH"))
+                                        if p)
     if args.device == "cpu":
         env["MEGATRON_JREG_DEVICE"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -168,7 +169,7 @@ def measure(args) -> dict:
                 saved = [p.detach().clone() for c in chunks for p in c.parameters()]
                 background = saver if kind == "async" else None
 
-                def save():
+                def save(target=target, fmt=fmt, kind=kind, background=background):
                     return save_checkpoint(target, 1, chunks, optimizer, None, run_config, {},
                                            fully_reshardable=fmt == "fully_reshardable",
                                            fully_parallel=kind != "plain", background=background)
@@ -188,8 +189,9 @@ def measure(args) -> dict:
                         for c in chunks:
                             for p in c.parameters():
                                 p.zero_()
-                    _, loads[parallel] = _timed(lambda: load_checkpoint(
-                        formats.read(target), chunks, optimizer, fully_parallel=parallel))
+                    _, loads[parallel] = _timed(
+                        lambda target=target, parallel=parallel: load_checkpoint(
+                            formats.read(target), chunks, optimizer, fully_parallel=parallel))
                     back = [p for c in chunks for p in c.parameters()]
                     if not all(torch.equal(a, b) for a, b in zip(back, saved)):
                         raise SystemExit(f"{kind} {fmt}: the loaded weights differ from the saved")
@@ -222,7 +224,8 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['save']} | {r['format']} | {r['blocked_s']:.2f} | {r['whole_s']:.2f} | "
-                     f"{r['load_s']:.2f} | {r['load_fully_parallel_s']:.2f} | {r['bytes'] / 1e6:.1f} | "
+                     f"{r['load_s']:.2f} | {r['load_fully_parallel_s']:.2f} | "
+                     f"{r['bytes'] / 1e6:.1f} | "
                      f"{ratio(r, 'blocked_s')} | {ratio(r, 'load_s')} | {ratio(r, 'bytes')} |")
     overlap = [r for r in rows if r["steps_during_write"]]
     step = result["step_s"]

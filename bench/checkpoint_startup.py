@@ -113,7 +113,8 @@ def launch(argv, watch, log, repo, env):
             proc.kill()
     if proc.returncode != 0 or first is None:
         raise SystemExit(f"trainer failed ({proc.returncode}, first step line "
-                         f"{'seen' if first else 'not seen'}): {' '.join(argv)}\n{''.join(out)[-4000:]}")
+                         f"{'seen' if first else 'not seen'}): "
+                         f"{' '.join(argv)}\n{''.join(out)[-4000:]}")
     with open(log) as f:
         records = [json.loads(line) for line in f]
     return first - t0, first, [r for r in records[1:] if r["t"] <= first], records[0]["package"]
@@ -155,7 +156,8 @@ def measure(kind, saved, data, work, repo, env, repeats):
             shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(saved, src)
         if kind == "resume":
-            argv = ["--model-preset", "tiny", *data, "--load", src, "--save", src, "--train-iters", "6"]
+            argv = ["--model-preset", "tiny", *data, "--load", src, "--save", src, "--train-iters",
+                    "6"]
         else:
             argv = [*data, "--pretrained-checkpoint", src, "--use-checkpoint-args", "--save", other,
                     "--train-iters", "2"]
@@ -164,7 +166,8 @@ def measure(kind, saved, data, work, repo, env, repeats):
         if i == 0 and kind == "resume":
             print(f"child's megatron_jreg: {package}" + ("" if package.startswith(repo + os.sep)
                   else f"  WARNING: not under --repo {repo}"), flush=True)
-        print(f"{kind} {'warm-up' if i == 0 else f'{i}/{repeats}'}: first step after {seconds:.2f} s, "
+        print(f"{kind} {'warm-up' if i == 0 else f'{i}/{repeats}'}: first step after {seconds:.2f} "
+              "s, "
               f"{len(recs)} opens of the source checkpoint before it", flush=True)
         if i:
             recs = [dict(r, col=column(r["path"], src)) for r in recs]
@@ -172,7 +175,8 @@ def measure(kind, saved, data, work, repo, env, repeats):
             times.append(seconds)
             spans.append(first - min((r["t"] for r in recs), default=first))
             # other: lock files, write checks (a random name) under the checkpoint directory
-            counts.append(collections.Counter(r["col"] if r["col"] in COLUMNS else "other" for r in recs))
+            counts.append(collections.Counter(r["col"] if r["col"] in COLUMNS else "other"
+                                              for r in recs))
     if any(c != counts[0] for c in counts):
         print(f"NOTE {kind}: the opens differ between launches: {[dict(c) for c in counts]}")
     return statistics.median(times), counts, first_recs, statistics.median(spans)
@@ -190,16 +194,19 @@ def main() -> int:
     if args.repeats < 1:
         parser.error("--repeats: at least 1")
     repo = os.path.abspath(args.repo or default_repo())
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", MEGATRON_JREG_DEVICE="cpu")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1",
+               MEGATRON_JREG_DEVICE="cpu")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
-    [env.pop(key, None) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]
+    [env.pop(key, None)
+     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]
     work = args.workdir or tempfile.mkdtemp(prefix="ckpt_startup_")
     os.makedirs(work, exist_ok=True)  # a kept --workdir: its old checkpoint removed below
     try:
         corpus, prefix = os.path.join(work, "corpus.jsonl"), os.path.join(work, "demo")
         run([sys.executable, "tools/make_demo_corpus.py", "--output", corpus, "--max-mb", "0.1"],
             repo, env, "make_demo_corpus")
-        run([sys.executable, "tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix,
+        run([sys.executable, "tools/preprocess_data.py", "--input", corpus, "--output-prefix",
+             prefix,
              "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"], repo, env,
             "preprocess_data")
         data = ["--seq-length", "64", "--data-path", prefix + "_text_document", "--tokenizer-type",
@@ -210,8 +217,10 @@ def main() -> int:
         saved = os.path.join(work, "ckpt")
         shutil.rmtree(saved, ignore_errors=True)
         run([sys.executable, "-m", "megatron_jreg.train", "--model-preset", "tiny", *data,
-             "--train-iters", "4", "--save", saved, "--save-interval", "4"], repo, env, "the 4-step run")
-        print(f"saved {saved}: {os.listdir(saved)}, iter_0000004/: {os.listdir(saved + '/iter_0000004')}")
+             "--train-iters", "4", "--save", saved, "--save-interval", "4"], repo, env,
+            "the 4-step run")
+        print(f"saved {saved}: {os.listdir(saved)}, iter_0000004/: "
+              f"{os.listdir(saved + '/iter_0000004')}")
         results = {kind: measure(kind, saved, data, work, repo, env, args.repeats)
                    for kind in ("resume", "pretrained")}
     finally:
@@ -219,14 +228,16 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     print(f"\nopens of the source checkpoint's files before the first logged step "
           f"(iter_0000004/ and the tracker), and launch to first step (median of {args.repeats}):")
-    print("| start | " + " | ".join(COLUMNS) + " | other | s to first step | s first open to step |")
+    print("| start | " + " | ".join(COLUMNS)
+          + " | other | s to first step | s first open to step |")
     print("|---" * (len(COLUMNS) + 4) + "|")
     for kind, (seconds, counts, _, span) in results.items():
         print(f"| {kind} | " + " | ".join(str(counts[0][c]) for c in COLUMNS + ("other",)) +
               f" | {seconds:.2f} | {span:.2f} |")
     for kind, (_, _, recs, _) in results.items():
         print(f"\n{kind}: call sites (count, file; innermost megatron_jreg frames < ...):")
-        sites = collections.Counter((r["col"] + (" (write)" if r["write"] else ""), site(r["stack"]))
+        sites = collections.Counter((r["col"] + (" (write)" if r["write"] else ""),
+                                     site(r["stack"]))
                                     for r in recs)
         for (col, where), n in sorted(sites.items()):
             print(f"  {n:3d}  {col:20s} {where}")

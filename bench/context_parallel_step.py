@@ -93,7 +93,7 @@ def worker(args) -> None:
     except UserError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"context_parallel_step: {err}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     import one_device_model
 
     device = one_device_model.start(args.device)
@@ -116,13 +116,15 @@ def worker(args) -> None:
 
     tracker = JregTracker(JregConfig(lam=args.jreg_lambda, alpha=1.0), args.layers)
     t0 = time.perf_counter()
-    config, chunks = one_device_model.build(model_cfg, ParallelConfig(context_parallel_size=args.cp),
+    config, chunks = one_device_model.build(model_cfg,
+                                            ParallelConfig(context_parallel_size=args.cp),
                                             tracker, device, float16_module=model_cfg.bf16)
     optimizer = build_optimizer(chunks, config, model_cfg, OptimConfig(lr=1e-4, clip_grad=1.0))
     config.grad_scale_func = optimizer.scale_loss
     batch = one_device_model.random_batch(args.vocab, args.micro_batch, args.seq, device)
     say(f"built in {time.perf_counter() - t0:.1f} s on {dist.get_world_size()} rank(s), attention "
-        f"{core_attention(model_cfg)[0]}; each rank holds {args.seq // args.cp} of {args.seq} tokens")
+        f"{core_attention(model_cfg)[0]}; each rank holds {args.seq // args.cp} of {args.seq} "
+        "tokens")
 
     def step():
         for chunk in chunks:
@@ -136,7 +138,8 @@ def worker(args) -> None:
 
     t0 = time.perf_counter()
     first, saved = _saved_activation_bytes(step, chunks)  # the first step: the weights as built
-    say(f"step 1 (warm-up; the checked loss and Psi, the saved activations) {time.perf_counter() - t0:.2f} s")
+    say("step 1 (warm-up; the checked loss and Psi, the saved activations) "
+        f"{time.perf_counter() - t0:.2f} s")
     for i in range(1, args.warmup):
         t0 = time.perf_counter()
         step()
@@ -221,7 +224,9 @@ def rel_diff(ref: dict, other: dict):
 
 
 def fmt_bytes(n, unit):
-    return "n/a" if n is None else f"{n / (GIB if unit == 'GiB' else MIB):,.{3 if unit == 'GiB' else 1}f} {unit}"
+    if n is None:
+        return "n/a"
+    return f"{n / (GIB if unit == 'GiB' else MIB):,.{3 if unit == 'GiB' else 1}f} {unit}"
 
 
 def fmt_ratio(r):
@@ -234,9 +239,12 @@ def report(args, cp1: dict, cp2, skipped) -> dict:
     peak_name = "peak allocated" if cuda else "peak RSS"
     rows = [("step time", lambda r: f"{r['step_s']:.3f} s", "step_s"),
             ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}", "tokens_per_s"),
-            ("saved activations/rank", lambda r: fmt_bytes(r["saved_bytes_per_rank"], unit), "saved_bytes_per_rank"),
-            (f"{peak_name}/rank", lambda r: fmt_bytes(r["peak_bytes_per_rank"], unit), "peak_bytes_per_rank"),
-            (f"{peak_name} growth/rank", lambda r: fmt_bytes(r["growth_bytes_per_rank"], unit), "growth_bytes_per_rank")]
+            ("saved activations/rank", lambda r: fmt_bytes(r["saved_bytes_per_rank"], unit),
+             "saved_bytes_per_rank"),
+            (f"{peak_name}/rank", lambda r: fmt_bytes(r["peak_bytes_per_rank"], unit),
+             "peak_bytes_per_rank"),
+            (f"{peak_name} growth/rank", lambda r: fmt_bytes(r["growth_bytes_per_rank"], unit),
+             "growth_bytes_per_rank")]
     ratios = {key: ratio(cp1[key], cp2[key]) if cp2 else None for _, _, key in rows}
     print(f"\n{'':24s} | {'CP1':>14s} | {'CP2':>14s} | CP2/CP1")
     print(f"{'-' * 24}-|-{'-' * 14}-|-{'-' * 14}-|--------")
@@ -249,7 +257,8 @@ def report(args, cp1: dict, cp2, skipped) -> dict:
         check = {"max_rel_diff": diff, "limit": limit, "ok": diff is not None and diff <= limit}
         shown = "not a finite number" if diff is None else f"{diff:.1e}"
         print(f"\ncheck: CP2's lm loss and Psi of the first step (same weights and batch) against "
-              f"CP1's: max rel diff {shown} (limit {limit:.0e}): {'ok' if check['ok'] else 'FAILED'}")
+              f"CP1's: max rel diff {shown} (limit {limit:.0e}): "
+              f"{'ok' if check['ok'] else 'FAILED'}")
         summary = (f"CP2/CP1 step time {fmt_ratio(ratios['step_s'])}, saved activations per rank "
                    f"{fmt_ratio(ratios['saved_bytes_per_rank'])}, {peak_name} per rank "
                    f"{fmt_ratio(ratios['peak_bytes_per_rank'])} (growth "
@@ -259,10 +268,12 @@ def report(args, cp1: dict, cp2, skipped) -> dict:
         summary = (f"CP1 step {cp1['step_s']:.3f} s, {peak_name} per rank "
                    f"{fmt_bytes(cp1['peak_bytes_per_rank'], unit)}; CP2 skipped: {skipped}")
     print(f"summary: {summary}")
-    return {"device": args.device, "dtype": args.dtype, "layers": args.layers, "hidden": args.hidden,
+    return {"device": args.device, "dtype": args.dtype, "layers": args.layers,
+            "hidden": args.hidden,
             "seq": args.seq, "micro_batch": args.micro_batch, "vocab": args.vocab,
             "jreg_lambda": args.jreg_lambda, "threads_per_rank": None if cuda else args.threads,
-            "steps": args.steps, "peak_memory": "cuda max_memory_allocated" if cuda else "cpu peak RSS",
+            "steps": args.steps,
+            "peak_memory": "cuda max_memory_allocated" if cuda else "cpu peak RSS",
             "cp1": cp1, "cp2": cp2, "cp2_skipped": skipped, "ratios": ratios, "check": check}
 
 
@@ -273,17 +284,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parse(argv=None):
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                         help="auto: fp32 on CPU, bf16 on CUDA")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size, a multiple of 64 (heads of 64)")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="hidden size, a multiple of 64 (heads of 64)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length, a multiple of 4")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--jreg-lambda", type=float, default=1.0, help="JREG's lambda (> 0: the penalty trains)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps, at least 1 (the checked one)")
+    parser.add_argument("--jreg-lambda", type=float, default=1.0,
+                        help="JREG's lambda (> 0: the penalty trains)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps, at least 1 (the checked one)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     parser.add_argument("--cp", type=int, default=None, help=argparse.SUPPRESS)

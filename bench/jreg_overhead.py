@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # one_device_mod
 VARIANTS = ("off", "measure", "fused", "torch")
 TARGET = 1.03  # fused within 3% of JREG off
 # Freed memory stays in the process (no munmap, no trim): 16 GiB thresholds.
-KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(16 << 30), "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(16 << 30),
+                     "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
 
 
 def _status_kib(field: str) -> int:
@@ -206,7 +207,8 @@ def timing_child(args) -> dict:
                 times[v].append(seconds)
                 cpu[v].append(cpu_seconds)
                 faults[v].append(page_faults)
-    return {"times": times, "cpu": cpu, "faults": faults, "threads": torch.get_num_threads(), "memory": memory,
+    return {"times": times, "cpu": cpu, "faults": faults, "threads": torch.get_num_threads(),
+            "memory": memory,
             "results": {v: {"lm_loss": r["lm_loss"], "R": r.get("R")} for v, r in results.items()}}
 
 
@@ -215,7 +217,8 @@ def _run_child(argv, env=None) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(argv[:4])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(argv[:4])} "
+                         f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -240,8 +243,9 @@ def report(args, memory, timing, load_start, load_end) -> None:
           + f"; {args.timed_steps} interleaved rounds after {args.warmup} untimed")
     print(f"  load average (1, 5, 15 min): {loads[0]} at start, {loads[1]} at end")
     print("  step time: median [min-max] over rounds; x off: ratio of medians [per-round min-max]; "
-          "fastest: ratio of the fastest steps" + ("; CPU: the process's CPU time per step, the same "
-                                                   "way; page faults per step (median)" if on_cpu else ""))
+          "fastest: ratio of the fastest steps"
+          + ("; CPU: the process's CPU time per step, the same "
+             "way; page faults per step (median)" if on_cpu else ""))
     wall_off, cpu_off = statistics.median(times["off"]), statistics.median(cpu["off"])
     for v in VARIANTS:
         wall = statistics.median(times[v])
@@ -249,17 +253,21 @@ def report(args, memory, timing, load_start, load_end) -> None:
                 f"{_spread(times[v])} s  {_spread(ratios(times[v], times['off']))}x  "
                 f"fastest {min(times[v]) / min(times['off']):5.3f}x")
         if on_cpu:
-            line += (f"   CPU {statistics.median(cpu[v]):7.3f} s ({statistics.median(cpu[v]) / cpu_off:5.3f}x) "
-                     f"{_spread(ratios(cpu[v], cpu['off']))}x  {statistics.median(faults[v]):7.0f} faults")
+            line += (f"   CPU {statistics.median(cpu[v]):7.3f} s "
+                     f"({statistics.median(cpu[v]) / cpu_off:5.3f}x) "
+                     f"{_spread(ratios(cpu[v], cpu['off']))}x  {statistics.median(faults[v]):7.0f} "
+                     "faults")
         r = timing["results"][v]
-        print(line + f"  loss {r['lm_loss']:.4f}" + (f"  R {r['R']:.4f}" if r["R"] is not None else ""))
+        print(line + f"  loss {r['lm_loss']:.4f}"
+              + (f"  R {r['R']:.4f}" if r["R"] is not None else ""))
     where = "each variant in a fresh process" if on_cpu else "the timing process"
     print(f"  memory, {where}: saved for backward (exact); {what}")
     base = memory["off"]
     for v in VARIANTS:
         m = memory[v]
         extra = m["peak_mib"] - base["peak_mib"]
-        print(f"  JREG {v:7s}  saved {m['saved_mib']:8.1f} MiB ({100 * (m['saved_mib'] / base['saved_mib'] - 1):+6.2f}%)"
+        print(f"  JREG {v:7s}  saved {m['saved_mib']:8.1f} MiB "
+              f"({100 * (m['saved_mib'] / base['saved_mib'] - 1):+6.2f}%)"
               f"   peak {m['peak_mib']:9.1f} MiB   step {m['step_mib']:9.1f} MiB   "
               f"vs off {extra:+8.1f} MiB ({100 * extra / base['peak_mib']:+6.2f}% of peak)")
     fused = statistics.median(times["fused"]) / wall_off
@@ -272,18 +280,22 @@ def report(args, memory, timing, load_start, load_end) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--timed-steps", type=int, default=11, help="timed rounds, one step of each variant per round")
+    parser.add_argument("--timed-steps", type=int, default=11,
+                        help="timed rounds, one step of each variant per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU: torch.set_num_threads for the timed steps (1 on a shared machine)")
-    parser.add_argument("--system-malloc", action="store_true", help="CPU: time with glibc's own settings")
+                        help="CPU: torch.set_num_threads for the timed steps (1 on a shared "
+                             "machine)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="CPU: time with glibc's own settings")
     parser.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 instead of bf16")
     parser.add_argument("--child", choices=["memory", "timing"], help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -307,7 +319,8 @@ def main() -> None:
         env = dict(os.environ, **KEEP_FREED_MEMORY)
     # one process at a time: no build or step overlaps another
     timing = _run_child(["--child", "timing"] + argv, env=env)
-    memory = timing["memory"] or {v: _run_child(["--child", "memory", "--variant", v] + argv) for v in VARIANTS}
+    memory = timing["memory"] or {v: _run_child(["--child", "memory", "--variant", v] + argv)
+                                  for v in VARIANTS}
     report(args, memory, timing, load_start, os.getloadavg())
 
 

@@ -72,7 +72,8 @@ def errors(shape, dtype, device) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", nargs="+", default=None, choices=sorted(DTYPES),
                         help="default: fp32 and bf16 on CPU; fp32, bf16 and fp16 on CUDA")
@@ -83,23 +84,25 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kernel_accuracy: --device cuda but no CUDA device is visible")
     if not fused_available(device):
-        raise SystemExit(f"kernel_accuracy: the fused kernel is not built for {device.type}; reinstall "
-                         "with `pip install --no-build-isolation --no-deps -e .`")
+        raise SystemExit(f"kernel_accuracy: the fused kernel is not built for {device.type}; "
+                         "reinstall with `pip install --no-build-isolation --no-deps -e .`")
     dtypes = args.dtype or (["fp32", "bf16"] if device.type == "cpu" else ["fp32", "bf16", "fp16"])
     shape = tuple(args.shape or SHAPE[device.type])
     if min(shape) < 1 or shape[2] < 2:
-        raise SystemExit(f"kernel_accuracy: --shape {' '.join(map(str, shape))}: need S, B >= 1 and "
-                         "H >= 2 (one hidden unit has no direction to compare)")
-    print(f"fused token_displacement vs the float64 reference, [s, b, h] = {list(shape)} on {device.type}")
-    print(f"  {'dtype':5s} {'psi max |err|':>14s} {'grad a max err':>15s} {'grad b max err':>15s}   "
-          "(gradients: relative to the largest |reference| gradient)")
+        raise SystemExit(f"kernel_accuracy: --shape {' '.join(map(str, shape))}: "
+                         "need S, B >= 1 and H >= 2 (one hidden unit has no direction to compare)")
+    print(f"fused token_displacement vs the float64 reference, [s, b, h] = {list(shape)} "
+          f"on {device.type}")
+    print(f"  {'dtype':5s} {'psi max |err|':>14s} {'grad a max err':>15s} "
+          f"{'grad b max err':>15s}   (gradients: relative to the largest |reference| gradient)")
     result, failed = {"device": device.type, "shape": list(shape), "errors": {}, "limits": {}}, []
     for name in dtypes:
         e = errors(shape, DTYPES[name], device)
         psi_limit, grad_limit = LIMITS[name]
-        bad = [k for k, limit in (("psi", psi_limit), ("grad_a", grad_limit), ("grad_b", grad_limit))
-               if not math.isfinite(e[k]) or e[k] > limit]
-        failed += [f"{name} {k} {e[k]:.3g} > {psi_limit if k == 'psi' else grad_limit:g}" for k in bad]
+        checked = (("psi", psi_limit), ("grad_a", grad_limit), ("grad_b", grad_limit))
+        bad = [k for k, limit in checked if not math.isfinite(e[k]) or e[k] > limit]
+        failed += [f"{name} {k} {e[k]:.3g} > {psi_limit if k == 'psi' else grad_limit:g}"
+                   for k in bad]
         print(f"  {name:5s} {e['psi']:14.3e} {e['grad_a']:15.3e} {e['grad_b']:15.3e}   "
               f"limits {psi_limit:g} / {grad_limit:g}: {'ok' if not bad else 'OVER'}")
         result["errors"][name] = {k: e[k] for k in ("psi", "grad_a", "grad_b")}

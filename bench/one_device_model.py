@@ -33,10 +33,12 @@ def start(device: str):
 
     initialize_distributed()
     atexit.register(_close)
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return torch.device("cuda",
+                        torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
-def build(model_cfg, parallel, tracker, device, *, float16_module=False, distributed_optimizer=False):
+def build(model_cfg, parallel, tracker, device, *, float16_module=False,
+          distributed_optimizer=False):
     """(TransformerConfig, DDP-wrapped model chunks) on ``device``, seed 1234.
 
     The trainer's own calls (megatron_jreg.training.trainer): the package's process groups

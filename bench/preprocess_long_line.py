@@ -1,4 +1,4 @@
-"""tools/preprocess_data.py on a JSONL whose one line is a long document: peak memory.
+r"""tools/preprocess_data.py on a JSONL whose one line is a long document: peak memory.
 
 For each tokenizer (ByteTokenizer; a sentencepiece BPE and a Hugging Face byte-level BPE,
 both trained here, offline) it runs the tool as a command on a file of one ``--line-mb`` MB
@@ -8,7 +8,8 @@ that growth over the line's size. With ``--baseline-repo`` (another checkout, e.
 commit before the fix) the same runs are made with its tool in the same invocation, so the
 two columns share the machine and its load, and the outputs are compared byte for byte.
 
-    python bench/preprocess_long_line.py --line-mb 2 --tokenizers ByteTokenizer --baseline-repo OTHER_CHECKOUT
+    python bench/preprocess_long_line.py --line-mb 2 --tokenizers ByteTokenizer \
+        --baseline-repo OTHER_CHECKOUT
 
 (``--line-mb`` is 100 by default, and every tokenizer runs without ``--tokenizers``;
 OTHER_CHECKOUT is another checkout of the repository, e.g. the commit before a change.)

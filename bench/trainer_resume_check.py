@@ -71,7 +71,8 @@ def build_data(directory: str, env) -> str:
     run([sys.executable, "tools/make_demo_corpus.py", "--output", corpus, "--max-mb", "0.1"], env,
         "make_demo_corpus")
     run([sys.executable, "tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix,
-         "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"], env, "preprocess_data")
+         "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "1"], env,
+        "preprocess_data")
     return prefix + "_text_document"
 
 
@@ -103,26 +104,34 @@ def compare(full: dict, resumed: dict, start: int, iters: int) -> dict:
     """The resumed steps against the same steps of the uninterrupted run."""
     expected = list(range(start + 1, iters + 1))
     if sorted(resumed) != expected:  # a run that restarted from step 1 would match exactly
-        raise SystemExit(f"the resumed run logged iterations {sorted(resumed)}, expected {expected}: "
+        raise SystemExit(f"the resumed run logged iterations {sorted(resumed)}, "
+                         f"expected {expected}: "
                          f"it did not resume from the checkpoint of step {start}")
     rows = []
     for it in expected:
         a, b = full[it], resumed[it]
         if a is None or b is None:
-            raise SystemExit(f"iteration {it}: a non-finite lm loss (uninterrupted {a}, resumed {b})")
+            raise SystemExit(f"iteration {it}: a non-finite lm loss (uninterrupted {a}, "
+                             f"resumed {b})")
         rows.append((it, a, b, abs(a - b), abs(a - b) / abs(a)))
-    return {"rows": rows, "max_abs_diff": max(r[3] for r in rows), "max_rel_diff": max(r[4] for r in rows)}
+    return {"rows": rows, "max_abs_diff": max(r[3] for r in rows),
+            "max_rel_diff": max(r[4] for r in rows)}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--train-iters", type=int, default=8, help="steps of the uninterrupted run (even)")
+    parser.add_argument("--train-iters", type=int, default=8,
+                        help="steps of the uninterrupted run (even)")
     parser.add_argument("--rtol", type=float, default=None,
-                        help="largest relative lm-loss difference that passes (default 0 on CPU, 1e-3 on CUDA)")
-    parser.add_argument("--keep", default=None, help="work in this directory and keep it (default: a temporary one)")
+                        help="largest relative lm-loss difference that passes (default 0 on CPU, "
+                             "1e-3 on CUDA)")
+    parser.add_argument("--keep", default=None,
+                        help="work in this directory and keep it (default: a temporary one)")
     parser.add_argument("--dropout", type=float, default=0.0,
-                        help="hidden and attention dropout of both runs (default 0, the tiny preset's)")
+                        help="hidden and attention dropout of both runs (default 0, "
+                             "the tiny preset's)")
     parser.add_argument("--save-device", default=None, choices=["cpu", "cuda"],
                         help="the device of the uninterrupted run that saves (default --device); "
                              "cpu with --device cuda: a GPU resume of a CPU save, both fp32")
@@ -152,7 +161,8 @@ def main() -> int:
             args.device, data, args.train_iters, args.dropout, precision)
         train_first = [sys.executable, "-m", "megatron_jreg.train"] + trainer_flags(
             save_device, data, args.train_iters, args.dropout, precision)
-        full_metrics, resumed_metrics = (os.path.join(work, n) for n in ("full.jsonl", "resumed.jsonl"))
+        full_metrics, resumed_metrics = (os.path.join(work, n)
+                                         for n in ("full.jsonl", "resumed.jsonl"))
         for path in (full_metrics, resumed_metrics):  # the sink appends
             if os.path.exists(path):
                 os.remove(path)
@@ -160,8 +170,10 @@ def main() -> int:
         out = run(train_first + ["--save", saved, "--save-interval", str(half),
                                  "--metrics-file", full_metrics], save_env, "the uninterrupted run")
         print(f"uninterrupted run ({save_device}): " + out.strip().splitlines()[-1])
-        out = run(train + ["--load", saved, "--ckpt-step", str(half), "--save", os.path.join(work, "ckpt_resumed"),
-                           "--save-interval", str(half), "--metrics-file", resumed_metrics],
+        out = run(train
+                  + ["--load", saved, "--ckpt-step", str(half), "--save",
+                     os.path.join(work, "ckpt_resumed"),
+                     "--save-interval", str(half), "--metrics-file", resumed_metrics],
                   env, "the resumed run")
         print(f"resumed run ({args.device}):       " + out.strip().splitlines()[-1])
         streams = [line for line in out.splitlines() if "model-parallel random streams" in line]
@@ -172,13 +184,15 @@ def main() -> int:
                              f"{save_device} save's seeds:\n{out[-3000:]}")
         result = compare(losses(full_metrics), losses(resumed_metrics), half, args.train_iters)
     print(f"lm loss per step, resumed from the checkpoint of step {half} vs uninterrupted "
-          f"(saved on {save_device}, resumed on {args.device}, {precision}, dropout {args.dropout:g}):")
+          f"(saved on {save_device}, resumed on {args.device}, {precision}, "
+          f"dropout {args.dropout:g}):")
     print(f"  {'step':>4s} {'uninterrupted':>15s} {'resumed':>15s} {'|diff|':>10s} {'rel':>10s}")
     for it, a, b, diff, rel in result["rows"]:
         print(f"  {it:4d} {a:15.8f} {b:15.8f} {diff:10.3e} {rel:10.3e}")
     ok = result["max_rel_diff"] <= rtol
     print(f"largest |diff| {result['max_abs_diff']:.3e} (relative {result['max_rel_diff']:.3e}); "
-          f"tolerance {rtol:g} relative{' (bit-exact)' if rtol == 0 else ''}: {'ok' if ok else 'OVER'}")
+          f"tolerance {rtol:g} relative{' (bit-exact)' if rtol == 0 else ''}: "
+          f"{'ok' if ok else 'OVER'}")
     print("RESULT " + json.dumps({
         "device": args.device, "save_device": save_device, "dropout": args.dropout,
         "precision": precision, "resumed_from": half,

@@ -3,14 +3,14 @@ lists ("Where the code branches on the device"), with why it stays and the CPU t
 runs its GPU arm. A new branch fails here until it is removed or listed with such a test.
 
 Read from the source with ast. A branch is a test (if, while, assert, a comparison), a
-conditional expression anywhere in it, or a dict key naming a device or backend ("cuda", "cpu", "nccl",
-"gloo"; also in a ``match``, a ``startswith``, ``dict(cuda=...)``), a query of the device
-(``use_cpu()``, ``torch.cuda.is_available()``, ``is_initialized()``, ``device_count()``,
-``dist.get_backend()``, ``torch.backends.cuda.*``, ``.is_cuda``, ``.is_cpu``) anywhere.
-Behaviour that differs by device without a branch (a generator created on the parameters'
-device) is not seen here; ``tests/model/test_init_device.py`` pins the one found. The
-device mapping itself (``platform/cpu.py``, ``platform/device.py``) is where the device is
-decided and is not listed.
+conditional expression anywhere in it, or a dict key naming a device or backend ("cuda",
+"cpu", "nccl", "gloo"; also in a ``match``, a ``startswith``, ``dict(cuda=...)``), a query
+of the device (``use_cpu()``, ``torch.cuda.is_available()``, ``is_initialized()``,
+``device_count()``, ``dist.get_backend()``, ``torch.backends.cuda.*``, ``.is_cuda``,
+``.is_cpu``) anywhere. Behaviour that differs by device without a branch (a generator
+created on the parameters' device) is not seen here; ``tests/model/test_init_device.py``
+pins the one found. The device mapping itself (``platform/cpu.py``, ``platform/device.py``)
+is where the device is decided and is not listed.
 
 The same for the branches on what is installed (a call to one of megatron-core's probes of
 Transformer Engine, its fused RoPE or apex's kernel, none of which a CPU machine has): each

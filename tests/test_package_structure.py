@@ -148,7 +148,9 @@ def edge_violations(known, rows):
         source = unit_of(module)
         for target in sorted(imports_of(path, known)):
             dest = unit_of(target)
-            if dest != source and dest not in rows.get(source, set()) and "*" not in rows.get(source, set()):
+            if dest != source and dest not in rows.get(source,
+                                                       set()) and "*" not in rows.get(source,
+                                                                                      set()):
                 bad.append(f"{source} -> {dest} ({module} -> {target})")
     return bad
 

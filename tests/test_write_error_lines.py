@@ -47,7 +47,8 @@ def test_the_error_is_found_however_it_was_wrapped():
     from torch.distributed.checkpoint.api import CheckpointException
 
     # megatron-core: the writer's OSError as text, in a CheckpointException of the ranks
-    worker = RuntimeError("Worker failure: [Errno 28] No space left on device: '/c/it/__0_0.distcp'")
+    worker = RuntimeError(
+        "Worker failure: [Errno 28] No space left on device: '/c/it/__0_0.distcp'")
     wrapped = CheckpointException("write", {0: (worker, None)})
     assert write_error_line(wrapped) == "cannot write /c/it/__0_0.distcp: " + FULL
     # Rust (tokenizers, safetensors): the number only; the command's output is named

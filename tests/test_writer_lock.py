@@ -51,7 +51,8 @@ def test_requeued_slurm_job_takes_over_its_own_lock_on_another_host(tmp_path, sl
                        "restart 0, started then: Slurm requeued job 4242 (this is restart 1, the "
                        f"holder ran as restart 0) (in {tmp_path})")
     record = json.load(open(tmp_path / "jreg_writer.lock"))
-    assert (record["host"], record["pid"], record["slurm_job_id"], record["slurm_restart_count"]) == (
+    assert (record["host"], record["pid"], record["slurm_job_id"],
+            record["slurm_restart_count"]) == (
         socket.gethostname(), os.getpid(), "4242", 1)
     lock.release()
     assert os.listdir(tmp_path) == []
@@ -72,8 +73,8 @@ def test_a_fresh_heartbeat_on_another_host_keeps_the_lock(tmp_path, slurm, job_i
         SaveLock(str(tmp_path)).acquire()
     message = str(err.value)
     assert message.startswith(f"--save {tmp_path} is in use by pid 4321 on host node-a"), message
-    assert "its heartbeat is 30 s old, within its lease of 600 s (the lock is taken over once the " \
-           "lease lapses)" in message, message
+    assert "its heartbeat is 30 s old, within its lease of 600 s (the lock is taken over " \
+           "once the lease lapses)" in message, message
     assert path.read_bytes() == before
 
 
@@ -83,7 +84,8 @@ def test_a_lapsed_lease_on_another_host_is_taken_over(tmp_path, slurm):
     lock = SaveLock(str(tmp_path))
     warning = lock.acquire()
     assert warning.startswith("warning: took over the lock of pid 4321 on host node-a, started "
-                              "then: its last heartbeat is 700 s old, past its lease of 600 s"), warning
+                              "then: its last heartbeat is 700 s old, "
+                              "past its lease of 600 s"), warning
     assert json.load(open(path))["run_id"] == lock.run_id
     lock.release()
 
@@ -119,7 +121,8 @@ def test_a_live_holders_heartbeat_keeps_its_lock_and_a_stalled_one_loses_it(tmp_
     other = WriterLock(path)
     warning = other.acquire()
     assert f"pid {os.getpid()} on host {here}" in warning, warning
-    assert re.search(r"its last heartbeat is 1\.\d s old, past its lease of 1\.0 s$", warning), warning
+    assert re.search(r"its last heartbeat is 1\.\d s old, past its lease of 1\.0 s$",
+                     warning), warning
     assert not holder.still_held() and other.still_held()
     holder.release()  # the stalled holder leaves the new holder's file alone
     assert os.path.exists(path) and other.still_held()
@@ -168,7 +171,8 @@ def test_a_requeue_on_the_same_host_is_not_fooled_by_a_reused_pid(tmp_path, slur
     write_record(tmp_path / "jreg_writer.lock", host=socket.gethostname(), pid=os.getpid(),
                  slurm_job_id="4242", slurm_restart_count=1)
     lock = SaveLock(str(tmp_path))
-    assert "Slurm requeued job 4242 (this is restart 2, the holder ran as restart 1)" in lock.acquire()
+    warning = lock.acquire()
+    assert "Slurm requeued job 4242 (this is restart 2, the holder ran as restart 1)" in warning
     lock.release()
     write_record(tmp_path / "jreg_writer.lock", host=socket.gethostname(), pid=os.getppid(),
                  slurm_job_id="4242", slurm_restart_count=2)
@@ -349,7 +353,8 @@ def _boot_time():
 def test_an_earlier_versions_record_older_than_the_boot_is_gone(tmp_path, slurm):
     """A record without a start time or flock, naming pid 1 (alive: this host's init), taken
     before this host last started: its holder ran in an earlier boot."""
-    write_record(tmp_path / "jreg_writer.lock", **_here(pid=1, start_time="2001-01-01 00:00:00 UTC"))
+    write_record(tmp_path / "jreg_writer.lock",
+                 **_here(pid=1, start_time="2001-01-01 00:00:00 UTC"))
     lock = SaveLock(str(tmp_path))
     assert lock.acquire().endswith(": it ran before this host last started (its lock is older "
                                    f"than the boot) (in {tmp_path})")

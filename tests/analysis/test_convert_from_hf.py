@@ -170,7 +170,8 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_writing(smollm2_hf,
     assert not save.exists() and os.listdir(tmp_path) == []
     proc = _run(["tools/convert_from_hf.py", "--hf-model", smollm2_hf, "--save", save,
                  "--pipeline-model-parallel-size", 4], check=False)
-    assert proc.returncode == 2 and "30 layers: PP must divide 30 (1, 2, 3, 5, 6, 10, 15, 30)" in proc.stderr
+    assert proc.returncode == 2
+    assert "30 layers: PP must divide 30 (1, 2, 3, 5, 6, 10, 15, 30)" in proc.stderr
 
 
 # ---- tiny random models of every family -------------------------------------------------------
@@ -191,7 +192,8 @@ def _tiny_models():
         "mixtral": transformers.MixtralConfig(**common, intermediate_size=40, num_key_value_heads=4,
                                               num_local_experts=4, num_experts_per_tok=2,
                                               tie_word_embeddings=False, sliding_window=None),
-        "gpt2": transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+        "gpt2": transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=4, n_head=4,
+                                        n_positions=64,
                                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
                                         attn_pdrop=0.0, initializer_range=0.2),
     }
@@ -205,7 +207,7 @@ def _save_tiny(family, directory):
     torch.manual_seed(7)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms away from 1, so a swapped norm weight is seen
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.add_(0.3 * torch.randn_like(param))
     model.save_pretrained(directory, safe_serialization=True)
@@ -266,7 +268,8 @@ def test_what_cannot_be_represented_is_refused_by_name(case, message, tmp_path):
                                                   num_hidden_layers=2, num_attention_heads=4,
                                                   intermediate_size=48, head_dim=8),
         "gelu_new": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96),
-        "head_dim": lambda: transformers.LlamaConfig(**{**configs["llama"].to_dict(), "head_dim": 16}),
+        "head_dim": lambda: transformers.LlamaConfig(**{**configs["llama"].to_dict(),
+                                                        "head_dim": 16}),
     }[case]()
     save = tmp_path / "out"
     proc = _run(["tools/convert_from_hf.py", "--hf-model", _config_dir(tmp_path, config),

@@ -83,7 +83,8 @@ def test_fractions_against_percent_are_refused(tmp_path):
     frac_base, pct_jreg = _sides(tmp_path, _fractions(BASE), JREG)
     with pytest.raises(InputError, match=r"^task boolq: the baseline scores look like fractions "
                        r"\(all <= 1, seed 1: 0\.601\) and the JREG scores like percent \(seed 1: "
-                       r"61\); eval_downstream writes percent: multiply the baseline scores by 100"):
+                       r"61\); eval_downstream writes percent: "
+                       r"multiply the baseline scores by 100"):
         read_report_scores(frac_base, pct_jreg)
     pct_base, frac_jreg = _sides(tmp_path, BASE, _fractions(JREG))
     with pytest.raises(InputError, match="the JREG scores look like fractions"):

@@ -109,7 +109,8 @@ def test_binary_text_input(capsys, tmp_path, tiny_hf_model, no_model_load, flag,
     assert "UTF-8 encoded" in err
 
 
-def test_bad_jsonl_line_fails_before_the_model_loads(capsys, tmp_path, tiny_hf_model, no_model_load):
+def test_bad_jsonl_line_fails_before_the_model_loads(capsys, tmp_path, tiny_hf_model,
+                                                     no_model_load):
     bad = tmp_path / "late.jsonl"
     bad.write_text('{"text": "w1 w2"}\n' * 3000 + '{"text": oops}\n')
     err = run_error(capsys, ["--hf-model", tiny_hf_model, "--jsonl", bad])
@@ -180,7 +181,8 @@ def test_compare_arguments(capsys, tmp_path):
 def test_transformers_not_installed(capsys, monkeypatch, text, tiny_hf_model):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     err = run_error(capsys, ["--hf-model", tiny_hf_model, "--text-file", text])
-    assert "transformers is not installed" in err and "pip install --no-build-isolation -e \".[hf]\"" in err
+    assert "transformers is not installed" in err
+    assert "pip install --no-build-isolation -e \".[hf]\"" in err
 
 
 def test_subprocess_error_is_one_line(tmp_path, text):

@@ -246,7 +246,8 @@ def test_jsonl_and_indexed_dataset_inputs_agree_with_text(
     assert indexed["displacement"] == pytest.approx(text["displacement"], abs=1e-12)
 
 
-def test_two_models_compare_csv_and_plot(tiny_hf_model, other_hf_model, eval_text, tmp_path, capsys):
+def test_two_models_compare_csv_and_plot(tiny_hf_model, other_hf_model, eval_text, tmp_path,
+                                         capsys):
     out = tmp_path / "both.json"
     csv_path, png = tmp_path / "both.csv", tmp_path / "both.png"
     rc = main(

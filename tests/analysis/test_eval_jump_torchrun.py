@@ -82,7 +82,8 @@ def single_process(trained_checkpoints, uneven_text, tmp_path_factory):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_torchrun_layout_matches_single_process(layout, single_process, tmp_path):
     args, ref = single_process
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                "2"]
     stdout, report = _eval_jump(torchrun, args + LAYOUTS[layout], tmp_path / "r.json")
     assert report["tokens"] == ref["tokens"] == expected_tokens(args[3])
     worst = max(abs(a - b) / abs(b) for a, b in zip(report["displacement"], ref["displacement"]))
@@ -112,14 +113,17 @@ def test_layout_flags_need_torchrun_and_load(trained_checkpoints, uneven_text, c
     assert code == 0 and captured.out == plain
     assert "--sequence-parallel: turned off at --tensor-model-parallel-size 1" in captured.err
     code = main(["--reports", "x.json", "--pipeline-model-parallel-size", "2"])
-    assert code == 2 and "--pipeline-model-parallel-size only applies to --load" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and "--pipeline-model-parallel-size only applies to --load" in err
 
 
 def test_layout_checks_name_the_fix():
     with pytest.raises(InputError, match="multiple of 4"):
-        check_layout(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 6)
+        check_layout(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+                     6)
     model = SimpleNamespace(num_attention_heads=4, query_groups=2, ffn_size=64, num_layers=4)
-    with pytest.raises(InputError, match=r"513 rows .* not divisible by --tensor-model-parallel-size 2"):
+    with pytest.raises(InputError,
+                       match=r"513 rows .* not divisible by --tensor-model-parallel-size 2"):
         check_model_split("ckpt", model, 513, ParallelConfig(tensor_model_parallel_size=2))
     with pytest.raises(InputError, match="2 query groups"):
         check_model_split("ckpt", model, 512, ParallelConfig(tensor_model_parallel_size=4))

@@ -193,7 +193,8 @@ def test_batches_are_read_once_not_per_layer(monkeypatch):
                 torch.rand(2, 5, generator=gen) > 0.3) for _ in range(6)]
     expected_sums, expected_counts = [0.0, 0.0], [0, 0]
     for i, (a, b, mask) in enumerate(batches):
-        psi = ((1 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1, eps=0)) / 2)
+        psi = ((1 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1,
+                                                          eps=0)) / 2)
         expected_sums[i % 2] += float(psi[mask].sum())
         expected_counts[i % 2] += int(mask.sum())
     reads = []

@@ -225,7 +225,8 @@ def test_eval_downstream_sigterm_removes_the_temporary_export(checkpoint, tmp_pa
     assert "stopped (SIGTERM)" in lines[-1] and "temporary files removed" in lines[-1], lines
     # the export under TMPDIR is gone (torch keeps its own compile cache there)
     assert [n for n in os.listdir(tmp) if n.startswith("eval_downstream")] == []
-    assert not (tmp_path / "r.json").exists() and not os.path.exists(lock_path(str(tmp_path / "r.json")))
+    assert not (tmp_path / "r.json").exists() and not os.path.exists(
+        lock_path(str(tmp_path / "r.json")))
 
 
 # ---- the downstream cache key ----------------------------------------------------------------

@@ -64,7 +64,8 @@ def main():
     results = {}
     te_chunks, logits, printed = load(formats.read(root), te=True)
     results["te_from_local"] = (logits, printed)
-    ckpt.save_checkpoint(out_dir, 4, te_chunks, None, None, source.opened.read_text("run_config.yaml"),
+    ckpt.save_checkpoint(out_dir, 4, te_chunks, None, None,
+                         source.opened.read_text("run_config.yaml"),
                          {"consumed_samples": 0})
     chunks, logits, printed = load(formats.read(out_dir), te=False)
     results["local_from_te"] = (logits, printed)

@@ -86,7 +86,8 @@ def _tools(root):
 
 
 KINDS = {"megatron_lm": formats.MEGATRON_LM, "hf_import": formats.HF_IMPORT}
-READERS = {"trainer": (_trainer, faults.TRAINER), "use_checkpoint_args": (_checkpoint_args, faults.TRAINER),
+READERS = {"trainer": (_trainer, faults.TRAINER),
+           "use_checkpoint_args": (_checkpoint_args, faults.TRAINER),
            "tools": (_tools, faults.TOOLS)}
 
 

@@ -133,7 +133,7 @@ def _use_checkpoint_args(root, demo_data):
             str(ITERATION + 1), "--lr", "1e-3", "--eval-interval", "0"]
 
 
-# ---- the reference: what the tensors hold is what a config makes -------------------------------
+# ---- the reference: what the tensors hold is what a config makes ------------------------------
 
 
 def test_the_shapes_a_config_makes_are_the_ones_the_trainer_saved(checkpoint):
@@ -147,7 +147,7 @@ def test_the_shapes_a_config_makes_are_the_ones_the_trainer_saved(checkpoint):
     assert parameter_count(model) == sum(torch.Size(s).numel() for s in saved.values())
 
 
-# ---- item 3: the layer count claimed against the tensors ----------------------------------------
+# ---- item 3: the layer count claimed against the tensors --------------------------------------
 
 
 def test_run_config_claiming_100000_layers_over_4_is_one_line(checkpoint, tmp_path):
@@ -209,7 +209,7 @@ def test_metadata_listing_more_than_its_shards_hold_is_not_believed(checkpoint, 
         "but its shard files hold" in message and "the directory is damaged" in message, message
 
 
-# ---- item 4: args typed before they are used ------------------------------------------------------
+# ---- item 4: args typed before they are used --------------------------------------------------
 
 
 @pytest.mark.parametrize("field, value, kind", [
@@ -242,7 +242,7 @@ def test_a_shared_nested_arg_is_shown_cut_short(checkpoint, tmp_path):
     assert time.monotonic() - start < 10
 
 
-# ---- the readers, as run: one line under a memory cap ---------------------------------------------
+# ---- the readers, as run: one line under a memory cap -----------------------------------------
 
 
 def test_eval_jump_load_refuses_100000_layers_claimed(checkpoint, tmp_path):
@@ -274,11 +274,12 @@ def test_trainer_use_checkpoint_args_refuses_a_string_head_count(checkpoint, dem
     _one_line(proc, seconds, f"{common}: args.num_attention_heads is '4', not an integer")
 
 
-# ---- item 5: the YAML a checkpoint carries is bounded as --config is ---------------------------------
+# ---- item 5: the YAML a checkpoint carries is bounded as --config is --------------------------
 
 # nine levels of ten aliases in data.tokenizer_type: 10**9 values once expanded
-_BOMB = "data:\n  tokenizer_type:\n    l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
+_BOMB = ("data:\n  tokenizer_type:\n"
+         "    l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+         + "".join(f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9)))
 
 
 def test_eval_jump_load_refuses_an_alias_bomb_in_run_config(checkpoint, tmp_path):
@@ -305,7 +306,7 @@ def test_run_config_larger_than_a_settings_file_is_refused(checkpoint, tmp_path)
     assert file in message and "larger than 1 MiB" in message, message
 
 
-# ---- a fresh run whose model does not fit --------------------------------------------------------
+# ---- a fresh run whose model does not fit -----------------------------------------------------
 
 
 def test_a_model_too_big_for_memory_is_named_with_its_size(demo_data):

@@ -97,7 +97,8 @@ def _same(rows, reference, exact):
     assert [r["iteration"] for r in rows] == [5, 6, 7, 8]
     for got, want in zip(rows, reference[4:]):
         if exact:
-            assert (got["lm_loss"], got["psi"], got["lr"]) == (want["lm_loss"], want["psi"], want["lr"])
+            assert (got["lm_loss"], got["psi"], got["lr"]) == (want["lm_loss"], want["psi"],
+                                                               want["lr"])
         else:
             assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5), got["iteration"]
             assert got["lr"] == want["lr"]
@@ -247,7 +248,8 @@ def _stalled_save(demo_data, tmp_path, **flags):
     on to step 6 with iteration 4's save pending (its save of 6 waits for it)."""
     ckpt = tmp_path / "ckpt"
     proc = start_trainer(base_args(demo_data, train_iters=10000, save=ckpt, save_interval=2,
-                            seq_length=32, metrics_file=tmp_path / "killed.jsonl", **ASYNC, **flags))
+                            seq_length=32, metrics_file=tmp_path / "killed.jsonl", **ASYNC,
+                            **flags))
     lines = []
     read_until(proc, lambda l: l.startswith(f"saved checkpoint {iteration_dir(str(ckpt), 2)} "
                                              "(written in the background"), lines, "save 2")
@@ -278,7 +280,8 @@ def test_a_killed_async_save_leaves_only_its_partial_and_the_next_run_resumes(de
         sorted(["iter_0000002", partial.name, TRACKER])
     killed = read_metrics(tmp_path / "killed.jsonl")
     # the next run removes the partial, resumes 2, and a SIGTERM finishes its own save
-    resumed = start_trainer(base_args(demo_data, train_iters=10000, save=ckpt, load=ckpt, save_interval=2,
+    resumed = start_trainer(base_args(demo_data, train_iters=10000, save=ckpt, load=ckpt,
+                                      save_interval=2,
                                seq_length=32, metrics_file=tmp_path / "resumed.jsonl", **ASYNC))
     lines = []
     read_until(resumed, lambda l: step_of(l) >= 5, lines, "step 5")
@@ -335,7 +338,8 @@ def test_a_failed_background_write_stops_the_run_in_one_line(demo_data, tmp_path
     rest, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, rest[-3000:]
     last = rest.strip().splitlines()[-1]
-    assert last.startswith(f"error: the background save of {iteration_dir(str(ckpt), 4)} failed ("), last
+    assert last.startswith(
+        f"error: the background save of {iteration_dir(str(ckpt), 4)} failed ("), last
     assert last.endswith(f"it was not marked whole: {partial.name} is removed by the next run on "
                          "that --save, whose newest whole checkpoint is iteration 2"), last
     why = ("rank 0: RuntimeError: Worker failure: [Errno 2] No such file or directory"

@@ -36,7 +36,8 @@ def megatron_lm_padded_vocab(vocab, divisible_by, tp):
 def test_checkpoint_carries_what_megatron_lm_reads(demo_data, tmp_path, fully):
     save = tmp_path / "ckpt"
     train(base_args(demo_data, save=save, train_iters=2, seq_length=32,
-                    use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=fully or None))
+                    use_distributed_optimizer=True,
+                    dist_ckpt_optim_fully_reshardable=fully or None))
     path = iteration_dir(str(save), 2)
     common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 2
@@ -90,7 +91,8 @@ def test_te_shaped_and_local_models_load_each_others_checkpoints(demo_data, tmp_
         "_extra_state) (Transformer Engine's FP8 metadata) are not in the checkpoint" in \
         report["te_from_local"]["printed"]
     assert "the checkpoint's _extra_state entries (decoder.layers.self_attention." \
-        "core_attention._extra_state) are not used by this model" in report["local_from_te"]["printed"]
+        "core_attention._extra_state) are not used by this model" \
+        in report["local_from_te"]["printed"]
     assert "_extra_state" not in report["te_from_te"]["printed"]
     assert report["te_extra_state_loaded"]
 

@@ -26,7 +26,8 @@ import forked_trainer
 from megatron_jreg.checkpoint.dist_checkpoint import iteration_dir
 
 ITERS = 3
-FORCE_PICKLE = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}  # megatron-core's common.pt load then runs code
+FORCE_PICKLE = {
+    "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}  # megatron-core's common.pt load then runs code
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +216,7 @@ def test_no_reader_of_the_package_unpickles_or_runs_remote_code():
                     call = ast.unparse(node.func)
                     kw = {k.arg: k.value for k in node.keywords}
 
-                    def const(key, default=None):
+                    def const(key, default=None, kw=kw):
                         value = kw.get(key)
                         return value.value if isinstance(value, ast.Constant) else default
 

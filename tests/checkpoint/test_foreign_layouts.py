@@ -57,7 +57,8 @@ def test_a_legacy_torch_save_is_named_with_its_conversion(tmp_path, rank_dir, tr
     assert f"--load {root} --ckpt-step 10 --use-checkpoint-args {CONVERT})" in line, line
     # the trainer's reading names the flag it was given
     choice = source.Choice("--pretrained-checkpoint", root, None, True)
-    with pytest.raises(faults.LegacyTorchFormat, match="pass --pretrained-checkpoint OUT/torch_dist"):
+    with pytest.raises(faults.LegacyTorchFormat,
+                       match="pass --pretrained-checkpoint OUT/torch_dist"):
         source.read(choice, verify=True)
     # and so does the tools' reading of every iteration
     with pytest.raises(faults.LegacyTorchFormat):
@@ -98,7 +99,8 @@ def released(checkpoint, tmp_path):
 
 def test_release_reads_as_iteration_zero_weights_only(released):
     read = formats.read(released)
-    assert (read.iteration, read.path, read.ref.release) == (0, os.path.join(released, "release"), True)
+    assert (read.iteration, read.path, read.ref.release) == (0, os.path.join(released, "release"),
+                                                             True)
     assert read.format.embedding_rows and read.ref.note and "iteration 0" in read.ref.note
     every = run_configs.checkpoint_sources(released, all_iterations=True)
     assert [(s.iteration, s.path) for s in every] == [(0, read.path)]

@@ -69,7 +69,8 @@ def _common(path):
 
 @pytest.mark.parametrize("spec", ["local", "te"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_megatron_lm_checkpoint_resumes_exactly(demo_data, tmp_path, tmp_path_factory, layout, spec):
+def test_megatron_lm_checkpoint_resumes_exactly(demo_data, tmp_path, tmp_path_factory, layout,
+                                                spec):
     nproc, extra, _ = LAYOUTS[layout]
     full, full_save, ours = _source(demo_data, tmp_path_factory, layout)
     target = write_megatron_lm(demo_data, ours, tmp_path / "mlm", layout, spec)
@@ -79,14 +80,16 @@ def test_megatron_lm_checkpoint_resumes_exactly(demo_data, tmp_path, tmp_path_fa
     rows = read_metrics(part)
     assert [r["iteration"] for r in rows] == [5, 6, 7, 8]
     for x, y in zip(full[4:], rows):
-        assert (y["lm_loss"], y["lr"], y["psi"]) == (x["lm_loss"], x["lr"], x["psi"]), x["iteration"]
+        assert (y["lm_loss"], y["lr"], y["psi"]) == (x["lm_loss"], x["lr"],
+                                                     x["psi"]), x["iteration"]
     assert y["consumed_samples"] == x["consumed_samples"] == 64
     assert "random state not restored" not in proc.stdout
     extra_line = ("the checkpoint's _extra_state entries (decoder.layers.self_attention."
                   "core_attention._extra_state) are not used by this model")
     assert (extra_line in proc.stdout) == (spec == "te"), proc.stdout
     # the FLOPs so far go on from the checkpoint's count: 4 more steps of the full run's 8
-    flops = _common(iteration_dir(str(tmp_path / "resumed"), 8))["num_floating_point_operations_so_far"]
+    flops = _common(iteration_dir(str(tmp_path / "resumed"),
+                                  8))["num_floating_point_operations_so_far"]
     full_flops = _common(iteration_dir(str(full_save), 8))["num_floating_point_operations_so_far"]
     assert flops - 1234.5 == pytest.approx(full_flops / 2, rel=1e-12)
 
@@ -116,7 +119,8 @@ def test_megatron_lm_checkpoint_starts_a_run_with_its_args(demo_data, tmp_path, 
     assert "the checkpoint's model differs: --num-layers 4 (this run: 3)" in proc.stderr
 
 
-def test_eval_jump_and_convert_to_hf_read_megatron_lm_checkpoints(demo_data, tmp_path, tmp_path_factory):
+def test_eval_jump_and_convert_to_hf_read_megatron_lm_checkpoints(demo_data, tmp_path,
+                                                                  tmp_path_factory):
     """The tools give the same numbers and weights from Megatron-LM's checkpoint as from
     ours holding the same weights."""
     from safetensors.torch import load_file

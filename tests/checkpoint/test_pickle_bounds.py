@@ -152,7 +152,8 @@ def test_common_state_memo_takes_no_memory(tmp_path):
     proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / "common.pt")],
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO))
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "{}", proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "{}", proc.stderr[-2000:]
 
 
 def _iteration(tmp_path, common: dict, metadata: bytes = None) -> str:
@@ -174,7 +175,8 @@ def test_a_memo_index_past_the_file_is_refused_by_the_open(tmp_path):
     whatever the reader; the bomb itself is read in the capped child above)."""
     small = b"\x80\x02Nr" + struct.pack("<I", 1000) + b"."
     root = _iteration(tmp_path, {}, metadata=small)
-    with pytest.raises(faults.UnsafeCheckpoint, match="memo index 1000, past what its 9 bytes") as err:
+    with pytest.raises(faults.UnsafeCheckpoint,
+                       match="memo index 1000, past what its 9 bytes") as err:
         formats.read(root)
     assert "\n" not in str(err.value)
 

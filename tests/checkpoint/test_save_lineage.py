@@ -138,7 +138,8 @@ def test_what_may_write_into_its_own_load(demo_data, tmp_path, flags, iterations
     with pytest.raises(ValueError) as err:
         experiment.check_save_lineage(catalog.scan(str(save)))
     assert refusal.format(save=save, pre=pre) in str(err.value), str(err.value)
-    assert str(err.value).startswith(f"--save {save}" if "ckpt_step" not in flags else "--ckpt-step")
+    assert str(err.value).startswith(f"--save {save}" if "ckpt_step" not in flags
+                                     else "--ckpt-step")
 
 
 def test_an_earlier_step_counts_the_whole_copy_a_killed_save_left(demo_data, tmp_path):
@@ -254,4 +255,5 @@ def test_a_resume_refuses_an_emptied_manifest(demo_data, runs, tmp_path):
         json.dump({"algorithm": "crc32", "files": {}}, f)
     proc = train(base_args(demo_data, load=ckpt, **dict(COMMON, train_iters=5)), check=False)
     err = _refused(proc)
-    assert f"checkpoint {path} fails its checksum: {os.path.join(path, MANIFEST)} lists no files" in err
+    assert (f"checkpoint {path} fails its checksum: {os.path.join(path, MANIFEST)} "
+            "lists no files") in err

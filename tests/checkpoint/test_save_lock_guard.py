@@ -186,8 +186,10 @@ def test_a_restart_in_a_new_pid_namespace_with_the_same_pid_resumes(demo_data, t
     out, err = restart.communicate(timeout=300)
     assert restart.returncode == 0, out[-2000:] + err[-2000:]
     took = [line for line in (out + err).splitlines() if "took over" in line]
-    assert len(took) == 1 and took[0].startswith("warning: took over the lock of pid 1 on host "), took
-    assert took[0].endswith(f": no process holds its lock file any more (it ended) (in {save})"), took
+    assert len(took) == 1, took
+    assert took[0].startswith("warning: took over the lock of pid 1 on host "), took
+    assert took[0].endswith(
+        f": no process holds its lock file any more (it ended) (in {save})"), took
     steps = [step_of(line) for line in out.splitlines() if step_of(line)]
     assert steps == [3, 4, 5, 6], out[-3000:]
     assert not os.path.exists(save / "jreg_writer.lock")

@@ -30,7 +30,8 @@ runpy.run_module("megatron_jreg.train", run_name="__main__")
 
 def _opens(tmp_path, watched, argv):
     log = tmp_path / "opens.json"
-    proc = subprocess.run([sys.executable, "-c", HOOK, str(watched), str(log)] + [str(a) for a in argv],
+    proc = subprocess.run([sys.executable, "-c", HOOK, str(watched), str(log)]
+                          + [str(a) for a in argv],
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     opened = open(log).read().splitlines() if log.exists() else []

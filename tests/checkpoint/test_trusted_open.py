@@ -179,7 +179,8 @@ def _run(tmp_path, command, root, checkpoint):
     text = tmp_path / "eval.txt"
     text.write_text("the jump of the last layer\nresidual state of a token norm\n")
     if command == "eval_jump":
-        argv = ["--load", root, "--text-file", text, "--json", tmp_path / "out.json", "--no-progress"]
+        argv = ["--load", root, "--text-file", text, "--json", tmp_path / "out.json",
+                "--no-progress"]
     elif command == "convert_to_hf":
         argv = ["--load", root, "--output", tmp_path / "hf"]
     else:

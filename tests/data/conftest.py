@@ -41,6 +41,7 @@ def hf_tokenizer_json(tmp_path_factory):
 def tokenizer_args(request, sp_model, hf_tokenizer_json):
     """(flags, build_tokenizer kwargs) for the tokenizer kind named by the parametrisation."""
     kind = getattr(request, "param", "ByteTokenizer")
-    model = {"SentencePieceTokenizer": sp_model, "HuggingFaceTokenizer": hf_tokenizer_json}.get(kind)
+    model = {"SentencePieceTokenizer": sp_model,
+             "HuggingFaceTokenizer": hf_tokenizer_json}.get(kind)
     flags = ["--tokenizer-type", kind] + (["--tokenizer-model", model] if model else [])
     return flags, {"tokenizer_type": kind, "tokenizer_model": model}

@@ -14,7 +14,7 @@ BENCH = os.path.join(REPO, "bench", "preprocess_long_line.py")
 
 def _documented_commands():
     import ast
-    doc = ast.get_docstring(ast.parse(open(BENCH).read()))
+    doc = ast.get_docstring(ast.parse(open(BENCH).read())).replace("\\\n", " ")
     return [line.strip() for line in doc.splitlines()
             if line.strip().startswith("python bench/preprocess_long_line.py")]
 

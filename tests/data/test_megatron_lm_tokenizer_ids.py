@@ -128,7 +128,8 @@ def made(tmp_path_factory):
 
 def tokenizer_flags(kind, root):
     if kind == "GPT2BPETokenizer":
-        return ["--vocab-file", f"{root}/gpt2/vocab.json", "--merge-file", f"{root}/gpt2/merges.txt"]
+        return ["--vocab-file", f"{root}/gpt2/vocab.json", "--merge-file",
+                f"{root}/gpt2/merges.txt"]
     if kind == "HuggingFaceTokenizer":
         return ["--tokenizer-model", f"{root}/hf"]
     if kind == "NullTokenizer":
@@ -174,7 +175,8 @@ def test_trainer_eod_and_padded_vocab_are_megatron_lms(made, kind):
 
 
 @pytest.mark.parametrize("name, use", [
-    ("BertWordPieceLowerCase", "HuggingFaceTokenizer"), ("BertWordPieceCase", "HuggingFaceTokenizer"),
+    ("BertWordPieceLowerCase", "HuggingFaceTokenizer"),
+                                       ("BertWordPieceCase", "HuggingFaceTokenizer"),
     ("TikTokenizer", "HuggingFaceTokenizer"), ("MultimodalTokenizer", "HuggingFaceTokenizer"),
     ("NullMultimodalTokenizer", "NullTokenizer"), ("SFTTokenizer", "--sft"),
 ])

@@ -68,8 +68,8 @@ def read_documents(prefix):
 
 def expected_ids(kind, text, files):
     """The ids by another route than ours: sentencepiece itself (Megatron-LM's default
-    Llama2Tokenizer; its legacy one puts BOS first), transformers' GPT-2 tokenizer on the same two files (GPT-2's
-    byte-level BPE), the numbers themselves."""
+    Llama2Tokenizer; its legacy one puts BOS first), transformers' GPT-2 tokenizer on the same
+    two files (GPT-2's byte-level BPE), the numbers themselves."""
     sp_model, (vocab, merges) = files
     if kind == "Llama2Tokenizer":
         import sentencepiece

@@ -66,7 +66,8 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
     path = tmp_path_factory.mktemp("one_writer_chat") / "chat.jsonl"
-    assert tool("make_demo_corpus.py", "--chat", "--output", path, "--max-docs", "30").returncode == 0
+    assert tool("make_demo_corpus.py", "--chat", "--output", path, "--max-docs",
+                "30").returncode == 0
     return path
 
 
@@ -222,7 +223,8 @@ def test_takeover_removes_only_the_dead_writers_temporaries(tmp_path, capsys):
         pass
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith(f"warning: --output-prefix {out}: took "
-                                                       f"over the lock of pid {tag.split('-')[0]} on host "
+                                                       f"over the lock of pid {tag.split('-')[0]} "
+                                                       "on host "
                                                        f"{socket.gethostname()}, started then: its "
                                                        "process is no longer running"), warning
     for name in dead + [f".out.tmp-{tag}.abc123"]:
@@ -268,7 +270,8 @@ def test_preprocess_sigkill_leftovers_are_removed_by_the_next_run(corpus, tmp_pa
     rerun = tool("preprocess_data.py", *argv)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     warnings = [line for line in rerun.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "no process holds its lock file any more (it ended)" in warnings[0], warnings
+    assert len(warnings) == 1, warnings
+    assert "no process holds its lock file any more (it ended)" in warnings[0], warnings
     assert all(name in warnings[0] for name in left), (left, warnings)
     assert sorted(os.listdir(tmp_path)) == ["out_text_document.bin", "out_text_document.idx",
                                             "work"]

@@ -46,7 +46,8 @@ def test_train_tokenizer(corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert os.path.exists(f"{prefix}.model")
     bad = f"{unwritable_dir(tmp_path)}/sp"
-    proc = tool("train_tokenizer.py", "--input", corpus, "--model-prefix", bad, "--vocab-size", "1000")
+    proc = tool("train_tokenizer.py", "--input", corpus, "--model-prefix", bad, "--vocab-size",
+                "1000")
     refused(proc, "--model-prefix", f"{bad}.model")
 
 
@@ -54,7 +55,8 @@ def test_train_tokenizer_too_small_a_vocabulary_is_one_line(corpus, tmp_path):
     proc = tool("train_tokenizer.py", "--input", corpus, "--model-prefix", tmp_path / "sp",
                 "--vocab-size", "310")
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "--vocab-size 310: too small" in lines[0], lines
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert "--vocab-size 310: too small" in lines[0], lines
     assert not os.path.exists(tmp_path / "sp.model")
 
 

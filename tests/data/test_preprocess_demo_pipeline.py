@@ -24,7 +24,8 @@ def test_demo_corpus_is_deterministic_and_real_text(tmp_path):
     texts = [d["text"] for d in docs]
     assert len(set(texts)) == len(texts) and all(len(t) >= 200 for t in texts)
     assert sum(" the " in t for t in texts) > 100  # English prose, not code
-    docs_mb, nbytes = write_demo_corpus(DemoCorpusConfig(output=str(b), max_mb=0.05, overwrite=True))
+    docs_mb, nbytes = write_demo_corpus(DemoCorpusConfig(output=str(b), max_mb=0.05,
+                                                         overwrite=True))
     assert 0.05e6 <= nbytes < 0.1e6
     with pytest.raises(ValueError, match="--max-docs"):
         DemoCorpusConfig(output=str(b), max_docs=0)

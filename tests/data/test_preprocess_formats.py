@@ -30,7 +30,8 @@ def test_zstd_jsonl_and_parquet(tmp_path, capsys):
     zst.write_bytes(zstandard.ZstdCompressor().compress(payload.encode("utf-8")))
     parquet = tmp_path / "d.parquet"
     # several row groups, so the reader's batches cross them
-    pq.write_table(pa.table({"n": list(range(len(docs))), "text": docs}), parquet, row_group_size=17)
+    pq.write_table(pa.table({"n": list(range(len(docs))), "text": docs}), parquet,
+                   row_group_size=17)
 
     for path, name in ((zst, "zst"), (parquet, "parquet")):
         prefix = str(tmp_path / name)

@@ -273,7 +273,8 @@ def test_skip_invalid_counts_every_reason(tmp_path, capsys):
                                "--skip-invalid", "--chunk-bytes", "64")
     out = capsys.readouterr().out
     assert rc == 0
-    assert f"skipped {len(BAD_LINES)}" in out and f"skipped 1 x malformed JSON (first at {data}:2)" in out
+    assert f"skipped {len(BAD_LINES)}" in out
+    assert f"skipped 1 x malformed JSON (first at {data}:2)" in out
     ds = SFTDataset(prefix + "_sft_document")
     assert len(ds) == 2
     counts = ds.metadata["counts"]

@@ -55,7 +55,8 @@ def test_padding_and_only_padding_is_masked(tmp_path):
     # megatron's loss mask also drops the last real token (its target is padding) and EOD
     # targets (eod_mask_loss): the token mask must not follow it there
     assert last["loss_mask"][real - 1] == 0 and last["token_mask"][real - 1]
-    eods = [(s["tokens"] == 256) & (torch.arange(SEQ) < real if s is last else True) for s in samples]
+    eods = [(s["tokens"] == 256) & (torch.arange(SEQ) < real if s is last else True)
+            for s in samples]
     assert sum(int(e.sum()) for e in eods) >= 3
     assert all(bool(s["token_mask"][e].all()) for s, e in zip(samples, eods))
     # the padded positions are the ones megatron rewrote to token 0

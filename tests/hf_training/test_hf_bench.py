@@ -80,7 +80,8 @@ def test_the_bench_reports_its_arms_and_the_penalty_it_computed(tmp_path):
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--json", "/nonexistent_dir_hfbench/x.json"], "no such directory /nonexistent_dir_hfbench"),
-    (["--smollm2", "/nonexistent_dir_hfbench"], "--smollm2 /nonexistent_dir_hfbench: no such directory"),
+    (["--smollm2", "/nonexistent_dir_hfbench"],
+     "--smollm2 /nonexistent_dir_hfbench: no such directory"),
 ])
 def test_the_bench_refuses_bad_flags_before_loading_a_model(flags, message):
     # argparse's own error (rc 2, one line, no traceback) before any model is built: the

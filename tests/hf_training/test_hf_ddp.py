@@ -162,7 +162,7 @@ def assert_params(got, want, what):
     assert set(got) == set(want), what
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{what}: {name}: {m}")
+                                   msg=lambda m, name=name: f"{what}: {name}: {m}")
 
 
 def distance(a, b):

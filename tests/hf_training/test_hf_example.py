@@ -59,7 +59,8 @@ def test_hf_trainer_example_runs_as_written(tmp_path):
         runs = summary[name]["runs"]
         assert runs["baseline"]["lambda"] == 0.0 and runs["jreg"]["lambda"] == 1.0
         for run in runs.values():
-            assert math.isfinite(run["held_out_lm_loss"]) and math.isfinite(run["train_zeta_L_last_log"])
+            assert math.isfinite(run["held_out_lm_loss"]) and math.isfinite(
+                run["train_zeta_L_last_log"])
         # both runs trained, from the same start, to different weights
         w = {run: weights(out / name / run) for run in ("start", "baseline", "jreg")}
         key = next(k for k in w["start"] if ".layers.0." in k and k.endswith("weight")

@@ -123,14 +123,16 @@ def test_the_decoder_layers_are_found_from_the_model_itself():
         config = transformers.LlamaConfig(num_hidden_layers=4)
 
     with pytest.raises(InputError, match="NoLayers: cannot tell its decoder layers: outermost "
-                                         "lists of 4 layers .its config's layer count. found: none"):
+                                         "lists of 4 layers .its config's layer count. "
+                                         "found: none"):
         decoder_layers(NoLayers())
 
 
 def test_a_real_checkpoint_smollm2(smollm2_hf):
     """SmolLM2-135M-Instruct (30 layers, dequantized from its GGUF): the penalty and Psi of
     the hooks equal the definitions'; a real model jumps at its last layer."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf,
+                                                              dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_hf)
     enc = tokenizer(["The capital of France is Paris.", "Water boils at"], return_tensors="pt",
                     padding=True)

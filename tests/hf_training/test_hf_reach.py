@@ -203,7 +203,7 @@ def test_after_train_the_hooks_are_off_and_no_hidden_state_stays_referenced(tmp_
         # a forward after training (generation, a metric) leaves nothing referenced
         seen = []
         probe = trainer.model.model.layers[1].register_forward_hook(
-            lambda module, args, output: seen.append(weakref.ref(output)))
+            lambda module, args, output, seen=seen: seen.append(weakref.ref(output)))
         with torch.no_grad():
             trainer.model(input_ids=ids, attention_mask=mask)
         probe.remove()

@@ -139,7 +139,8 @@ def test_gradcheck_float64():
     b = torch.randn(3, 4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[True, False, True, True]] * 3)
     assert torch.autograd.gradcheck(lambda x, y: token_displacement_reference(x, y), (a, b))
-    assert torch.autograd.gradcheck(lambda x, y: displacement(x, y, mask=mask, impl="torch"), (a, b))
+    assert torch.autograd.gradcheck(lambda x, y: displacement(x, y, mask=mask, impl="torch"),
+                                    (a, b))
 
 
 def test_analytic_gradient():
@@ -241,8 +242,10 @@ def test_module_has_no_megatron_or_distributed_imports():
     import megatron_jreg.jreg as module
 
     tree = ast.parse(inspect.getsource(module))
-    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
-    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names]
+    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+              and node.module]
     assert not [n for n in names if n.startswith("megatron.") or "distributed" in n], names
 
 
@@ -254,8 +257,10 @@ def test_jreg_does_not_import_the_ops():
     import megatron_jreg.jreg as module
 
     tree = ast.parse(inspect.getsource(module))
-    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
-    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names]
+    names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+              and node.module]
     assert not [n for n in names if n.startswith("megatron_jreg.ops")], names
 
 
@@ -267,7 +272,8 @@ def test_masked_mean_counts_and_shares():
     assert float(masked_mean(psi)) == pytest.approx(float(psi.mean()), rel=1e-7)
     assert float(masked_mean(psi, mask)) == pytest.approx(float(psi[mask].mean()), rel=1e-6)
     # a slice of the tokens over the global count: its share of the mean
-    halves = [masked_mean(psi[:2], mask[:2], int(mask.sum())), masked_mean(psi[2:], mask[2:], int(mask.sum()))]
+    halves = [masked_mean(psi[:2], mask[:2], int(mask.sum())),
+              masked_mean(psi[2:], mask[2:], int(mask.sum()))]
     assert float(sum(halves)) == pytest.approx(float(psi[mask].mean()), rel=1e-6)
     with pytest.raises(ValueError, match="counts no tokens"):
         masked_mean(psi, torch.zeros(4, 3, dtype=torch.bool))

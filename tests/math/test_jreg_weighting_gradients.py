@@ -117,7 +117,7 @@ def test_penalty_and_gradient_equal_float64_autograd(kind, alpha, impl, masked):
         if kind == "final" and layer < L - 1:
             assert scale == 0.0  # only h_{L-1} and h_L enter the final layer's Psi
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6 * scale,
-                                   msg=lambda m: f"d penalty / d h_{layer}: {m}")
+                                   msg=lambda m, layer=layer: f"d penalty / d h_{layer}: {m}")
         if masked:  # padding tokens get exactly zero gradient
             assert not got[~MASK].any()
 
@@ -196,4 +196,4 @@ def test_model_layers_inject_the_reference_gradient():
                for name in want), sorted(set(want) - reached)
     for name, ref in want.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()),
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -152,7 +152,8 @@ def run_task(task, ckpt_dir, out_dir):
     if task.get("manual"):
         return run_manual(chunks[0], model_cfg, tracker, out_dir, task)
 
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
     chunks = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
               for i, chunk in enumerate(chunks)]
     config.finalize_model_grads_func = finalize_model_grads

@@ -39,6 +39,7 @@ def test_every_weight_is_drawn_on_the_cpu(monkeypatch):
     params = dict(chunks[0].named_parameters())
     proj = params["decoder.layers.1.self_attention.linear_proj.weight"]
     # layer 2's attention output projection: its logical key and layer offset, drawn here
-    gen = real().manual_seed(init._generator_seed(11, "decoder.layers.self_attention.linear_proj.weight", (1,)))
+    gen = real().manual_seed(init._generator_seed(
+        11, "decoder.layers.self_attention.linear_proj.weight", (1,)))
     expected = torch.empty(proj.shape).normal_(0.0, 0.02 / math.sqrt(2 * 2), generator=gen)
     assert torch.equal(proj.detach(), expected)

@@ -15,7 +15,8 @@ from megatron_jreg.model.norm import LayerNorm, RMSNorm
 @pytest.mark.parametrize("cls,normalization", [(RMSNorm, "RMSNorm"), (LayerNorm, "LayerNorm")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_weights_take_the_model_dtype(cls, normalization, dtype):
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, params_dtype=dtype,
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               params_dtype=dtype,
                                bf16=dtype == torch.bfloat16, normalization=normalization)
     norm = cls(config, 8, eps=1e-5)
     assert {p.dtype for p in norm.parameters()} == {dtype}

@@ -2,8 +2,9 @@
 
 Three jobs run once per session: the single-rank reference (which also saves the weights
 every layout loads, and runs with recompute on), one 2-rank gloo job that runs each 2-rank
-layout in turn, and one 4-rank job for the combined layouts (tests/model/layout_worker.py). Each test compares one layout: the LM loss,
-every Psi_l, R, and gradients of parameters on the first and the last layer.
+layout in turn, and one 4-rank job for the combined layouts (tests/model/layout_worker.py).
+Each test compares one layout: the LM loss, every Psi_l, R, and gradients of parameters on
+the first and the last layer.
 """
 
 import json
@@ -39,7 +40,8 @@ LAYOUTS = {
 FOUR_RANK = {
     "4r_tp2_pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     "4r_tp2_sp_dp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-    "4r_pp2_vpp_dp2": {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
+    "4r_pp2_vpp_dp2": {"pipeline_model_parallel_size": 2,
+                       "num_layers_per_virtual_pipeline_stage": 1},
     "4r_tp2_sp_pp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                       "pipeline_model_parallel_size": 2},
     "4r_pp2_vpp_dp2_full_recompute": {"pipeline_model_parallel_size": 2,
@@ -158,7 +160,8 @@ def test_recompute_matches_no_recompute(layout_results, variant):
     ref = assemble(layout_results("reference"))
     got = assemble(layout_results(variant))
     assert_matches_reference(got, ref)
-    assert got["microbatches"] == [[4, 4, 4, 4]], "recompute must record each layer once per micro-batch"
+    assert got["microbatches"] == [[4, 4, 4,
+                                    4]], "recompute must record each layer once per micro-batch"
 
 
 def test_recompute_records_once_under_parallelism(layout_results):
@@ -177,7 +180,8 @@ def test_schedule_penalty_matches_plain_autograd(layout_results):
 
 def test_jreg_changes_gradients_on_both_pipeline_stages(layout_results):
     on, off = assemble(layout_results("pp2")), assemble(layout_results("pp2_lam0"))
-    ref_on, ref_off = assemble(layout_results("reference")), assemble(layout_results("reference_lam0"))
+    ref_on, ref_off = assemble(layout_results("reference")), assemble(
+        layout_results("reference_lam0"))
     # layer 1 lives on stage 0, layer 4 on stage 1
     for key in ("layers.1.self_attention.linear_proj.weight", "layers.4.mlp.linear_fc2.weight",
                 "embedding.word_embeddings.weight"):

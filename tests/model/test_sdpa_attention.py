@@ -124,4 +124,5 @@ def test_the_gpu_check_is_pytorchs_flash_dispatch_check():
     assert params.enable_gqa is True
     assert torch.backends.cuda.can_use_flash_attention(params) is False
     assert attention.sdpa_reads_groups(q, k, v, None, 0.0, True)  # the CPU flash kernel
-    assert not attention.sdpa_reads_groups(q.to("meta"), k.to("meta"), v.to("meta"), None, 0.0, True)
+    assert not attention.sdpa_reads_groups(q.to("meta"), k.to("meta"), v.to("meta"), None, 0.0,
+                                           True)

@@ -49,7 +49,8 @@ def simulate(**env):
 
 
 def nvcc_targets():
-    listed = subprocess.run([NVCC, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
+    listed = subprocess.run([NVCC, "--list-gpu-arch"], capture_output=True,
+                            text=True).stdout.split()
     return {f"{name[8:-1]}.{name[-1]}" for name in listed if name.startswith("compute_")}
 
 
@@ -65,7 +66,8 @@ def test_arch_list_defaults_when_no_gpu_is_visible():
     assert f"TORCH_CUDA_ARCH_LIST={result['arch_list']}" in out  # said at install
     # torch's own flags now: machine code for each, PTX for the newest
     codes = {flag.rsplit("code=", 1)[1] for flag in result["flags"]}
-    assert codes == {f"sm_{a.replace('.', '')}" for a in archs} | {f"compute_{archs[-1].replace('.', '')}"}
+    assert codes == {f"sm_{a.replace('.', '')}"
+                     for a in archs} | {f"compute_{archs[-1].replace('.', '')}"}
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc on PATH")

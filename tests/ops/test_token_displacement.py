@@ -44,10 +44,10 @@ def _psi_and_grads(a, b, impl, weight=None, mask=None):
 
 
 def _errors(got, ref, a, b, weight):
-    """psi: max relative error against ``exact_psi`` (floored at PSI_FLOOR). Gradients: max error over the size
-    of the terms they are built from, max |w b / (2|a||b|)| for grad a (the usual relative
-    error where the terms do not cancel; at h = 1 the exact gradient is 0 and only that
-    scale is meaningful)."""
+    """psi: max relative error against ``exact_psi`` (floored at PSI_FLOOR). Gradients: max
+    error over the size of the terms they are built from, max |w b / (2|a||b|)| for grad a (the
+    usual relative error where the terms do not cancel; at h = 1 the exact gradient is 0 and
+    only that scale is meaningful)."""
     exact = exact_psi(a, b)
     psi = (got[0] - exact).abs() / exact.clamp_min(PSI_FLOOR)
     a, b = a.double().cpu(), b.double().cpu()
@@ -103,7 +103,8 @@ def test_fp32_matches_float64_reference(device, shape, near_parallel):
     # Near-parallel gradients cancel (b/|b| - c a/|a|): no fp32 computation reaches 1e-6
     # there, so the bound is also twice the fp32 PyTorch path's error.
     for name, got, bound in zip(("grad a", "grad b"), fused[1:], torch_path[1:]):
-        assert got <= max(FP32_RTOL, 2 * bound), f"{name} relative error {got:.2e} (torch {bound:.2e})"
+        assert got <= max(FP32_RTOL,
+                          2 * bound), f"{name} relative error {got:.2e} (torch {bound:.2e})"
 
 
 def _nearly_parallel(hidden, dtype, device, seed):
@@ -119,8 +120,10 @@ def _nearly_parallel(hidden, dtype, device, seed):
     u = u / u.norm(dim=-1, keepdim=True)
     psi = torch.logspace(-9, -2, tokens, dtype=torch.float64)
     theta = (2 * torch.asin(psi.sqrt())).unsqueeze(-1)
-    scale = torch.logspace(-0.477, 0.477, tokens, dtype=torch.float64)[torch.randperm(tokens, generator=gen)]
-    b = scale.unsqueeze(-1) * a.norm(dim=-1, keepdim=True) * (theta.cos() * unit_a + theta.sin() * u)
+    scale = torch.logspace(-0.477, 0.477, tokens,
+                           dtype=torch.float64)[torch.randperm(tokens, generator=gen)]
+    b = scale.unsqueeze(-1) * a.norm(dim=-1,
+                                     keepdim=True) * (theta.cos() * unit_a + theta.sin() * u)
     return a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
 
 
@@ -244,7 +247,8 @@ def test_dispatch():
     # the CUDA path is available exactly when the extension was compiled with it
     from megatron_jreg import _C
 
-    assert fused_available("cuda") is fused_available(torch.device("cuda", 0)) is bool(_C.cuda_built())
+    assert fused_available("cuda") is fused_available(torch.device("cuda",
+                                                                   0)) is bool(_C.cuda_built())
 
 
 @pytest.mark.gpu
@@ -253,7 +257,8 @@ def test_cuda_kernel_is_built_where_a_gpu_is():
     from megatron_jreg import _C
 
     assert _C.cuda_built(), ("a CUDA device is present but megatron_jreg._C was built without "
-                             "CUDA: reinstall with nvcc on PATH (pip install --no-build-isolation -e .)")
+                             "CUDA: reinstall with nvcc on PATH (pip install --no-build-isolation "
+                             "-e .)")
     assert fused_available("cuda")
 
 

@@ -51,7 +51,8 @@ obs["synchronize"] = torch.cuda.synchronize() is None
 t = torch.ones(3)
 obs["tensor_cuda_identity"] = t.cuda() is t
 obs["types"] = [torch.ones(1).type(), torch.ones(1, dtype=torch.bfloat16).type(),
-                torch.ones(1, dtype=torch.float16).type(), torch.ones(1).type(torch.float64).dtype.__str__()]
+                torch.ones(1, dtype=torch.float16).type(),
+                torch.ones(1).type(torch.float64).dtype.__str__()]
 
 # RNG tracker: named CPU streams, default stream untouched by a fork
 torch.manual_seed(7)

@@ -92,9 +92,11 @@ def main():
                 "ok": True,
                 "chunks": len(chunks),
                 "layers": sorted(layer.layer_number for c in chunks for layer in c.decoder.layers),
-                "layer_class": sorted({type(layer).__name__ for c in chunks for layer in c.decoder.layers}),
+                "layer_class": sorted({type(layer).__name__ for c in chunks
+                                       for layer in c.decoder.layers}),
                 "norm_params": len(norm_params),
-                "norms_sp_marked": all(getattr(p, "sequence_parallel", False) for p in norm_params) if sp else None,
+                "norms_sp_marked": all(getattr(p, "sequence_parallel", False) for p in norm_params)
+                                     if sp else None,
                 "norms_run": norms,
                 "norm_grads_finite": grads_ok,
                 "deallocate_pipeline_outputs": bool(config.deallocate_pipeline_outputs),

@@ -98,7 +98,8 @@ try:
 except AssertionError:
     obs["fresh_state_dict_before"] = "AssertionError"
 mcore_fixes.fix_distributed_optimizer_checkpoints()
-obs["fresh_state_dict_after_step"] = [g["step"] for g in opt.state_dict()["optimizer"]["param_groups"]]
+obs["fresh_state_dict_after_step"] = [g["step"]
+                                      for g in opt.state_dict()["optimizer"]["param_groups"]]
 for _ in range(3):
     step(ddp, opt)
 meta = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -141,7 +141,8 @@ def test_cpu_save_carries_the_cuda_form_of_its_seeds(monkeypatch):
                 "expert-parallel-rng": seed + 1024 + 100 * 2 + 0}
     assert saved["cuda_rng_state"].dtype == torch.uint8
     assert saved["cuda_rng_state"].view(torch.int64).tolist() == _philox(seed)
-    assert {name: s.view(torch.int64).tolist() for name, s in saved["rng_tracker_states"].items()} == {
+    assert {name: s.view(torch.int64).tolist()
+            for name, s in saved["rng_tracker_states"].items()} == {
         name: _philox(value) for name, value in expected.items()}
     kept = saved[rng_state.CPU_STREAMS_KEY]
     assert kept.keys() == cpu_streams.keys()
@@ -252,20 +253,24 @@ def test_kernel_dispatch_gpu_arm(monkeypatch):
                                                "CPU build at install)")
     monkeypatch.setattr(displacement, "_CUDA_BUILT", True)
     assert displacement.fused_available("cuda")
-    assert displacement.describe_impl("auto", "cuda") == ("fused", "the CUDA kernel, --jreg-impl auto")
+    assert displacement.describe_impl("auto", "cuda") == ("fused",
+                                                          "the CUDA kernel, --jreg-impl auto")
     monkeypatch.setattr(displacement, "_CUDA_BUILT", False)
     assert not displacement.fused_available("cuda")
     monkeypatch.setattr(_C, "CUDA_SKIPPED", 3)
     impl, why = displacement.describe_impl("auto", "cuda")
     assert impl == "torch"
-    assert why.startswith("the PyTorch reference: no fused kernel for cuda: the extension was built "
+    assert why.startswith("the PyTorch reference: no fused kernel for cuda: "
+                          "the extension was built "
                           "for CPU only (nvcc was missing at install); reinstall")
     # the CPU arm
-    assert displacement.describe_impl("auto", "cpu") == ("fused", "the C++/OpenMP kernel, --jreg-impl auto")
+    assert displacement.describe_impl("auto", "cpu") == ("fused",
+                                                         "the C++/OpenMP kernel, --jreg-impl auto")
     assert displacement.describe_impl("torch", "cuda")[0] == "torch"
     monkeypatch.setattr(displacement, "_C", None)  # an extension that failed to import
     assert displacement.describe_impl("auto", "cpu")[1].startswith(
-        "the PyTorch reference: no fused kernel for cpu: the extension megatron_jreg._C failed to import")
+        "the PyTorch reference: no fused kernel for cpu: the extension megatron_jreg._C failed to "
+        "import")
 
 
 def test_sdpa_reads_groups_gpu_arm(monkeypatch):

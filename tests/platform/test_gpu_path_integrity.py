@@ -17,14 +17,17 @@ WORKER = os.path.join(REPO, "tests", "platform", "gpu_path_worker.py")
 TINY = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
         "ffn_hidden_size": 192, "seq_length": 32, "vocab_size": 250, "transformer_impl": "local"}
 CASES = {
-    "tp2_sp": {"model": TINY, "parallel": {"tensor_model_parallel_size": 2, "sequence_parallel": True}},
+    "tp2_sp": {"model": TINY,
+               "parallel": {"tensor_model_parallel_size": 2, "sequence_parallel": True}},
     "tp2_sp_selective_layernorm": {"model": TINY, "parallel": {
         "tensor_model_parallel_size": 2, "sequence_parallel": True,
-        "recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp", "layernorm"]}},
+        "recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp",
+                                                                    "layernorm"]}},
     "tp2_sp_full_recompute": {"model": TINY, "parallel": {
-        "tensor_model_parallel_size": 2, "sequence_parallel": True, "recompute_granularity": "full"}},
+        "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                                          "recompute_granularity": "full"}},
     "pp2_vpp2": {"model": TINY, "parallel": {"pipeline_model_parallel_size": 2,
-                                             "num_layers_per_virtual_pipeline_stage": 1}},
+                              "num_layers_per_virtual_pipeline_stage": 1}},
     "pp2_selective_layernorm_bf16": {"model": dict(TINY, bf16=True), "parallel": {
         "pipeline_model_parallel_size": 2, "recompute_granularity": "selective",
         "recompute_modules": ["layernorm"]}},

@@ -46,7 +46,8 @@ def _build_sft_data(root):
         ["tools/make_demo_corpus.py", "--chat", "--output", str(root / "chat.jsonl"),
          "--max-docs", "200"],
         ["tools/preprocess_data.py", "--sft", "--input", str(root / "chat.jsonl"),
-         "--output-prefix", str(root / "chat"), "--tokenizer-type", "ByteTokenizer", "--workers", "1"],
+         "--output-prefix", str(root / "chat"), "--tokenizer-type", "ByteTokenizer", "--workers",
+         "1"],
     ):
         _tool(cmd)
     return str(root / "chat_sft_document")

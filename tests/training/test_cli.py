@@ -122,7 +122,7 @@ def test_trainer_help_runs_and_lists_every_flag():
     proc = subprocess.run([sys.executable, "-m", "megatron_jreg.train", "--help"], cwd=REPO,
                           env=run_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for section, cls in SECTIONS.items():
+    for cls in SECTIONS.values():
         for field in dataclasses.fields(cls):
             if field.metadata.get("cli") is False:
                 assert f"--{field.name.replace('_', '-')}" not in proc.stdout
@@ -169,7 +169,8 @@ def test_tool_flags_positional_required_switch_defaults():
     (["in.csv"], "tool: error: the following arguments are required: --out"),
     (["--out", "o"], "tool: error: the following arguments are required: path"),
     (["in.csv", "--out", "o", "--mode", "slow"], "argument --mode: invalid choice: 'slow'"),
-    (["in.csv", "--out", "o", "--first", "--last"], "argument --last: not allowed with argument --first"),
+    (["in.csv", "--out", "o", "--first", "--last"],
+     "argument --last: not allowed with argument --first"),
     (["in.csv", "--out", "o", "--state", "1"], "unrecognized arguments: --state 1"),
     (["in.csv", "--ou", "o"], "required: --out"),  # no abbreviations
 ])

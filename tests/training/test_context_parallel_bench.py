@@ -61,9 +61,11 @@ def test_cp2_equals_cp1_and_saves_less_per_rank(toy_run):
     # the table, the check and the summary as printed
     for line in ("==> CP1: 1 process(es)", "==> CP2: 2 process(es)", "[CP2] step 2 (timed)"):
         assert line in out, line
-    for row in ("step time", "tokens/s", "saved activations/rank", "peak RSS/rank", "peak RSS growth/rank"):
+    for row in ("step time", "tokens/s", "saved activations/rank", "peak RSS/rank",
+                "peak RSS growth/rank"):
         assert re.search(rf"^{re.escape(row)} +\| .+ \| .+ \| \d+\.\d\dx$", out, re.M), row
-    assert re.search(r"^check: CP2's lm loss and Psi .* max rel diff \S+ \(limit 1e-05\): ok$", out, re.M)
+    assert re.search(r"^check: CP2's lm loss and Psi .* max rel diff \S+ \(limit 1e-05\): ok$", out,
+                     re.M)
     assert re.search(r"^summary: CP2/CP1 step time \d+\.\d\dx, saved activations per rank "
                      r"\d+\.\d\dx, .*; loss and Psi equal", out, re.M)
     figure = _bench_module("gpu_checks").context_parallel_figure(result)
@@ -76,20 +78,24 @@ def test_one_gpu_reports_cp2_skipped(toy_run, capsys):
     _, result = toy_run
     bench = _bench_module("context_parallel_step")
     args = SimpleNamespace(**{k: result[k] for k in ("device", "dtype", "layers", "hidden", "seq",
-                                                      "micro_batch", "vocab", "jreg_lambda", "steps")},
+                                                      "micro_batch", "vocab", "jreg_lambda",
+                                                     "steps")},
                            threads=1)
     skipped = bench.report(args, result["cp1"], None, "1 GPU here, CP2 needs 2")
     out = capsys.readouterr().out
     assert re.search(r"^step time +\| +[\d.]+ s \| +skipped \| -$", out, re.M)
-    assert "summary: CP1 step " in out and out.rstrip().endswith("CP2 skipped: 1 GPU here, CP2 needs 2")
+    assert "summary: CP1 step " in out and out.rstrip().endswith("CP2 skipped: 1 GPU here, "
+                                                                 "CP2 needs 2")
     assert skipped["cp2"] is None and skipped["check"] is None
     assert all(value is None for value in skipped["ratios"].values())
     figure = _bench_module("gpu_checks").context_parallel_figure(skipped)
-    assert figure.startswith("seq 256: CP1 ") and figure.endswith("CP2 skipped: 1 GPU here, CP2 needs 2")
+    assert figure.startswith("seq 256: CP1 ") and figure.endswith("CP2 skipped: 1 GPU here, "
+                                                                  "CP2 needs 2")
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--seq", "258"], "--seq 258: must be a multiple of 4 (CP2 cuts a sequence into 4 equal chunks); "
+    (["--seq", "258"],
+     "--seq 258: must be a multiple of 4 (CP2 cuts a sequence into 4 equal chunks); "
                        "try --seq 260"),
     (["--hidden", "100"], "--hidden 100: must be a multiple of 64"),
     (["--steps", "0"], "--steps 0: must be at least 1"),
@@ -109,4 +115,5 @@ def test_cuda_without_a_gpu_is_one_line():
     proc = subprocess.run([sys.executable, SCRIPT, "--device", "cuda"], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == "context_parallel_step: --device cuda: no GPU is visible here; run with --device cpu\n"
+    assert proc.stderr == ("context_parallel_step: --device cuda: no GPU is visible here; "
+                           "run with --device cpu\n")

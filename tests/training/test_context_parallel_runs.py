@@ -129,7 +129,8 @@ def test_an_empty_cp_comm_type_in_a_config_file_is_refused(tmp_path, capsys):
       "--seq-length", "12"],
      "--seq-length 12 must be divisible by TP 4 under --sequence-parallel x CP 2"),
 ])
-def test_what_the_attention_cannot_do_is_refused_before_work(demo_data, extra, message, monkeypatch):
+def test_what_the_attention_cannot_do_is_refused_before_work(demo_data, extra, message,
+                                                             monkeypatch):
     """Without Transformer Engine (CPU): the SDPA attention all-gathers; megatron-core's
     local attention has no CP at all."""
     monkeypatch.setenv("WORLD_SIZE", "8")

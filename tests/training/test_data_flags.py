@@ -41,7 +41,8 @@ def test_data_cache_path_holds_the_index_cache(demo_data, tmp_path):
                      for p in files}
     assert any(name.endswith(".npy") for name in built), built
     assert set(os.listdir(data_dir)) == before  # nothing written beside the data
-    again = {p: os.path.getmtime(os.path.join(r, p)) for r, _, files in os.walk(cache) for p in files}
+    again = {p: os.path.getmtime(os.path.join(r, p)) for r, _, files in os.walk(cache)
+             for p in files}
     assert again == built  # read back, not rebuilt
     first, second = (_rows(m) for m in metrics)
     assert [r["lm_loss"] for r in first] == [r["lm_loss"] for r in second]

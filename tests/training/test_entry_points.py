@@ -17,7 +17,8 @@ import time
 import pytest
 from trainer_runs import REPO, run_env
 
-DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO)
+                              for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
 INSTALL_BUDGET_S = 15 * 60  # all the install commands together
 
 
@@ -64,7 +65,8 @@ def test_entry_points_were_found():
 
 @pytest.mark.parametrize("argv", [a for _, a in ENTRY_POINTS], ids=[i for i, _ in ENTRY_POINTS])
 def test_help_exits_0_with_usage(argv):
-    proc = subprocess.run(argv + ["--help"], cwd=REPO, env=run_env(), capture_output=True, text=True,
+    proc = subprocess.run(argv + ["--help"], cwd=REPO, env=run_env(), capture_output=True,
+                          text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.lstrip().startswith("usage:"), proc.stdout[:500]
@@ -114,7 +116,8 @@ def _code_of(path):
 
 def _pip_commands(code):
     """The ``pip install`` commands of a code line: each one of an ``a && b; c`` chain."""
-    return [part.strip() for part in re.split(r"&&|\|\||;", code) if part.strip().startswith("pip install")]
+    return [part.strip() for part in re.split(r"&&|\|\||;", code)
+            if part.strip().startswith("pip install")]
 
 
 def doc_install_commands():
@@ -133,7 +136,8 @@ def _setup_extras():
     for node in ast.walk(_setup_ast()):
         if isinstance(node, ast.Assign):
             for target in node.targets:
-                if isinstance(target, ast.Name) and target.id == "EXTRAS" and isinstance(node.value, ast.Dict):
+                if isinstance(target, ast.Name) and target.id == "EXTRAS" and isinstance(node.value,
+                                                                                         ast.Dict):
                     extras |= {k.value for k in node.value.keys}
                 if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
                         and target.value.id == "EXTRAS" and isinstance(target.slice, ast.Constant)):
@@ -153,7 +157,8 @@ def test_install_commands_are_found_and_well_formed():
         where = f"{path}: {cmd}"
         assert "megatron-jreg" not in cmd and "megatron_jreg" not in cmd, f"{where}: not on PyPI"
         if re.search(r"\s-e\s|\s\.(\s|$)|\"\.", cmd):  # this package, from the repo root
-            match = re.fullmatch(r'pip install --no-build-isolation -e "\.(?:\[([a-z,-]+)\])?"', cmd)
+            match = re.fullmatch(r'pip install --no-build-isolation -e "\.(?:\[([a-z,-]+)\])?"',
+                                 cmd)
             assert match, f'{where}: use pip install --no-build-isolation -e ".[extra]"'
             unknown = set((match.group(1) or "").split(",")) - extras - {""}
             assert not unknown, f"{where}: no such extra {sorted(unknown)} in setup.py"
@@ -220,7 +225,8 @@ def test_every_documented_install_command_runs(tmp_path):
                                      f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     # the environment's package is the copy's, its kernel built by the install
     probe = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import torch, megatron_jreg, megatron_jreg._C as c; print(megatron_jreg.__file__, c.__file__)"],
+                            "import torch, megatron_jreg, megatron_jreg._C as c; "
+                            "print(megatron_jreg.__file__, c.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-3000:]
     package, kernel = probe.stdout.split()
@@ -230,7 +236,8 @@ def test_every_documented_install_command_runs(tmp_path):
     cache = checkout / "build" / "kernel-cache"
     entries = os.listdir(cache)
     built = open(kernel, "rb").read()
-    assert [e for e in entries if open(cache / e / os.path.basename(kernel), "rb").read() == built], \
+    assert [e for e in entries
+            if open(cache / e / os.path.basename(kernel), "rb").read() == built], \
         entries
     with open(checkout / "csrc" / "displacement_cpu.cpp", "a") as f:
         f.write("// changed\n")

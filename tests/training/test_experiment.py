@@ -33,7 +33,8 @@ def test_valid_demo_run_passes(demo_data):
     ({"split": "nan,1,1"}, 1, "--split 'nan,1,1' is not numbers"),
     ({"split": "1e400,1,1"}, 1, "--split '1e400,1,1' is not numbers"),
     # megatron-core's BlendedDataset asserts every weight > 0 (a traceback), nan slipped through
-    ({"data_path": ["0", "DATA", "1", "DATA"]}, 1, "--data-path weight 0.0 of 'DATA': every weight"),
+    ({"data_path": ["0", "DATA", "1", "DATA"]}, 1,
+     "--data-path weight 0.0 of 'DATA': every weight"),
     ({"data_path": ["nan", "DATA"]}, 1, "--data-path weight nan of 'DATA': every weight"),
     ({"data_path": ["inf", "DATA", "1", "DATA"]}, 1, "--data-path weight inf of 'DATA'"),
     ({"global_batch_size": 8}, 4, "--micro-batch-size x data-parallel size = 16"),

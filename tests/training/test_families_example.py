@@ -61,7 +61,8 @@ def test_jreg_across_families_trains_each_family_and_reports_zeta(tmp_path, demo
     for family, hf_class in classes.items():
         name, hf_dir = f"{family}-jreg", tmp_path / f"hf-{family}"
         for script, argv in (
-                ("tools/convert_to_hf.py", ["--load", out / name / "checkpoints", "--output", hf_dir]),
+                ("tools/convert_to_hf.py",
+                 ["--load", out / name / "checkpoints", "--output", hf_dir]),
                 ("tools/eval_jump.py", ["--hf-model", hf_dir, "--label", name,
                                         "--data-path", demo_sp_data[0], "--seq-length", "128",
                                         "--max-tokens", EVAL_TOKENS, "--batch-size", "16",

@@ -15,7 +15,8 @@ from trainer_runs import REPO, run_env
 
 
 def _gpu_checks():
-    spec = importlib.util.spec_from_file_location("gpu_checks", os.path.join(REPO, "bench", "gpu_checks.py"))
+    spec = importlib.util.spec_from_file_location("gpu_checks",
+                                                  os.path.join(REPO, "bench", "gpu_checks.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_checks"] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
@@ -50,7 +51,8 @@ def test_gpu_checks_quick_on_cpu(tmp_path):
         assert by_name[f"1b sdpa, JREG {jreg}"]["result"]["attention"] == "sdpa"
     assert by_name["1b sdpa: JREG on/off step time"]["status"] == "ok"
     context = by_name["context parallel CP1 vs CP2"]
-    assert context["result"]["check"]["ok"] and context["figure"].startswith("seq 256: CP2/CP1 step time")
+    assert context["result"]["check"]["ok"] and context["figure"].startswith("seq 256: "
+                                                                             "CP2/CP1 step time")
 
     resume = by_name["trainer resume"]["result"]
     assert resume["steps_compared"] == [5, 6, 7, 8] and resume["precision"] == "fp32"
@@ -137,7 +139,8 @@ def test_bad_requests_stop_before_the_preflight_with_one_line(tmp_path):
     (tmp_path / "taken.jsonl").write_text('{"run": "another"}\n')
     gc = _gpu_checks()
     first = gc.Jsonl(str(tmp_path / "taken.jsonl"))  # a run holding it
-    second = _gpu_checks_run(["--only", "kernel", "--jsonl", str(tmp_path / "taken.jsonl")], tmp_path)
+    second = _gpu_checks_run(["--only", "kernel", "--jsonl", str(tmp_path / "taken.jsonl")],
+                             tmp_path)
     assert second.returncode == 2 and "another gpu_checks run is writing it" in second.stderr
     first.write({"check": "x", "error": float("nan")})
     assert _rows(tmp_path / "taken.jsonl") == [{"check": "x", "error": "nan"}]  # no bare NaN

@@ -103,7 +103,8 @@ def test_long_context_script_is_the_1b_run_with_32k_sequences_over_cp4(demo_data
     assert launcher == ["torchrun", "--standalone", "--nproc_per_node", "8"]
     c, short = validated(argv, monkeypatch), validated(short_argv, monkeypatch)
     model, par, train = c["model"], c["parallel"], c["training"]
-    assert (model.seq_length, model.max_position_embeddings, model.rotary_base) == (32768, 32768, 500000)
+    assert (model.seq_length, model.max_position_embeddings, model.rotary_base) == (32768, 32768,
+                                                                                    500000)
     assert short["model"].rotary_base == 10000  # the preset's
     assert model == dataclasses.replace(short["model"], seq_length=32768,
                                         max_position_embeddings=32768, rotary_base=500000)
@@ -122,13 +123,15 @@ def test_long_context_script_is_the_1b_run_with_32k_sequences_over_cp4(demo_data
 
 
 def test_long_context_seq_length_keeps_the_tokens_per_step(demo_data, tmp_path, monkeypatch):
-    [(_, argv)] = launch(tmp_path, "pretrain_1b_jreg_long_context.sh", demo_data, SEQ_LENGTH="65536")
+    [(_, argv)] = launch(tmp_path, "pretrain_1b_jreg_long_context.sh", demo_data,
+                         SEQ_LENGTH="65536")
     c = validated(argv, monkeypatch)
     assert (c["model"].seq_length, c["model"].max_position_embeddings) == (65536, 65536)
     assert c["training"].global_batch_size == 8
     env = dict(os.environ, GPUS_PER_NODE="8", DATA_PATH=demo_data, TOKENIZER_MODEL="/t",
                SEQ_LENGTH="3000")
-    proc = subprocess.run(["bash", os.path.join(REPO, "examples", "pretrain_1b_jreg_long_context.sh")],
+    proc = subprocess.run(["bash",
+                           os.path.join(REPO, "examples", "pretrain_1b_jreg_long_context.sh")],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == ("error: SEQ_LENGTH 3000 must divide 524288 (2^19 tokens per step): "
@@ -220,15 +223,18 @@ def test_sft_3b_script_runs_the_papers_recipe_on_both_checkpoints(sft_data, tmp_
 
 
 @pytest.mark.parametrize("script, preset, layout", [
-    ("pretrain_170m_jreg.sh", "170m", ("tensor_model_parallel_size: 1", "sequence_parallel: false")),
-    ("pretrain_1b_baseline.sh", "1b", ("tensor_model_parallel_size: 1", "sequence_parallel: false")),
+    ("pretrain_170m_jreg.sh", "170m",
+     ("tensor_model_parallel_size: 1", "sequence_parallel: false")),
+    ("pretrain_1b_baseline.sh", "1b",
+     ("tensor_model_parallel_size: 1", "sequence_parallel: false")),
     ("pretrain_3b_jreg.sh", "3b", ("tensor_model_parallel_size: 2", "sequence_parallel: true")),
 ])
 def test_gpu_scripts_train_as_written_at_tiny_sizes(script, preset, layout, demo_sp_data, tmp_path):
     """The script itself (real torchrun, 2 CPU processes): its layout (data parallel for
     170m and 1b, TP2 + sequence parallelism for 3b), bf16, the distributed optimizer with
-    its overlapped communication and the paper's schedule flags train; only the sizes and step counts come from EXTRA_ARGS,
-    as a user shrinks it. A baseline script trains with lambda 0, the others with 1."""
+    its overlapped communication and the paper's schedule flags train; only the sizes and step
+    counts come from EXTRA_ARGS, as a user shrinks it. A baseline script trains with lambda 0,
+    the others with 1."""
     from trainer_runs import run_env
 
     data, tokenizer = demo_sp_data
@@ -250,7 +256,8 @@ def test_gpu_scripts_train_as_written_at_tiny_sizes(script, preset, layout, demo
         assert all(r["jreg_penalty"] == 0 for r in rows)
     else:  # JREG_LAMBDA defaults to 1.0
         assert all(r["jreg_penalty"] > 0 for r in rows)
-    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "3"
     config = (run_dir / "checkpoints" / "iter_0000003" / "run_config.yaml").read_text()
     for setting in (f"model_preset: {preset}", *layout, "bf16: true",
                     "use_distributed_optimizer: true", "overlap_grad_reduce: true",
@@ -269,7 +276,8 @@ def test_long_context_script_trains_at_cp2_as_one_rank(demo_sp_data, tmp_path):
     data, tokenizer = demo_sp_data
     tiny = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
             "--ffn-hidden-size 128 --seq-length 64 --global-batch-size 4 --train-iters 3 "
-            "--lr-warmup-iters 1 --save-interval 3 --eval-interval 3 --eval-iters 1 --log-interval 1")
+            "--lr-warmup-iters 1 --save-interval 3 --eval-interval 3 --eval-iters 1 --log-interval "
+            "1")
     runs = {}
     for cp in (2, 1):
         run_dir = tmp_path / f"cp{cp}"

@@ -14,7 +14,8 @@ ITERS, G = 100, 8
 def lrs(**optim):
     optimizer = SimpleNamespace(param_groups=[{}])
     scheduler = build_scheduler(optimizer, OptimConfig(**optim),
-                                TrainingConfig(train_iters=ITERS, global_batch_size=G, micro_batch_size=G))
+                                TrainingConfig(train_iters=ITERS, global_batch_size=G,
+                                               micro_batch_size=G))
     out = [optimizer.param_groups[0]["lr"]]  # before the first step
     for _ in range(ITERS):
         scheduler.step(increment=G)

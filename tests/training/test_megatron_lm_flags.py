@@ -72,7 +72,8 @@ def test_abbreviated_flags_are_refused_in_one_line(argv, named, capsys):
 def test_exit_signal_is_megatron_lms_flag_not_an_abbreviation():
     c = parse(["--data-path", "x", "--exit-signal", "SIGTERM"])
     assert c["training"].exit_signal == "SIGTERM" and c["training"].exit_signal_handler is True
-    assert parse(["--data-path", "x", "--exit-signal", "SIGUSR1"])["training"].exit_signal == "SIGUSR1"
+    assert parse(["--data-path", "x", "--exit-signal",
+                  "SIGUSR1"])["training"].exit_signal == "SIGUSR1"
 
 
 def test_every_parser_refuses_abbreviations():
@@ -85,8 +86,10 @@ def test_every_parser_refuses_abbreviations():
                     continue
                 tree = ast.parse(open(os.path.join(base, name)).read())
                 for node in ast.walk(tree):
-                    if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "ArgumentParser":
-                        assert getattr(node.func.value, "id", "") == "cli", f"{name}: argparse's parser"
+                    if isinstance(node, ast.Call) and getattr(node.func, "attr",
+                                                              "") == "ArgumentParser":
+                        assert getattr(node.func.value, "id",
+                                       "") == "cli", f"{name}: argparse's parser"
 
 
 # ---- the model: presets are flag bundles, Megatron-LM command lines read as Megatron-LM ------
@@ -96,8 +99,10 @@ def test_presets_are_bundles_of_the_same_flags():
         bundle = parse(["--data-path", "x"] + preset_flags(preset))["model"]
         named = parse(["--data-path", "x", "--model-preset", preset])["model"]
         assert dataclasses.replace(named, model_preset=None) == bundle
-    c = parse(["--data-path", "x", "--model-preset", "3b", "--num-layers", "2", "--hidden-dropout", "0.1"])
-    assert (c["model"].num_layers, c["model"].hidden_size, c["model"].hidden_dropout) == (2, 3072, 0.1)
+    c = parse(["--data-path", "x", "--model-preset", "3b", "--num-layers", "2", "--hidden-dropout",
+               "0.1"])
+    assert (c["model"].num_layers, c["model"].hidden_size, c["model"].hidden_dropout) == (2, 3072,
+                                                                                          0.1)
 
 
 def test_megatron_lm_llama2_command_line_gives_the_tiny_preset_model():
@@ -116,7 +121,8 @@ def test_megatron_lm_llama2_command_line_trains_like_the_preset(demo_data, tmp_p
     that does not apply here says so in one line, and the run is the tiny preset's run."""
     runs = {}
     for name, model_flags in (("megatron_lm", LLAMA2_MODEL.split()),
-                              ("preset", ["--model-preset", "tiny", "--transformer-impl", "local"])):
+                              ("preset",
+                               ["--model-preset", "tiny", "--transformer-impl", "local"])):
         metrics = tmp_path / f"{name}.jsonl"
         proc = train(model_flags + LLAMA2_RUN.split() + ["--data-path", demo_data,
                                                           "--metrics-file", str(metrics)])
@@ -141,7 +147,8 @@ def test_gpt3_command_line_builds_megatron_lms_gpt_form():
                                                                       "learned_absolute")
     assert m.add_bias_linear and not m.untie_embeddings_and_output_weights
     assert m.ffn_size == 256 and m.query_groups == 4 and m.family == "gpt2"
-    m = parse(["--data-path", "x", "--model-preset", "tiny", "--normalization", "LayerNorm"])["model"]
+    m = parse(["--data-path", "x", "--model-preset", "tiny", "--normalization",
+               "LayerNorm"])["model"]
     assert m.normalization == "LayerNorm" and m.family == "other"
 
 
@@ -156,7 +163,8 @@ def test_megatron_lm_defaults_apply_under_its_sizing():
     assert m.attention_softmax_in_fp32 is False
     m = parse(["--data-path", "x", "--num-layers", "2", "--group-query-attention"] + llama)["model"]
     assert m.query_groups == 1  # Megatron-LM's --num-query-groups default
-    m = parse(["--data-path", "x", "--use-rotary-position-embeddings", "--model-preset", "tiny"])["model"]
+    m = parse(["--data-path", "x", "--use-rotary-position-embeddings", "--model-preset",
+               "tiny"])["model"]
     assert m.position_embedding_type == "rope"
 
 
@@ -209,8 +217,10 @@ def test_mixes_megatron_fails_on_mid_run_are_refused_before_work(argv, message):
 def test_parallel_flags_map_as_in_megatron_lm():
     c = parse(["--data-path", "x", "--recompute-activations"])
     assert c["parallel"].recompute_granularity == "selective"
-    for flag in ("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"):
-        c = parse(["--data-path", "x", "--model-preset", "tiny", "--pipeline-model-parallel-size", "2",
+    for flag in ("--virtual-pipeline-model-parallel-size",
+                 "--num-virtual-stages-per-pipeline-rank"):
+        c = parse(["--data-path", "x", "--model-preset", "tiny", "--pipeline-model-parallel-size",
+                   "2",
                    flag, "2"])
         assert c["parallel"].virtual_stages(4) == 2
     per_stage = parse(["--data-path", "x", "--pipeline-model-parallel-size", "2",
@@ -222,28 +232,33 @@ def test_schedule_in_samples_as_megatron_lm(monkeypatch):
     """Megatron-LM's get_optimizer_param_scheduler: sample flags as given, iteration flags
     times the global batch, a warmup fraction of the decay length."""
     def scheduler(argv):
-        c = parse(["--data-path", "x", "--global-batch-size", "8", "--micro-batch-size", "8"] + argv)
+        c = parse(["--data-path", "x", "--global-batch-size", "8", "--micro-batch-size", "8"]
+                  + argv)
         return c, build_scheduler(SimpleNamespace(param_groups=[{}]), c["optim"], c["training"])
 
     c, s = scheduler(["--train-samples", "1001", "--lr-warmup-fraction", "0.01"])
     assert c["training"].train_iters == 125  # the partial last batch is dropped
-    assert (s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps) == (pytest.approx(10.01), 1001, 1001)
+    assert (s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps) == (pytest.approx(10.01), 1001,
+                                                                      1001)
     c, s = scheduler(["--train-samples", "1000", "--lr-warmup-samples", "30", "--lr-decay-samples",
                       "900", "--lr-warmup-init", "1e-5"])
     assert (s.lr_warmup_steps, s.lr_decay_steps, s.init_lr) == (30, 900, 1e-5)
-    c, s = scheduler(["--train-iters", "100", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50"])
+    c, s = scheduler(["--train-iters", "100", "--lr-warmup-fraction", "0.1", "--lr-decay-iters",
+                      "50"])
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (40, 400)
     monkeypatch.setenv("WORLD_SIZE", "1")
     exp = ExperimentConfig.from_sections(parse(["--data-path", "x", "--train-samples", "80",
                                                 "--lr-warmup-samples", "80"]))
-    with pytest.raises(ValueError, match="--lr-warmup-samples 80 must be below the decay length 80 samples"):
+    with pytest.raises(ValueError,
+                       match="--lr-warmup-samples 80 must be below the decay length 80 samples"):
         exp._check_schedule()
 
 
 def test_resumed_schedule_is_recorded_in_samples_when_not_whole_steps():
     o = OptimConfig(lr_warmup_fraction=0.01)
     o.keep_schedule(SimpleNamespace(max_lr=1e-3, min_lr=0.0, lr_decay_style="cosine", start_wd=0.1,
-                                    lr_warmup_steps=10.01, lr_decay_steps=1000, wsd_decay_steps=None), 8)
+                                    lr_warmup_steps=10.01, lr_decay_steps=1000,
+                                    wsd_decay_steps=None), 8)
     assert (o.lr_warmup_samples, o.lr_warmup_fraction, o.lr_decay_iters) == (10, None, 125)
     assert dataclasses.replace(o) == o  # still a valid config
 
@@ -284,7 +299,8 @@ def test_cyclic_order_is_megatron_lms_sampler(total, mbs, dp):
     for resume_step in (0, 7):
         view = CyclicOrder(dataset, mbs, dp)
         for rank in range(dp):
-            reference = megatron_lm_cyclic_batches(total, resume_step * num_mb * mbs * dp, mbs, rank, dp)
+            reference = megatron_lm_cyclic_batches(total, resume_step * num_mb * mbs * dp, mbs,
+                                                   rank, dp)
             for step in range(resume_step, resume_step + 12):  # several epochs
                 got = rank_microbatches(view, step * num_mb * mbs * dp, mbs, num_mb, rank, dp,
                                         torch.device("cpu"))
@@ -334,7 +350,8 @@ def test_exit_signal_sigusr1_saves_and_exits(demo_data, tmp_path):
     argv = base_args(demo_data, train_iters=100000, save=ckpt, save_interval=100000, seq_length=32,
                      exit_signal="SIGUSR1")
     proc = subprocess.Popen([sys.executable, "-m", "megatron_jreg.train"] + argv, cwd=REPO,
-                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     deadline = time.time() + 300
     for line in proc.stdout:
         if line.startswith("iteration"):
@@ -383,7 +400,8 @@ def test_megatron_lm_line_validates_for_its_world(demo_data, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     exp = from_argv(argv)
     exp.validate(tokenizer_vocab_size=259)
-    assert exp.model.bf16 and exp.parallel.overlap_param_gather and exp.data.dataloader_type == "cyclic"
+    assert exp.model.bf16 and exp.parallel.overlap_param_gather
+    assert exp.data.dataloader_type == "cyclic"
 
 
 def test_docs_preset_table_is_the_code_bundles():

@@ -49,7 +49,8 @@ def openai_gpt2_bpe(vocab, merges):
             cs.append(256 + n)
             n += 1
     byte_map = dict(zip(bs, map(chr, cs)))
-    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    pattern = regex.compile(
+        r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
     def bpe(word):
         word = tuple(word)
@@ -72,7 +73,8 @@ def openai_gpt2_bpe(vocab, merges):
     def encode(text):
         ids = []
         for token in pattern.findall(text):
-            ids += [table[piece] for piece in bpe("".join(byte_map[b] for b in token.encode("utf-8")))]
+            ids += [table[piece]
+                    for piece in bpe("".join(byte_map[b] for b in token.encode("utf-8")))]
         return ids
     return encode
 
@@ -109,7 +111,8 @@ def test_gpt2_bpe_from_a_directory_and_its_errors(gpt2_files, tmp_path):
     with pytest.raises(ValueError, match="GPT2BPETokenizer needs --vocab-file"):
         build_megatron_tokenizer("GPT2BPETokenizer")
     with pytest.raises(FileNotFoundError, match="--merge-file"):
-        build_megatron_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=str(tmp_path / "x"))
+        build_megatron_tokenizer("GPT2BPETokenizer", vocab_file=vocab,
+                                 merge_file=str(tmp_path / "x"))
     (tmp_path / "v.json").write_text(json.dumps({"a": 0, "b": 1}))
     (tmp_path / "m.txt").write_text("#version: 0.2\n")
     with pytest.raises(ValueError, match="no <|endoftext|> token"):
@@ -171,5 +174,6 @@ def test_trainer_takes_megatron_lm_tokenizer_flags(demo_data, gpt2_files):
     proc = train(base_args(demo_data, tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
                            merge_file=merges, train_iters=1))
     assert "done: 1 steps" in proc.stdout
-    proc = train(base_args(demo_data, tokenizer_type="GPT2BPETokenizer", train_iters=1), check=False)
+    proc = train(base_args(demo_data, tokenizer_type="GPT2BPETokenizer", train_iters=1),
+                 check=False)
     assert proc.returncode == 2 and "GPT2BPETokenizer needs --vocab-file" in proc.stderr

@@ -39,7 +39,8 @@ def test_jsonl_keys_and_null(tmp_path):
 
 def test_tensorboard_tags():
     tags = metrics.scalars(TRAIN, TRAIN_VALUES)
-    assert set(tags) == {"lm loss", "jreg/penalty", "jreg/R", "jreg/psi/layer_01", "jreg/psi/layer_02",
+    assert set(tags) == {"lm loss", "jreg/penalty", "jreg/R", "jreg/psi/layer_01",
+                         "jreg/psi/layer_02",
                          "jreg/zeta_L", "jreg/zeta_L-1", "jreg/zeta_L-2", "learning-rate",
                          "grad-norm", "throughput/tokens_per_s", "memory/GiB"}
     assert tags["jreg/psi/layer_02"] == 0.2

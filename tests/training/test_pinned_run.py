@@ -50,7 +50,8 @@ def byte_run(demo_data, tmp_path_factory):
     (dict(model_preset="qwen3-tiny"), "--qk-layernorm False (this run: True)"),
 ])
 def test_resume_with_another_architecture_names_the_mismatch(byte_run, demo_data, flags, named):
-    """Was: "cannot read checkpoint ...; it may be corrupt: load an earlier one with --ckpt-step"."""
+    """Was: "cannot read checkpoint ...; it may be corrupt: load an earlier one with
+    --ckpt-step"."""
     save, _ = byte_run
     proc = train(base_args(demo_data, train_iters=4, load=save, **flags), check=False)
     line = one_line_error(proc, f"--load {save}: the checkpoint's model differs", named)
@@ -191,6 +192,7 @@ def test_a_checkpoint_saved_before_the_pin_is_checked_by_its_recorded_tokenizer(
     open(config, "w").write("".join(line for line in lines if "tokenizer_identity" not in line))
     sp = sentencepiece(corpus, str(tmp_path / "sp"), 380)
     proc = train(base_args(demo_data, load=old, no_verify_checkpoint=True, train_iters=4,
-                           tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp), check=False)
+                           tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp),
+                 check=False)
     one_line_error(proc, "trained with tokenizer ByteTokenizer (259 ids",
                    "this run has GPTSentencePieceTokenizer (380 ids")

@@ -28,7 +28,8 @@ def _one_line_before_work(code, out, err, message):
 def test_jreg_impl_fused_without_the_kernel(demo_data):
     code, out, err = _run([sys.executable, "-c", NO_KERNEL]
                           + base_args(demo_data, jreg_impl="fused"))
-    _one_line_before_work(code, out, err, "--jreg-impl fused: the fused kernel is not built for cpu")
+    _one_line_before_work(code, out, err,
+                          "--jreg-impl fused: the fused kernel is not built for cpu")
     assert "--jreg-impl torch" in err  # the fix
     # auto falls back to the reference and trains
     code, out, err = _run([sys.executable, "-c", NO_KERNEL]

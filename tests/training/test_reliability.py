@@ -36,7 +36,8 @@ def test_resume_is_bit_exact(demo_data, tmp_path, nproc, extra):
     train(base_args(demo_data, metrics_file=part, save=tmp_path / "b", exit_interval=4, **common),
           nproc=nproc)
     assert open(tmp_path / "b" / TRACKER).read() == "4"
-    train(base_args(demo_data, metrics_file=part, save=tmp_path / "b", load=tmp_path / "b", **common),
+    train(base_args(demo_data, metrics_file=part, save=tmp_path / "b", load=tmp_path / "b",
+                    **common),
           nproc=nproc)
     a, b = read_metrics(full), read_metrics(part)
     assert [r["iteration"] for r in b] == list(range(1, 9))
@@ -48,7 +49,8 @@ def test_resume_is_bit_exact(demo_data, tmp_path, nproc, extra):
 def test_sigterm_saves_and_exits_cleanly(demo_data, tmp_path):
     argv = base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_jreg.train"] + argv, cwd=REPO,
-                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     lines = []
     deadline = time.time() + 300
     for line in proc.stdout:
@@ -113,7 +115,8 @@ def test_corrupt_shard_gives_clear_error(demo_data, tmp_path):
     proc = train(base_args(demo_data, train_iters=3, lr_decay_iters=2, load=ckpt), check=False)
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()[-1]
-    assert f"{os.path.join(path, shards[0])} has 100 bytes, the manifest" in err and "--ckpt-step" in err
+    assert f"{os.path.join(path, shards[0])} has 100 bytes, the manifest" in err
+    assert "--ckpt-step" in err
     # without the manifest check, dist-checkpointing's own failure is named the same way
     proc = train(base_args(demo_data, train_iters=3, lr_decay_iters=2, load=ckpt,
                            **{"no-verify-checkpoint": True}), check=False)
@@ -138,7 +141,8 @@ def reshard_source(demo_data, tmp_path_factory):
     return ckpt, steps
 
 
-@pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}],
+@pytest.mark.parametrize("layout",
+                         [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}],
                          ids=["tp2", "pp2"])
 def test_checkpoint_reshards_on_load(demo_data, reshard_source, tmp_path, layout):
     ckpt, steps = reshard_source
@@ -155,7 +159,8 @@ def test_checkpoint_reshards_on_load(demo_data, reshard_source, tmp_path, layout
 def test_nan_loss_stops_with_iteration_or_skips(demo_data, tmp_path):
     proc = train(base_args(demo_data, train_iters=3, init_method_std=1e30), check=False)
     assert proc.returncode == 3
-    assert re.search(r"^error: iteration 1: (LM loss|JREG penalty|gradient norm) is (nan|inf)", proc.stderr, re.M), proc.stderr[-2000:]
+    assert re.search(r"^error: iteration 1: (LM loss|JREG penalty|gradient norm) is (nan|inf)",
+                     proc.stderr, re.M), proc.stderr[-2000:]
     skipped = train(base_args(demo_data, train_iters=2, init_method_std=1e30, exit_on_nan=None,
                               **{"no-exit-on-nan": True}))
     assert "step skipped" in skipped.stdout
@@ -163,7 +168,8 @@ def test_nan_loss_stops_with_iteration_or_skips(demo_data, tmp_path):
 
 @pytest.mark.parametrize("overrides,message", [
     ({"num_attention_heads": 3}, "not divisible by --num-attention-heads"),
-    ({"pipeline_model_parallel_size": 3}, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    ({"pipeline_model_parallel_size": 3},
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
     ({"global_batch_size": 6}, "--global-batch-size 6 is not divisible by --micro-batch-size 4"),
     ({"vocab_size": 100}, "smaller than the tokenizer's"),
     ({"data_path": None}, "--data-path is missing"),
@@ -185,7 +191,8 @@ def test_config_errors_fail_before_work(demo_data, overrides, message, capsys):
 
 
 def test_sigint_saves_and_exits_cleanly(demo_data, tmp_path):
-    proc = start_trainer(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32))
+    proc = start_trainer(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt",
+                                   seq_length=32))
     lines = []
     read_until(proc, lambda l: step_of(l) >= 2, lines, f"step {2}")
     proc.send_signal(signal.SIGINT)
@@ -197,7 +204,8 @@ def test_sigint_saves_and_exits_cleanly(demo_data, tmp_path):
 
 
 def test_without_the_exit_signal_handler_sigterm_kills_without_saving(demo_data, tmp_path):
-    proc = start_trainer(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt", seq_length=32,
+    proc = start_trainer(base_args(demo_data, train_iters=10000, save=tmp_path / "ckpt",
+                                   seq_length=32,
                             save_interval=100000, no_exit_signal_handler=True))
     lines = []
     read_until(proc, lambda l: step_of(l) >= 2, lines, f"step {2}")
@@ -241,7 +249,8 @@ def test_interleaved_pipeline_checkpoints_resume_exactly_and_reshard(demo_data, 
     a, b = read_metrics(full), read_metrics(part)
     assert [r["iteration"] for r in b] == list(range(1, 7))
     for x, y in zip(a, b):
-        assert (y["lm_loss"], y["psi"], y["lr"]) == (x["lm_loss"], x["psi"], x["lr"]), x["iteration"]
+        assert (y["lm_loss"], y["psi"], y["lr"]) == (x["lm_loss"], x["psi"],
+                                                     x["lr"]), x["iteration"]
     # the VPP checkpoint's weights at TP1 PP1 and back at VPP: the same first loss and psi
     runs = {}
     for name, nproc, extra in (("tp1", 1, {}), ("vpp", 2, vpp)):

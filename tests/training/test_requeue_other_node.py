@@ -39,7 +39,8 @@ def process_tree(root):
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]),
+                                    []).append(int(entry))
         except OSError:
             continue
     tree, todo = [], [root]
@@ -106,7 +107,8 @@ def test_requeue_on_another_host_takes_over_the_lock_and_resumes_exactly(demo_da
     a, b = read_metrics(full), read_metrics(part)
     assert [r["iteration"] for r in b] == list(range(1, 13))
     for x, y in zip(a, b):
-        assert (y["lm_loss"], y["psi"], y["lr"]) == (x["lm_loss"], x["psi"], x["lr"]), x["iteration"]
+        assert (y["lm_loss"], y["psi"], y["lr"]) == (x["lm_loss"], x["psi"],
+                                                     x["lr"]), x["iteration"]
     assert not (ckpt / "jreg_writer.lock").exists()  # released at exit
     assert int(open(ckpt / TRACKER).read()) == 12
 

@@ -62,7 +62,8 @@ def test_divergence_stops_before_any_nan_save(demo_data, tmp_path):
     """--lr 1e6 diverges at step 2: the run exits 3 naming it, and nothing after the last
     finite step is saved (before: iteration 3 was saved with NaN weights and marked latest)."""
     ckpt = tmp_path / "ckpt"
-    proc = train(base_args(demo_data, lr=1e6, train_iters=6, save=ckpt, save_interval=1), check=False)
+    proc = train(base_args(demo_data, lr=1e6, train_iters=6, save=ckpt, save_interval=1),
+                 check=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()[-1]
     failed = int(re.search(r"^error: iteration (\d+): ", err).group(1))
@@ -102,7 +103,8 @@ def test_save_refuses_nonfinite_parameters(tmp_path):
     model = torch.nn.Linear(3, 3)
     with torch.no_grad():
         model.weight[1, 2] = float("nan")
-    with pytest.raises(CheckpointError, match=r"refusing to save iteration 7: non-finite parameters \(weight\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"refusing to save iteration 7: non-finite parameters \(weight\)"):
         save_checkpoint(str(tmp_path / "ckpt"), 7, [model], None, None, "", {})
     assert not (tmp_path / "ckpt").exists()
 
@@ -112,7 +114,8 @@ def test_nonfinite_parameters_names_the_first_three_in_order():
 
     model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(5)))
     with torch.no_grad():
-        for i, value in ((1, float("inf")), (2, float("nan")), (3, float("-inf")), (4, float("nan"))):
+        for i, value in ((1, float("inf")), (2, float("nan")), (3, float("-inf")),
+                         (4, float("nan"))):
             model[i].weight[0, 1] = value
         model[0].bias[1] = float("nan")
     assert nonfinite_parameters([model]) == ["0.bias", "1.weight", "2.weight"]
@@ -182,7 +185,8 @@ def test_a_global_batch_left_out_that_differs_from_the_checkpoints_is_named(demo
     assert "--lr-decay-iters 8 here, --lr-decay-iters 16 in the checkpoint" in proc.stderr
 
 
-@pytest.mark.parametrize("spelling", ["override-opt-param-scheduler", "override-opt_param-scheduler"])
+@pytest.mark.parametrize("spelling",
+                         ["override-opt-param-scheduler", "override-opt_param-scheduler"])
 def test_override_takes_the_flags(demo_data, four_steps, tmp_path, spelling):
     proc, metrics, _ = _resume(demo_data, four_steps, tmp_path, lr=1e-3, **{spelling: True})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -195,7 +199,8 @@ def test_override_takes_the_flags(demo_data, four_steps, tmp_path, spelling):
 
 @pytest.mark.parametrize("spelling", ["use-checkpoint-opt-param-scheduler",
                                       "use-checkpoint-opt_param-scheduler"])
-def test_use_checkpoint_keeps_its_schedule_and_records_it(demo_data, four_steps, tmp_path, spelling):
+def test_use_checkpoint_keeps_its_schedule_and_records_it(demo_data, four_steps, tmp_path,
+                                                          spelling):
     import math
 
     import yaml
@@ -240,7 +245,8 @@ def test_stale_lock_of_a_dead_process_is_taken_over(demo_data, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     with open(ckpt / "jreg_writer.lock", "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": dead.pid, "start_time": "then", "run_id": "x"}, f)
+        json.dump({"host": socket.gethostname(), "pid": dead.pid, "start_time": "then",
+                   "run_id": "x"}, f)
     # a kill mid-save also left a temporary directory of that run
     os.makedirs(ckpt / "iter_0000002.partial-x")
     proc = train(base_args(demo_data, train_iters=2, save=ckpt))
@@ -299,7 +305,8 @@ def _damaged_copy(saved_run, tmp_path):
 
 
 def _resume_damaged(demo_data, ckpt, **flags):
-    return train(base_args(demo_data, train_iters=3, lr_decay_iters=4, load=ckpt, **flags), check=False)
+    return train(base_args(demo_data, train_iters=3, lr_decay_iters=4, load=ckpt, **flags),
+                 check=False)
 
 
 def test_flipped_bit_is_caught_by_the_manifest(demo_data, saved_run, tmp_path):
@@ -322,7 +329,8 @@ def test_exponent_flip_is_named_as_damage_not_a_learning_rate(demo_data, saved_r
     """A weight turned inf by a flipped exponent: without checksums the load names the
     damaged parameter instead of reporting a NaN loss with 'lower --lr'."""
     ckpt, path = _damaged_copy(saved_run, tmp_path)
-    target = model_tensors(path, tmp_path)["decoder.final_layernorm.weight"]  # fp32, stored contiguously
+    target = model_tensors(path,
+                           tmp_path)["decoder.final_layernorm.weight"]  # fp32, stored contiguously
     needle = target.contiguous().numpy().tobytes()
     for name in os.listdir(path):
         if name.endswith(".distcp"):
@@ -383,7 +391,8 @@ def test_binary_tracker_is_named(demo_data, saved_run, tmp_path):
     proc = _resume_damaged(demo_data, ckpt)
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()[-1]
-    assert str(ckpt / TRACKER) in err and "not an iteration number" in err and "Traceback" not in proc.stderr
+    assert str(ckpt / TRACKER) in err and "not an iteration number" in err
+    assert "Traceback" not in proc.stderr
 
 
 def test_checksum_bench_runs_and_reports(tmp_path):

@@ -128,7 +128,8 @@ def reference_step(hf_dir, prefix, iteration, micro_batch=4, global_batch=8):
         real = batch["token_mask"]
         psi = []
         for prev, nxt in zip(captured[:-1], captured[1:]):
-            cos = torch.nn.functional.cosine_similarity(prev.double(), nxt.double(), dim=-1, eps=1e-8)
+            cos = torch.nn.functional.cosine_similarity(prev.double(), nxt.double(), dim=-1,
+                                                        eps=1e-8)
             psi.append(float(((1 - cos) / 2)[real].mean()))
         psis.append(psi)
     for h in hooks:
@@ -261,7 +262,8 @@ def test_docs_sft_training_command_runs_as_written(demo_sp_data, tmp_path):
     tool(["tools/preprocess_data.py", "--sft", "--input", str(data / "chat.jsonl"),
           "--output-prefix", str(data / "chat"), "--tokenizer-type", "GPTSentencePieceTokenizer",
           "--tokenizer-model", sp_model, "--workers", "1"])
-    train(base_args(text_prefix, tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model,
+    train(base_args(text_prefix, tokenizer_type="GPTSentencePieceTokenizer",
+                    tokenizer_model=sp_model,
                     seq_length=192, train_iters=2, save=tmp_path / "runs" / "base" / "checkpoints"))
     proc = subprocess.run([sys.executable] + argv[1:], cwd=tmp_path, env=run_env(),
                           capture_output=True, text=True, timeout=900)

@@ -39,7 +39,7 @@ def test_one_process_stops_at_once_without_a_collective(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", refuse)
     monkeypatch.setattr(torch.Tensor, "item", refuse)
     for world in (False, True):  # no process group, or one of a single process
-        monkeypatch.setattr(dist, "is_initialized", lambda: world)
+        monkeypatch.setattr(dist, "is_initialized", lambda world=world: world)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
         assert _flag().stop_reason("cpu", 3) is None
         assert _flag(15).stop_reason("cpu", 3) == "signal"

@@ -80,7 +80,8 @@ def submit(tmp_path, data_prefix, **extra):
 
 def test_sbatch_header_asks_for_two_nodes_a_task_each_requeue_and_a_warning_signal():
     lines = open(SCRIPT).read().splitlines()
-    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    first_command = next(i for i, line in enumerate(lines) if line.strip()
+                         and not line.startswith("#"))
     header = [line.split()[1] for line in lines[:first_command] if line.startswith("#SBATCH")]
     # sbatch reads #SBATCH lines only before the first command
     assert len(header) == sum(line.startswith("#SBATCH") for line in lines)
@@ -123,7 +124,8 @@ def test_requeued_job_resumes_from_its_checkpoints(demo_data, tmp_path, monkeypa
 def test_usr1_before_the_time_limit_reaches_the_trainer_and_requeues(demo_data, tmp_path):
     bindir, log = stand_ins(tmp_path, srun=SRUN_WAITS)
     env = env_for(tmp_path, bindir, log, demo_data, SLURM_SUBMIT_DIR=REPO, SLURM_JOB_ID="4242",
-                  SLURM_JOB_NUM_NODES="2", SLURM_GPUS_PER_NODE="8", SLURM_JOB_NODELIST="gpu-[07-08]")
+                  SLURM_JOB_NUM_NODES="2", SLURM_GPUS_PER_NODE="8",
+                  SLURM_JOB_NODELIST="gpu-[07-08]")
     job = subprocess.Popen(["bash", SCRIPT], cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
@@ -142,7 +144,8 @@ def test_documented_submission_runs_as_written(tmp_path):
     """docs/megatron_lm_flags.md's sbatch command, as written (its paths need not exist: the
     stand-in torchrun only records the trainer command, which the trainer's parser takes)."""
     doc = open(os.path.join(REPO, "docs", "megatron_lm_flags.md")).read()
-    [block] = [b.split("```", 1)[0] for b in doc.split("```bash\n")[1:] if "sbatch" in b.split("```")[0]]
+    [block] = [b.split("```", 1)[0] for b in doc.split("```bash\n")[1:]
+               if "sbatch" in b.split("```")[0]]
     bindir, log = stand_ins(tmp_path)
     env = env_for(tmp_path, bindir, log, "unused")
     del env["DATA_PATH"], env["TOKENIZER_MODEL"]

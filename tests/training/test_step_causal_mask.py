@@ -72,7 +72,8 @@ def test_a_shared_mask_trains_as_fresh_ones(backend, monkeypatch):
 
     def fresh(seq_length, device=None):
         built.append(seq_length)
-        return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
+        return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device),
+                          1)[None, None]
 
     monkeypatch.setattr(step, "causal_attention_mask", fresh)
     anew = _steps(chunks, tracker)

@@ -143,7 +143,8 @@ def test_tokens_per_second_counts_training_steps_only(demo_data, tmp_path):
     tokens = 8 * 64  # global batch x sequence length
     for row, seconds in zip(train, step_seconds):
         # the row's window: its step, and the log call; never a second of evaluation or saving
-        assert tokens / seconds / 1.5 < row["tokens_per_s"] <= tokens / seconds * 1.01, (row, seconds)
+        assert tokens / seconds / 1.5 < row["tokens_per_s"] <= tokens / seconds * 1.01, (row,
+                                                                                         seconds)
     # iteration 2 evaluated and saved after its row: both are in iteration 3's window
     assert [("eval_seconds" in r, "save_seconds" in r) for r in train] == [
         (False, False), (False, False), (True, True), (False, False)]

@@ -43,7 +43,8 @@ def test_resume_keeps_the_checkpoints_padded_vocabulary(demo_data, tmp_path):
     save = tmp_path / "ckpt"
     train(base_args(demo_data, train_iters=2, lr_decay_iters=4, save=save, save_interval=2,
                     make_vocab_size_divisible_by=512))
-    proc = train(base_args(demo_data, train_iters=4, lr_decay_iters=4, save=save, save_interval=2, load=save,
+    proc = train(base_args(demo_data, train_iters=4, lr_decay_iters=4, save=save, save_interval=2,
+                           load=save,
                            tensor_model_parallel_size=2), nproc=2)
     assert "keeping the checkpoint's 512 embedding rows" in proc.stdout
     assert "iteration        4/4" in proc.stdout
@@ -69,7 +70,8 @@ def test_log_line_tensorboard_and_metrics_agree(demo_data, tmp_path):
     for field in ("consumed tokens", "lm loss", "jreg penalty", "zeta_L", "lr", "grad norm",
                   "tokens/s", "mem"):
         assert f"| {field} " in lines[-1], lines[-1]
-    assert "validation at iteration 4 | lm loss" in out and out.strip().splitlines()[-1].startswith("done:")
+    assert "validation at iteration 4 | lm loss" in out and out.strip().splitlines()[-1].startswith(
+        "done:")
     rows = read_metrics(metrics)
     scalars = _tensorboard_scalars(tb)
     expected = {"lm loss", "jreg/penalty", "jreg/zeta_L", "jreg/zeta_L-1", "jreg/zeta_L-2",

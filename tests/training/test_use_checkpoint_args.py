@@ -71,7 +71,8 @@ def test_architecture_and_tokenizer_come_from_the_checkpoint(imported, tmp_path)
                 "ffn_hidden_size", "rotary_base", "norm_epsilon",
                 "untie_embeddings_and_output_weights", "vocab_size"):
         assert saved["model"][key] == imported_cfg["model"][key], key
-    assert saved["model"]["num_layers"] == 4 and saved["model"]["untie_embeddings_and_output_weights"] is False
+    assert saved["model"]["num_layers"] == 4
+    assert saved["model"]["untie_embeddings_and_output_weights"] is False
     assert saved["model"]["seq_length"] == 64
     assert saved["data"]["tokenizer_type"] == "HuggingFaceTokenizer"
     # the save carries the tokenizer it trained with
@@ -99,8 +100,10 @@ def read_metrics_of(proc, path):
 
 
 def test_with_and_without_jreg_start_from_the_same_weights(imported, tmp_path):
-    base = read_metrics_of(train(_args(imported, tmp_path, "base", lam=0.0)), tmp_path / "base.jsonl")
-    jreg = read_metrics_of(train(_args(imported, tmp_path, "jreg", lam=1.0)), tmp_path / "jreg.jsonl")
+    base = read_metrics_of(train(_args(imported, tmp_path, "base", lam=0.0)),
+                           tmp_path / "base.jsonl")
+    jreg = read_metrics_of(train(_args(imported, tmp_path, "jreg", lam=1.0)),
+                           tmp_path / "jreg.jsonl")
     # step 1's forward runs the imported weights in both: the same LM loss and Psi
     assert jreg[0]["lm_loss"] == pytest.approx(base[0]["lm_loss"], rel=1e-6)
     assert jreg[0]["psi"] == pytest.approx(base[0]["psi"], rel=1e-6)
@@ -114,7 +117,8 @@ def test_with_and_without_jreg_start_from_the_same_weights(imported, tmp_path):
                             "takes the architecture from --pretrained-checkpoint"),
     (["--hidden-size", "64"], "--hidden-size 64 differs from the checkpoint's 32"),
     (["--model-preset", "tiny"], "--model-preset tiny conflicts with --use-checkpoint-args"),
-    (["--seq-length", "512"], "--seq-length 512 exceeds the checkpoint's --max-position-embeddings 256"),
+    (["--seq-length", "512"],
+     "--seq-length 512 exceeds the checkpoint's --max-position-embeddings 256"),
 ])
 def test_a_conflicting_architecture_flag_is_refused_by_name(imported, tmp_path, flags, message):
     proc = train(_args(imported, tmp_path, "bad", *flags), check=False)
@@ -132,7 +136,8 @@ def test_an_agreeing_flag_is_accepted_and_a_missing_checkpoint_named(imported, t
     del argv[i:i + 2]
     proc = train(argv, check=False)
     assert proc.returncode == 2
-    assert "--use-checkpoint-args reads the architecture from a checkpoint: pass --load" in proc.stderr
+    assert ("--use-checkpoint-args reads the architecture from a checkpoint: pass --load"
+            in proc.stderr)
     json.dumps(proc.stderr)  # one line of text, no traceback
     assert "Traceback" not in proc.stderr
 

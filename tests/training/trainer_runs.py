@@ -73,7 +73,8 @@ def train(argv, nproc=1, timeout=600, check=True):
         proc = subprocess.run(launcher + ["-m", "megatron_jreg.train"] + argv, cwd=REPO,
                               env=run_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError("trainer failed "
+                             f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
