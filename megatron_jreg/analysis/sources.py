@@ -1,16 +1,10 @@
 """Where hidden states come from: the source interface and one model to evaluate.
 
-A *source* is one loaded model that can tokenize text and push the per-layer pairs
-(h_{l-1}, h_l) of a padded batch into a :class:`JumpAccumulator`. Two functions list the
-models of a run, each as :class:`SourceEntry` values: :func:`hf_source.hf_entries` for
-Hugging Face models (``--hf-model``) and :func:`checkpoint_source.checkpoint_entries` for
-our trainer's checkpoints (``--load``); the command ``eval_jump`` adds both flag groups
-and calls the one the flags ask for. This module imports neither.
-
-A source satisfies :class:`HiddenStateSource` (see ``hf_source.HFCausalLMSource`` and
-``checkpoint_source.CheckpointSource``); an entry per model to evaluate opens it (one per
-iteration for a trajectory, with ``iteration`` set so eval_jump prints the trajectory
-table and plot).
+A source (:class:`HiddenStateSource`) is one loaded model that tokenizes text and pushes the
+per-layer pairs (h_{l-1}, h_l) of a padded batch into a :class:`JumpAccumulator`; a
+:class:`SourceEntry` opens one per model to evaluate (one per iteration for a trajectory).
+``hf_source.hf_entries`` (``--hf-model``) and ``checkpoint_source.checkpoint_entries``
+(``--load``) make the entries, and ``eval_jump`` calls them; this module imports neither.
 """
 
 from __future__ import annotations

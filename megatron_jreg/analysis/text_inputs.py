@@ -124,7 +124,7 @@ def read_indexed_dataset(prefix: str) -> Iterator[IndexedDocument]:
     try:
         dataset = IndexedDataset(prefix)
     except Exception as e:  # a corrupt or foreign file; megatron raises bare assertions
-        raise InputError(f"--data-path {prefix}: not a readable indexed dataset ({e!r})")
+        raise InputError(f"--data-path {prefix}: not a readable indexed dataset ({e!r})") from None
 
     def documents() -> Iterator[IndexedDocument]:
         bounds = dataset.document_indices

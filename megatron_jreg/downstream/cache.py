@@ -1,18 +1,10 @@
 """Results cached per (model, task, limit): a re-run with one more task evaluates that task.
 
-An entry is one JSON file named by the SHA-256 of its key. The key holds every input that
-changes the numbers: the model's identity (a checkpoint: its directory, iteration, the
-checksum manifest of that iteration and the content of the tokenizer files its run config
-names, which may live outside it, or of the --tokenizer-model given in their place; a Hugging Face directory or a cached hub id's snapshot:
-its path, the content of every file that is not a weight file (config.json, the tokenizer's
-files, the chat template) and the size and mtime of each weight file; a GGUF file, tokenizer
-included: its path, size and mtime), the task and a digest of its resolved config and of the local
-files it names (an edited local YAML or data file is a new task), the limit, the few-shot count, the dtype and the versions
-of lm-eval and transformers. The device, the device map and the batch size are not part of
-it: they change the numbers only by rounding.
-
-One writer per entry: a run holds the locks of the entries it evaluates
-(:meth:`ResultCache.writing`), so a second run on the same model and task is refused.
+An entry is one JSON file named by the SHA-256 of its key, which holds every input that changes
+the numbers: the model's identity (the ``*_identity`` functions here), the task and a digest of
+its config and local files, the limit, the few-shot count, the dtype and the versions of lm-eval
+and transformers (:func:`megatron_jreg.downstream.evaluate.evaluate_model` builds it). A run
+holds the locks of the entries it evaluates (:meth:`ResultCache.writing`).
 """
 
 from __future__ import annotations
@@ -40,6 +32,8 @@ def file_key(path: str):
 
 
 def hf_model_identity(model_dir: str) -> Dict[str, object]:
+    """A Hugging Face directory (or a cached hub id's snapshot): its path, the content of every
+    file that is not a weight file and the size and mtime of each weight file."""
     model_dir = os.path.realpath(model_dir)
     weights, files = {}, {}
     for name in sorted(os.listdir(model_dir)):
@@ -109,6 +103,8 @@ class ResultCache:
 
     @staticmethod
     def key(model: Dict[str, object], **settings) -> Dict[str, object]:
+        # the device, the device map and the batch size are not in ``settings``: they change
+        # the numbers only by rounding
         return {"model": model, **settings}
 
     def _path(self, key: Dict[str, object]) -> str:

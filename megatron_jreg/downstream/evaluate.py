@@ -1,15 +1,11 @@
 """The work of ``tools/eval_downstream.py``: models, tasks, cache, outputs (its command
 line: :mod:`megatron_jreg.commands.eval_downstream`).
 
-Every problem with the input surfaces as an :class:`InputError`: one line on stderr, exit
-status 2. Tasks (and their datasets) load before any model, so a typo or an uncached
-dataset fails before a checkpoint is exported. A checkpoint (``--load``, any TP/PP layout)
-is exported to a temporary Hugging Face directory by ``checkpoint.to_hf`` in a child
-process (megatron's process group and its CPU redirections stay out of the evaluating
-process), then evaluated like ``--hf-model``; only the tasks missing from the cache are.
-``--hf-model`` takes a directory, a hub id already in the local Hugging Face cache (its
-snapshot directory, read offline) or a ``.gguf`` file, which is dequantized into a
-temporary directory for lm-eval's ``hf`` backend (removed afterwards, also on error).
+:func:`run` loads the tasks before any model (a typo or an uncached dataset fails first), then
+evaluates each model with lm-eval (``harness``) on the tasks missing from the cache (``cache``).
+A checkpoint (``--load``) is exported to a temporary Hugging Face directory in a child process;
+``--hf-model`` takes a directory, a cached hub id or a ``.gguf`` file. Input problems raise
+:class:`InputError`: one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -103,7 +99,8 @@ def _export_child(root: str, iteration: int, out: str, queue,
 
 def export_checkpoint(root: str, iteration: int, out: str,
                       tokenizer_model: Optional[str] = None) -> List[str]:
-    """``to_hf.convert`` in a spawned process; returns its warnings. An interrupt (Ctrl-C,
+    """``to_hf.convert`` in a spawned process (megatron's process group and its CPU
+    redirections stay out of the evaluating process); returns its warnings. An interrupt (Ctrl-C,
     SIGTERM) ends the child before the caller removes the directory it writes in.
     ``tokenizer_model`` replaces the run's tokenizer file (``--tokenizer-model``)."""
     import queue as queue_mod

@@ -118,7 +118,8 @@ def check_tasks(manager, names: List[str],
         except Exception as err:  # noqa: BLE001 - datasets' own errors (DatasetNotFoundError ...)
             text = str(err).splitlines()[0][:160] if str(err) else ""
             if "offline" in text.lower() or "hub" in text.lower() or "connect" in text.lower():
-                raise InputError(f"task {name}: dataset unavailable ({text}); {OFFLINE_HINT}") from None
+                raise InputError(
+                    f"task {name}: dataset unavailable ({text}); {OFFLINE_HINT}") from None
             raise InputError(f"task {name}: lm-eval cannot load it ({type(err).__name__}: "
                              f"{text}); check the task's YAML") from None
         tasks = loaded["tasks"] if isinstance(loaded, dict) and "tasks" in loaded else loaded
@@ -144,7 +145,9 @@ def _digest(tasks) -> str:
 def _local_files(value) -> set:
     """The existing local files a task config names (its data files, a local dataset path)."""
     if isinstance(value, str):
-        return {os.path.realpath(value)} if os.path.isabs(value) and os.path.isfile(value) else set()
+        if os.path.isabs(value) and os.path.isfile(value):
+            return {os.path.realpath(value)}
+        return set()
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):

@@ -1,17 +1,10 @@
 """What lm-eval passes over in silence in a local task, said in one line before any model.
 
-- lm-eval's index skips a YAML of ``--include-path`` that does not parse, or that names no
-  task, with a debug line only; the task is then "unknown". :func:`skipped_yaml` reads the
-  folders again and names the file (and the line of a syntax error).
-- Two YAMLs that give one task name: lm-eval keeps the first and logs a warning among its
-  progress lines. :func:`check_duplicates` refuses, naming both files.
-- A multiple-choice task whose ``doc_to_target`` is no index of ``doc_to_choice``'s list
-  (a field the data lacks) scores every document 0 with a warning per document, and the
-  report shows accuracy 0.00 as a result. :func:`check_targets` evaluates both keys on the
-  first documents, as lm-eval's scoring does, and refuses.
-
-lm-eval's YAMLs may hold ``!function module.fn`` tags; the loader here keeps any tag's
-text without importing anything.
+Called by :mod:`megatron_jreg.downstream.harness`: :func:`skipped_yaml` names a YAML of
+``--include-path`` that lm-eval's index skipped (it does not parse, or names no task; lm-eval
+logs a debug line only), :func:`check_duplicates` refuses a task two YAMLs define (lm-eval keeps
+the first), and :func:`check_targets` refuses a multiple-choice task whose targets do not index
+its choices (lm-eval scores every document 0 and reports accuracy 0.00 as a result).
 """
 
 from __future__ import annotations
@@ -27,6 +20,8 @@ _IGNORED_DIRS = {"__pycache__", ".ipynb_checkpoints"}  # as lm-eval's index
 
 
 def _loader():
+    # lm-eval's YAMLs may hold ``!function module.fn`` tags: any tag's text is kept, nothing
+    # is imported
     import yaml
 
     class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):

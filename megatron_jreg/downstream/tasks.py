@@ -61,7 +61,8 @@ def task_metrics(entry: Dict[str, object]) -> Dict[str, float]:
     return out
 
 
-def pick_metric(task: str, metrics: Dict[str, float], wanted: str) -> Tuple[str, float, Optional[float]]:
+def pick_metric(
+        task: str, metrics: Dict[str, float], wanted: str) -> Tuple[str, float, Optional[float]]:
     """(metric name, value in percent, stderr in percent or None) of one task."""
     order = [wanted] + [m for m in METRICS if m != wanted]
     names = [m for m in order if m in metrics]

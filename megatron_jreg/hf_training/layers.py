@@ -1,15 +1,10 @@
 """The decoder layers of any Hugging Face causal LM, found from the model itself.
 
-A model's decoder is its one list of layers, in the order they run: the outermost
-``nn.ModuleList`` (one inside no other list) whose length is a layer count its config
-states (``num_hidden_layers``, GPT-2's ``n_layer``, ``num_layers``, a BART-family causal
-LM's ``decoder_layers``, or a multimodal model's ``text_config``'s). The layers may be of
-several classes: a hybrid's attention, Mamba and cross-attention layers form one stack,
-and JREG is defined for any stack. Lists inside a layer (per-head norms, a layer's
-sub-blocks) are never taken for the decoder. Nothing here names a family: a model whose
-config or modules do not say is refused naming its class, and so are an encoder-decoder
-model (its encoder's blocks would be taken for the decoder), a model that is not a causal
-LM (BERT: its attention sees later tokens) and a list holding one module in two slots.
+:func:`decoder_layers` (called by :class:`HFJreg`) takes the outermost ``nn.ModuleList`` whose
+length is a layer count the model's config states; the layers may be of several classes (a
+hybrid's attention, Mamba and cross-attention layers form one stack). Nothing here names a
+family: a model whose config or modules do not say, an encoder-decoder model and a model that
+is not a causal LM are refused, naming the model's class.
 """
 
 from __future__ import annotations
@@ -46,7 +41,8 @@ def layer_count(config) -> Optional[int]:
 
 
 def _outermost_lists(model: torch.nn.Module) -> List[Tuple[str, torch.nn.ModuleList]]:
-    """(path, list) of every ModuleList that sits inside no other ModuleList."""
+    """(path, list) of every ModuleList that sits inside no other ModuleList: lists inside a
+    layer (per-head norms, a layer's sub-blocks) are never taken for the decoder."""
     lists = [(path, module) for path, module in model.named_modules()
              if isinstance(module, torch.nn.ModuleList)]
     paths = [path for path, _ in lists]

@@ -1,37 +1,10 @@
-"""JREG's penalty on any Hugging Face causal LM: forward hooks on its decoder layers.
+"""JREG's penalty on any Hugging Face causal LM, through forward hooks on its decoder layers.
 
-Layer ``l``'s input is ``h_{l-1}`` and its output ``h_l`` (before the final norm); each
-forward of the model records the pairs, and :meth:`HFJreg.penalty` turns them into
-``lambda * sum_l w_l(alpha) Psi_l`` with ``Psi_l`` the mean of ``psi_l`` over the batch's
-real tokens (``attention_mask``), as the trainer computes it per micro-batch. The penalty
-keeps its graph: add it to the LM loss before ``backward``.
-
-In a plain PyTorch loop::
-
-    jreg = HFJreg(model, lam=1.0, alpha=1.0)
-    for batch in loader:
-        out = model(**batch)
-        loss, values = jreg.add_penalty(out.loss, batch.get("attention_mask"))
-        loss.backward()
-
-A model wrapped for data parallelism (DDP, FSDP, accelerate's wrapper) is reached through
-its ``.module``; the hooks sit on the layers themselves, so they fire inside any wrapper.
-
-A forward under ``no_grad`` after a training forward (a trainer recomputing logits for a
-metric) does not replace the training forward's pairs; the next forward with autograd on
-does.
-
-Gradient checkpointing runs a layer's forward again during backward: that second pass is
-not recorded (the pairs of the first keep their graph through the checkpoint).
-
-A layer that does not run in a forward (Mllama's cross-attention layers without an image)
-is the identity there: psi 0. PEFT prompt tuning's virtual tokens count as real tokens (the
-model attends to them); a packed forward that Hugging Face did not keep apart (a cache or an
-attention_mask with restarting position_ids) is refused.
-
-``generate()`` runs the model once per new token: with no training forward before it, the
-pairs recorded are those of its last decode step (one token per row, no graph), so
-:meth:`HFJreg.penalty` then measures that step and its penalty regularizes nothing.
+:class:`HFJreg` records each layer's input ``h_{l-1}`` and output ``h_l`` (before the final
+norm) in every forward and turns them into ``lambda * sum_l w_l(alpha) Psi_l`` over the batch's
+real tokens, with its graph, to add to the LM loss. Plain PyTorch loops use it directly;
+:mod:`megatron_jreg.hf_training.trainer` wires it into ``transformers.Trainer``. The math is
+:mod:`megatron_jreg.jreg` and :mod:`megatron_jreg.ops.displacement`.
 """
 
 from __future__ import annotations
@@ -109,6 +82,19 @@ class HFJreg:
 
     ``lam``, ``alpha``, ``weighting``: the trainer's --jreg-lambda, --jreg-alpha and
     --jreg-weighting; ``impl``: the displacement op's implementation (auto, fused, torch).
+    ``Psi_l`` is the mean of ``psi_l`` over the real tokens (``attention_mask``), as the trainer
+    computes it per micro-batch. In a plain PyTorch loop::
+
+        jreg = HFJreg(model, lam=1.0, alpha=1.0)
+        for batch in loader:
+            out = model(**batch)
+            loss, values = jreg.add_penalty(out.loss, batch.get("attention_mask"))
+            loss.backward()
+
+    The hooks sit on the layers themselves, so they fire inside any data-parallel wrapper (DDP,
+    FSDP, accelerate's), which is reached through its ``.module``. ``generate()`` runs the model
+    once per new token: with no training forward before it, the pairs recorded are those of its
+    last decode step (one token per row, no graph), and a penalty of them regularizes nothing.
     """
 
     def __init__(self, model: torch.nn.Module, lam: float = 1.0, alpha: float = 1.0,
@@ -163,7 +149,9 @@ class HFJreg:
     def _hook(self, number: int):
         def hook(module, args, kwargs, output):
             if torch._C._current_graph_task_id() != -1:
-                return  # a recompute inside backward (gradient checkpointing)
+                # a recompute inside backward (gradient checkpointing): the first pass's pairs
+                # keep their graph through the checkpoint
+                return
             if self._fresh or number == 1:  # the first layer of a forward
                 self._fresh = False
                 if not torch.is_grad_enabled() and self._with_graph:

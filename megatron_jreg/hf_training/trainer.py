@@ -1,20 +1,10 @@
 """JREG in ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer`` among them).
 
-    class JregTrainer(JregTrainerMixin, transformers.Trainer): ...
-    trainer = JregTrainer(model=model, args=args, train_dataset=data, jreg_lambda=1.0)
-
-Each training batch's penalty (:class:`HFJreg`) is added to the loss the Trainer computes,
-scaled as the Trainer scales that loss over gradient-accumulation steps (so each
-micro-batch counts ``1 / steps`` of it, as in this project's trainer). Each training log
-gains the window's mean (over its steps and the data-parallel ranks) LM loss, penalty,
-zeta_L, zeta_{L-1}, zeta_{L-2} and per-layer Psi (``jreg/psi/layer_XX``), which reach the
-reporters the user configured (TensorBoard, W&B). Evaluation reports the LM loss alone
-(``eval_loss`` stays comparable with a run without JREG).
-
-The settings are checked when the Trainer is built (InputError naming ``jreg_lambda`` ...).
-With ``model_init=`` the hooks follow each model it makes (``call_model_init``). When
-``train()`` returns (or raises) the hooks are taken off the model and what they recorded is
-dropped; the next ``train()`` puts them back.
+:class:`JregTrainerMixin` adds each training batch's :class:`HFJreg` penalty to the loss the
+Trainer computes, scaled over gradient-accumulation steps as the Trainer scales that loss, and
+adds the window's LM loss, penalty, zeta_L .. zeta_{L-2} and per-layer Psi
+(``jreg/psi/layer_XX``) to each training log, which reaches the reporters the user configured.
+Evaluation reports the LM loss alone, comparable with a run without JREG.
 """
 
 from __future__ import annotations
@@ -28,7 +18,15 @@ from megatron_jreg.hf_training.regularizer import HFJreg, check_settings
 
 class JregTrainerMixin:
     """Put it before the Trainer class in the bases; its keyword arguments are the JREG
-    settings (``jreg_lambda``, ``jreg_alpha``, ``jreg_weighting``, ``jreg_impl``)."""
+    settings (``jreg_lambda``, ``jreg_alpha``, ``jreg_weighting``, ``jreg_impl``), checked
+    when the Trainer is built::
+
+        class JregTrainer(JregTrainerMixin, transformers.Trainer): ...
+        trainer = JregTrainer(model=model, args=args, train_dataset=data, jreg_lambda=1.0)
+
+    Each micro-batch's penalty counts ``1 / steps`` of the step's, as in this project's
+    trainer; the logged values are means over the window's steps and the data-parallel ranks.
+    """
 
     def __init__(self, *args, jreg_lambda: float = 1.0, jreg_alpha: float = 1.0,
                  jreg_weighting: str = "softmax", jreg_impl: str = "auto", **kwargs):

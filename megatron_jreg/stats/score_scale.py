@@ -1,16 +1,9 @@
 """Accuracies in percent on both sides: what compare_seeds checks before a t-test.
 
-eval_downstream writes accuracies in percent; lm-eval's own numbers (and a table copied
-from its output) are fractions. A score outside [0, 100] is no accuracy in percent (6090
-typed for 60.90, a sign lost), and a task scored in fractions on one side and in percent
-on the other is tested as a gain of ~60 points with a p-value near 0. Both are refused in
-one line.
-
-The mixed scale is told from a real difference by two things at once: one side has every
-score <= 1 and the other has a score above 1, and the second side's mean is at least
-:data:`SCALE_RATIO` times the first's. Fractions against percent give a ratio near 100;
-a task both sides score near 0-1% (baseline 0.6, JREG 1.3) gives a small ratio and is
-tested as it is. A side scoring 0 everywhere reads the same in either scale.
+eval_downstream writes accuracies in percent; lm-eval's own numbers (and a table copied from its
+output) are fractions. :func:`check_accuracy` refuses a score outside [0, 100] (6090 typed for
+60.90) and :func:`check_scales` a task scored in fractions on one side and in percent on the
+other, which a t-test would report as a gain of ~60 points with a p-value near 0.
 """
 
 from __future__ import annotations
@@ -20,6 +13,11 @@ from typing import Iterable, Optional
 
 from megatron_jreg.errors import InputError
 
+# The mixed scale is told from a real difference by two things at once: one side has every
+# score <= 1 and the other a score above 1, and the second side's mean is at least SCALE_RATIO
+# times the first's. Fractions against percent give a ratio near 100; a task both sides score
+# near 0-1% (baseline 0.6, JREG 1.3) gives a small ratio and is tested as it is. A side
+# scoring 0 everywhere reads the same in either scale.
 SCALE_RATIO = 10.0
 # the metrics eval_downstream writes in percent (downstream/tasks.py scales these by 100)
 ACCURACY_METRICS = ("acc", "acc_norm")

@@ -60,7 +60,8 @@ class GPTDataConfig:
         # plain decimals only: megatron-core re-reads the string with that pattern (nan,
         # inf and exponents would be misread there or fail its assertions)
         if not all(re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*", p) for p in parts):
-            raise InputError(f"--split {self.split!r} is not numbers (plain decimals); use {_SPLIT_HELP}")
+            raise InputError(
+                f"--split {self.split!r} is not numbers (plain decimals); use {_SPLIT_HELP}")
         weights = [float(p) for p in parts]
         if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise InputError(f"--split {self.split!r} is invalid; use {_SPLIT_HELP}")

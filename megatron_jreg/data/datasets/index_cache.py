@@ -1,14 +1,10 @@
 """megatron-core's dataset index cache is read as numbers, never unpickled.
 
-megatron-core caches each dataset's document, sample and shuffle indices (and a blend's)
-as ``.npy`` files in ``--data-cache-path`` (by default ``index-cache`` beside the data) and
-reads them with ``numpy.load(allow_pickle=True, mmap_mode="r")``. numpy maps a file that
-starts as a ``.npy`` does (and refuses to map one holding Python objects), but unpickles a
-file that does not: a cache handed over with the data could run code.
-:func:`check_index_cache` reads the first bytes of each ``.npy`` there first and refuses,
-in one line, any that does not start as a ``.npy``. A file shorter than that prefix (one
-megatron-core is writing on another rank, or an empty one) cannot hold a pickle that runs
-anything: every prefix of the ``.npy`` magic starts with an opcode that fails at once.
+megatron-core caches each dataset's indices as ``.npy`` files in ``--data-cache-path`` and reads
+them with ``numpy.load(allow_pickle=True)``, which unpickles a file that does not start as a
+``.npy``: a cache handed over with the data could run code. :func:`check_index_cache` refuses,
+in one line, any ``.npy`` there that does not start with the ``.npy`` magic; ``gpt`` calls it
+before megatron-core reads the cache.
 """
 
 from __future__ import annotations
@@ -36,6 +32,9 @@ def check_index_cache(directory: str, flag: str = "--data-cache-path") -> None:
                 head = f.read(len(MAGIC))
         except (IsADirectoryError, FileNotFoundError):  # not a file, or removed meanwhile
             continue
+        # A file shorter than the magic (one megatron-core is writing on another rank, or an
+        # empty one) cannot hold a pickle that runs anything: every prefix of the .npy magic
+        # starts with an opcode that fails at once.
         if not MAGIC.startswith(head):
             raise InputError(
                 f"{file}: refused to load: not a numpy array file, so numpy would unpickle it "

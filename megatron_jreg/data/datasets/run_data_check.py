@@ -49,9 +49,10 @@ def check_data_against_run(prefixes: Sequence[str], vocab_size: int,
             if top >= vocab_size:
                 raise InputError(
                     f"--data-path {prefix!r}: its largest token id is {top}, past the run's "
-                    f"tokenizer vocabulary of {vocab_size} ids: the data was tokenized with another "
-                    f"tokenizer; train with the tokenizer the data was built with (--tokenizer-type, "
-                    f"--tokenizer-model), or rebuild it with tools/preprocess_data.py and this one")
+                    f"tokenizer vocabulary of {vocab_size} ids: the data was tokenized with "
+                    f"another tokenizer; train with the tokenizer the data was built with "
+                    f"(--tokenizer-type, --tokenizer-model), or rebuild it with "
+                    f"tools/preprocess_data.py and this one")
         if sft is not None and rank0:
             refuse_no_loss_tokens([SFTDataset(p) for p in prefixes], *sft)
     except ValueError as err:

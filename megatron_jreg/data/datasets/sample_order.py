@@ -30,7 +30,8 @@ class CyclicOrder:
         self.bucket = total // per_round * micro_batch_size  # each DP rank's share
         if self.bucket == 0:
             raise InputError(f"the train split has {total} samples, fewer than one step's "
-                             f"micro-batches ({per_round}); use --dataloader-type single or more data")
+                             f"micro-batches ({per_round}); use --dataloader-type single or "
+                             f"more data")
         self._epoch, self._perm = None, None
 
     def __len__(self) -> int:
@@ -42,7 +43,8 @@ class CyclicOrder:
         if epoch != self._epoch:
             generator = torch.Generator()
             generator.manual_seed(epoch)  # Megatron-LM seeds with the epoch only
-            self._epoch, self._perm = epoch, torch.randperm(self.bucket, generator=generator).tolist()
+            perm = torch.randperm(self.bucket, generator=generator).tolist()
+            self._epoch, self._perm = epoch, perm
         return self._perm
 
     def __getitem__(self, index: int):

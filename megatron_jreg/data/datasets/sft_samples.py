@@ -1,15 +1,10 @@
 """Training samples over chat data (``preprocess_data.py --sft``): one conversation per
 sample, padded to ``--seq-length``.
 
-Padding, not packing: a sample holds one conversation from its first token, and the padding
-comes after it, so under the causal mask no token attends across two conversations and no
-attention mask beyond the causal one is needed. The price is the padding's compute,
+:class:`SFTSamples` gives each sample's tokens, labels, loss mask (the assistant tokens) and
+token mask (the real tokens JREG counts). Padding, not packing: the padding comes after the one
+conversation, so under the causal mask no token attends across conversations; its compute is
 reported by :func:`padding_waste` when the trainer starts.
-
-A conversation of ``n`` tokens gives inputs ``t[:-1]`` and labels ``t[1:]`` (cut to
-``seq_length + 1`` tokens first); the loss mask is the data's mask on the labels, so the
-model learns to predict exactly the assistant tokens. Padding has loss mask 0 and
-``token_mask`` False, so JREG's displacement counts real tokens only.
 """
 
 from __future__ import annotations
@@ -76,6 +71,10 @@ class SFTSamples:
         return int(self.indices[perm[pos]])
 
     def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
+        # a conversation of n tokens (cut to seq_length + 1 first) gives inputs t[:-1] and
+        # labels t[1:]; the loss mask is the data's mask on the labels, so the model learns to
+        # predict exactly the assistant tokens. Padding has loss mask 0 and token_mask False,
+        # so JREG's displacement counts real tokens only.
         conv = self._conversation(self.conversation_index(i))
         s = self.seq_length
         tokens = np.asarray(conv["tokens"], dtype=np.int64)[: s + 1]

@@ -1,20 +1,10 @@
 """What a ``.bin``/``.idx`` pair holds, keyed by its content: the largest token id (one
 chunked pass over the ``.bin``, cached) and the key of megatron-core's index cache.
 
-Two keys, because two things depend on different bytes:
-
-- megatron-core's document, sample and shuffle indices depend only on the sequence lengths
-  and document boundaries, i.e. on the ``.idx`` bytes: :func:`index_key` is their SHA-256.
-  A prefix rebuilt with other documents gets another key (so another index cache); a copy
-  of the same data elsewhere gets the same one.
-- the largest token id depends on the ``.bin`` bytes too. Hashing the ``.bin`` would cost
-  the very pass the cache saves, so :func:`token_range_key` adds the ``.bin``'s identity to
-  the ``.idx`` digest: size, inode, mtime and ctime in nanoseconds. Rewriting the ``.bin``
-  in place changes its mtime and ctime (``os.utime`` can put the mtime back, never the
-  ctime: the kernel sets it on every write); replacing it (every writer here renames a
-  finished file) changes its inode; other documents change the ``.idx``. Copying or
-  moving the pair (a rename sets the ctime too) costs one more pass. numpy and the standard
-  library only.
+:func:`index_key` keys megatron-core's document, sample and shuffle indices (they depend on the
+``.idx`` alone); :func:`token_range_key` keys the cached largest token id, which depends on the
+``.bin`` too. Used by ``gpt`` (the index cache) and ``run_data_check`` (the vocabulary check);
+numpy and the standard library only.
 """
 
 from __future__ import annotations
@@ -40,8 +30,10 @@ def _identity(path: str) -> tuple:
 
 
 def index_key(prefix: str) -> str:
-    """SHA-256 of ``prefix.idx`` (hex): what megatron-core's index cache depends on. The
-    ``.idx`` is 12 bytes a sequence, small beside the ``.bin``; memoized per process."""
+    """SHA-256 of ``prefix.idx`` (hex): what megatron-core's index cache depends on (the
+    sequence lengths and document boundaries). A prefix rebuilt with other documents gets
+    another key; a copy of the same data elsewhere gets the same one. The ``.idx`` is 12 bytes
+    a sequence, small beside the ``.bin``; memoized per process."""
     path = prefix + ".idx"
     memo = (os.path.abspath(path),) + _identity(path)
     if memo not in _DIGESTS:
@@ -54,8 +46,13 @@ def index_key(prefix: str) -> str:
 
 
 def token_range_key(prefix: str) -> str:
-    """The ``.idx`` digest and the ``.bin``'s size, mtime_ns, inode and ctime_ns (module
-    docstring)."""
+    """The ``.idx`` digest and the ``.bin``'s size, mtime_ns, inode and ctime_ns.
+
+    Hashing the ``.bin`` would cost the very pass the cache saves, so its identity stands in:
+    rewriting it in place changes its mtime and ctime (``os.utime`` can put the mtime back,
+    never the ctime: the kernel sets it on every write); replacing it (every writer here
+    renames a finished file) changes its inode; other documents change the ``.idx``. Copying
+    or moving the pair (a rename sets the ctime too) costs one more pass."""
     size, mtime_ns, inode, ctime_ns = _identity(prefix + ".bin")
     key = f"{index_key(prefix)}:{size}:{mtime_ns}:{inode}:{ctime_ns}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]

@@ -1,21 +1,10 @@
 """Chat templates for SFT data: which template, rendering it, and the exact loss mask.
 
 A conversation is rendered to text by a jinja template (as Hugging Face's
-``apply_chat_template`` does) and the whole text is tokenised once, so training sees exactly
-what the template renders. The loss mask marks, for every assistant message, the tokens of
-its content and the end-of-turn token after it (the EOS in ``tulu``).
-
-How the mask is found, and why it is exact: the content's character span ``[c0, c1)`` in
-the rendered text ``F`` is located with a sentinel (the conversation up to that message is
-rendered with the content replaced by a marker, and the text before the marker must start
-``F``). Then ``tokens(F[:c0])`` and ``tokens(F[:c1])`` must both be prefixes of
-``tokens(F)``; when they are, the tokens between their lengths spell exactly ``F[c0:c1]``.
-When a template and tokenizer merge text across such a boundary (a BPE token spanning the
-header and the content), no token split is exact, and the conversation is refused with a
-message saying so, never masked approximately.
-
-Imports neither megatron-core nor torch (preprocessing workers import it); jinja2 comes
-with torch.
+``apply_chat_template`` does) and tokenised once; :class:`ChatEncoder` returns the token ids and
+a loss mask over each assistant message's content and the end-of-turn token after it, or refuses
+the conversation when no exact mask exists. Used by the SFT preprocessing workers
+(``sft_workers``), so it imports neither megatron-core nor torch (jinja2 comes with torch).
 """
 
 from __future__ import annotations
@@ -267,6 +256,13 @@ class ChatEncoder:
                 raise ConversationError(SPECIAL_TEXT, (
                     f"message {n} holds {found.group()!r}, the text of a special token: it "
                     f"would be read as that token"))
+        # Why the mask is exact: the content's character span [c0, c1) in the rendered text F
+        # is located with a sentinel (the conversation up to that message rendered with the
+        # content replaced by a marker; the text before the marker must start F). Then
+        # tokens(F[:c0]) and tokens(F[:c1]) must both be prefixes of tokens(F), and the tokens
+        # between their lengths spell exactly F[c0:c1]. A template and tokenizer that merge
+        # text across such a boundary (a BPE token spanning header and content) are refused,
+        # never masked approximately.
         full = self.render(messages)
         ids = self.encode_text(full)
         mask = [0] * len(ids)

@@ -51,7 +51,8 @@ class PreprocessConfig:
     end-of-document id, which is this number."""
     json_keys: list[str] = field(default_factory=lambda: ["text"], metadata={"group": "input"})
     """Keys to extract; each gives its own dataset, documents aligned across them."""
-    input_format: str = field(default="jsonl", metadata={"group": "input", "choices": INPUT_FORMATS})
+    input_format: str = field(
+        default="jsonl", metadata={"group": "input", "choices": INPUT_FORMATS})
     """``jsonl`` or ``text`` (one document per line); ``.parquet`` files are detected."""
     workers: int = field(default=1, metadata={"group": "runtime"})
     """Tokenising processes; the parent only reads and writes."""
@@ -117,7 +118,8 @@ class PreprocessConfig:
         if self.input_format not in INPUT_FORMATS:
             raise PreprocessError(f"--input-format must be one of {INPUT_FORMATS}")
         if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
-            raise PreprocessError(f"--json-keys must be distinct and non-empty, got {self.json_keys}")
+            raise PreprocessError(
+                f"--json-keys must be distinct and non-empty, got {self.json_keys}")
         if self.input_format == "text" and len(self.json_keys) != 1:
             raise PreprocessError("--input-format text has one document per line; drop --json-keys")
         if self.keep_newlines and not self.split_sentences:

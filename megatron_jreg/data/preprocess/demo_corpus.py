@@ -174,7 +174,8 @@ def _fact(rng: random.Random) -> tuple[str, str]:
         thing = rng.choice(sorted(_COLOURS))
         return f"What colour is {thing}?", f"{thing[0].upper()}{thing[1:]} is {_COLOURS[thing]}."
     word = rng.choice(sorted(_OPPOSITES))
-    return f"What is the opposite of '{word}'?", f"The opposite of '{word}' is '{_OPPOSITES[word]}'."
+    return (f"What is the opposite of '{word}'?",
+            f"The opposite of '{word}' is '{_OPPOSITES[word]}'.")
 
 
 def _counting(rng: random.Random) -> tuple[str, str]:

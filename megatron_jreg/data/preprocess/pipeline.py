@@ -1,19 +1,10 @@
 """Raw text to megatron-core indexed datasets: the work of ``tools/preprocess_data.py``
 (its command line: :mod:`megatron_jreg.commands.preprocess`).
 
-Pipeline: the parent reads line-aligned chunks (about ``chunk_bytes`` each) and hands them
-to a pool of workers, which parse, validate and tokenise a whole chunk per message and send
-back packed token buffers. The parent takes results in submission order and only writes
-bytes, so the output is identical for any worker count. At most ``4 * workers`` chunks are
-in flight, so memory does not grow with the corpus.
-
-With ``--partitions N`` the input is cut into N contiguous line-aligned parts, each
-processed by its own process (with ``workers // N`` workers) into a partial dataset; the
-parts are then merged in order with ``add_index``, which gives the same bytes as one pass.
-
-A line over ``IN_PARENT_BYTES`` (up to ``--max-line-bytes``) is encoded by the parent itself,
-with the same encoder, after the chunks before it: sent to a worker it would be pickled,
-piped and unpickled both ways, several copies of the line alive at once.
+:func:`run_preprocess` reads the inputs as line-aligned chunks (``sources``), has a pool of
+workers tokenise them (``workers``, ``sft_workers``) and writes the results in input order
+(``writer``), so the output is the same bytes for any worker count; ``--partitions N`` runs N
+parts in their own processes and merges their datasets in order.
 """
 
 from __future__ import annotations
@@ -49,7 +40,9 @@ from megatron_jreg.data.preprocess.writer import IndexedDatasetOutput
 from megatron_jreg.errors import InputError
 from megatron_jreg.writer_lock import OutputBusy, output_lock
 
-# A one-line chunk over this many bytes is encoded in the parent (see the module docstring).
+# A one-line chunk over this many bytes (up to --max-line-bytes) is encoded by the parent
+# itself, with the same encoder, after the chunks before it: sent to a worker it would be
+# pickled, piped and unpickled both ways, several copies of the line alive at once.
 IN_PARENT_BYTES = 1 << 23
 
 
@@ -125,6 +118,9 @@ def _encode_stream(
     metadata to the caller (a partition may be empty when the whole input is not). ``built``:
     the encoder of ``spec``, for forked workers to inherit (None: each worker builds its own).
     """
+    # Each worker parses, validates and tokenises a whole chunk per message and sends back
+    # packed token buffers; the parent takes results in submission order and only writes
+    # bytes. At most 4 * workers chunks are in flight, so memory does not grow with the corpus.
     stats = RunStats()
     outputs = []
     pending: deque = deque()
@@ -213,7 +209,8 @@ def _run_partition(index, segments, config, spec, prefixes, dtypes, workers, par
         no_room = _no_room_error(e, config)
         # the error itself (its number and file), for the parent to raise: the command
         # reports an OS error of writing in one line (errors.write_error_line)
-        conn.send(("error", str(no_room)) if no_room else ("oserror", (e.errno, e.strerror, e.filename)))
+        conn.send(("error", str(no_room)) if no_room
+                  else ("oserror", (e.errno, e.strerror, e.filename)))
     except KeyboardInterrupt:
         conn.send(("interrupted", "ctrl-c"))
     except Terminated:
@@ -241,6 +238,9 @@ class _NotATty:
 
 
 def _encode_partitioned(config, spec, segments, dtypes, progress, built) -> RunStats:
+    # The input is cut into N contiguous line-aligned parts, each processed by its own process
+    # (workers // N workers) into a partial dataset; the parts are merged in order with
+    # add_index, which gives the same bytes as one pass.
     groups = split_into_partitions(segments, config.partitions)
     workers = max(1, config.workers // len(groups))
     tmp_dir = f"{config.output_prefix}_partitions{temp_marker()}"

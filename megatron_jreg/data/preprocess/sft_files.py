@@ -1,15 +1,11 @@
-"""The files of an SFT dataset, as ``tools/preprocess_data.py --sft`` names and writes them.
-
-For ``--output-prefix OUT`` the dataset prefix is ``P = OUT_sft_document``:
-
-- ``P.bin``/``P.idx``: token ids, megatron-core's indexed-dataset format (``writer``), one
-  sequence per conversation (the whole rendered conversation, tokenised once).
-- ``P_loss_mask.bin``/``.idx``: the same format in uint8, the same sequence lengths; 1 on
-  the tokens of each assistant message's content and its end-of-turn token, else 0.
-- ``P.json``: metadata: the chat template (name and jinja text), the tokenizer, its EOD id
-  and the counts of the run; its ``format`` is ``FORMAT``.
-
+"""The files of an SFT dataset, as ``tools/preprocess_data.py --sft`` names and writes them;
 ``data.datasets.sft.SFTDataset`` reads them back for training.
+
+For ``--output-prefix OUT`` the dataset prefix is ``P = OUT_sft_document``: ``P.bin``/``.idx``
+the token ids (``writer``'s format, one sequence per rendered conversation);
+``P_loss_mask.bin``/``.idx`` the same format in uint8, 1 on each assistant message's content
+and its end-of-turn token; ``P.json`` the metadata (chat template, tokenizer, EOD id, counts;
+its ``format`` is ``FORMAT``).
 """
 
 from __future__ import annotations

@@ -102,13 +102,15 @@ def _file_kind(path: str, input_format: str) -> tuple[str, str | None]:
         try:
             import pyarrow.parquet  # noqa: F401
         except ImportError:
-            raise InputError(f"{path}: reading Parquet needs pyarrow; pip install pyarrow") from None
+            raise InputError(
+                f"{path}: reading Parquet needs pyarrow; pip install pyarrow") from None
         return "parquet", None
     if compression == "zst":
         try:
             import zstandard  # noqa: F401
         except ImportError:
-            raise InputError(f"{path}: reading .zst needs zstandard; pip install zstandard") from None
+            raise InputError(
+                f"{path}: reading .zst needs zstandard; pip install zstandard") from None
     return input_format, compression
 
 
@@ -137,9 +139,10 @@ def resolve_inputs(inputs: list[str], input_format: str = "jsonl") -> list[Segme
         if os.path.isdir(item):
             matched = _directory_files(item, input_format)
             if not matched:
+                suffixes = _TEXT_SUFFIXES if input_format == "text" else _JSONL_SUFFIXES
                 raise InputError(
                     f"--input {item!r}: directory holds no {input_format} files "
-                    f"(looked for {', '.join(_TEXT_SUFFIXES if input_format == 'text' else _JSONL_SUFFIXES)}, "
+                    f"(looked for {', '.join(suffixes)}, "
                     f".parquet, optionally .gz/.zst)"
                 )
         elif os.path.isfile(item) or os.path.realpath(item) == os.devnull:

@@ -1,27 +1,11 @@
-"""megatron-core's ``.bin``/``.idx`` format, written with numpy alone, flat memory and an
-atomic commit.
+"""megatron-core's ``.bin``/``.idx`` format, written with numpy alone, in flat memory and with
+an atomic commit.
 
-The format (megatron-core 0.16.1, ``indexed_dataset.py``; a test pins our bytes to its
-``IndexedDatasetBuilder`` and reads them back with its ``IndexedDataset``):
-
-- ``.bin``: every sequence's token ids, concatenated, in the dataset's dtype.
-- ``.idx``: the 9-byte ``MAGIC``, then little-endian version (Q, always 1), dtype code (B),
-  sequence count (Q) and document boundary count (Q): ``HEADER_BYTES`` in all. Then int32
-  tokens per sequence, int64 byte offset of each sequence in the ``.bin``, and int64
-  document boundaries: ``[0, end of document 1, ...]`` in sequences.
-
-Written here, not through megatron-core, because importing megatron-core takes seconds
-(its ``__init__`` pulls torch and the transformer config) and the format is small and fixed.
-
-``IndexedDatasetWriter`` keeps sequence lengths and document boundaries in temp files, not
-in lists, and streams them out at finalize: a billion-token corpus has gigabytes of them.
-
-``IndexedDatasetOutput`` writes under temp names and renames only a complete pair, so an
-interrupted run never leaves a ``.bin``/``.idx`` pair that looks valid.
-
-Every OSError raised while writing names the file (Python's buffered writes do not), so a
-full disk can be reported as "no space left writing <file>". Cleanup only closes and
-deletes: flushing buffered bytes on a full disk would fail again before anything is deleted.
+:class:`IndexedDatasetOutput` writes one ``<prefix>.bin``/``.idx`` pair under temp names and
+renames it only when complete; :class:`IndexedDatasetWriter` writes the bytes, keeping the
+index in spill files rather than lists. Used by the preprocessing pipeline
+(:mod:`megatron_jreg.data.preprocess.pipeline`); the dataset readers parse the header with
+:func:`read_header`.
 """
 
 from __future__ import annotations
@@ -35,6 +19,14 @@ import numpy
 
 from megatron_jreg.atomic_write import temp_marker
 
+# The format of megatron-core 0.16.1 (``indexed_dataset.py``; a test pins these bytes to its
+# ``IndexedDatasetBuilder`` and reads them back with its ``IndexedDataset``). Written here, not
+# through megatron-core, because importing megatron-core takes seconds.
+# - ``.bin``: every sequence's token ids, concatenated, in the dataset's dtype.
+# - ``.idx``: ``MAGIC``, then little-endian version (Q, always 1), dtype code (B), sequence count
+#   (Q) and document boundary count (Q): ``HEADER_BYTES`` in all. Then int32 tokens per
+#   sequence, int64 byte offset of each sequence in the ``.bin``, and int64 document
+#   boundaries: ``[0, end of document 1, ...]`` in sequences.
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequence count, boundary count
@@ -77,7 +69,8 @@ def _writing(path: str):
 
 
 def _close_without_writing(f) -> None:
-    """Close ``f`` and drop the bytes it still buffers, writing nothing."""
+    """Close ``f`` and drop the bytes it still buffers, writing nothing (cleanup on a full disk
+    must not fail again flushing them before anything is deleted)."""
     raw = getattr(f, "raw", None)
     if raw is not None:
         raw.close()  # a buffered file whose raw file is closed closes without flushing
@@ -146,7 +139,8 @@ def _read_index(path: str, dtype) -> tuple[numpy.ndarray, numpy.ndarray]:
 
 class IndexedDatasetWriter:
     """One ``.bin`` written as it comes, and its ``.idx`` at ``finalize``; the index grows in
-    spill files (``spill_prefix``.*), not in lists.
+    spill files (``spill_prefix``.*), not in lists: a billion-token corpus has gigabytes of
+    sequence lengths and document boundaries.
 
     The bytes are those of megatron-core's ``IndexedDatasetBuilder`` given the same
     sequences (``add_item``/``end_document``, ``add_document``, ``add_index``).

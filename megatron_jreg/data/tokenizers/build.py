@@ -1,20 +1,11 @@
 """The one tokenizer interface used by preprocessing, the trainer and eval_jump.
 
-Every tokenizer exposes ``vocab_size``, ``eod``, ``encode(text)``, ``encode_batch(texts)``,
-``encode_packed(texts)`` (the batch as numpy arrays, for preprocessing), ``decode(ids)`` and
-a JSON-able ``unique_identifiers`` dict. That is all megatron-core's
-``GPTDataset`` reads from ``config.tokenizer`` (it folds ``unique_identifiers`` into its cache
-hash), so these objects are passed to it directly.
-
-``encode`` never adds BOS/EOS: document boundaries are the EOD token that preprocessing appends
-(``--append-eod``), which is where ``GPTDataset`` resets positions and masks.
-
-Megatron-LM's own types (``MEGATRON_LM_TOKENIZERS``) live in ``tokenizers.megatron_lm``,
-which ``build_tokenizer`` imports when one is asked for (that module imports ``pack`` and
-``file_sha256`` from here).
-
-This module must not import megatron-core or torch: preprocessing workers import it, and
-megatron-core alone takes seconds to import.
+:func:`build_tokenizer` builds any ``--tokenizer-type`` (Megatron-LM's own types through
+``tokenizers.megatron_lm``). Every tokenizer exposes ``vocab_size``, ``eod``, ``encode``,
+``encode_batch``, ``encode_packed``, ``decode`` and a JSON-able ``unique_identifiers``: all that
+megatron-core's ``GPTDataset`` reads from ``config.tokenizer``, so these objects go to it
+directly. ``encode`` never adds BOS/EOS (documents end with the EOD that ``--append-eod``
+appends). Imports neither megatron-core nor torch: preprocessing workers import it.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ from typing import Sequence
 
 import numpy
 
-# Megatron-LM's types are built by tokenizers.megatron_lm, as Megatron-LM defines them.
 from megatron_jreg.config.tokenizer_names import (
     MEGATRON_LM_TOKENIZERS,
     SENTENCEPIECE_TOKENIZERS,

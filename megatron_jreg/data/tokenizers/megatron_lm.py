@@ -2,15 +2,11 @@
 ``Llama2Tokenizer``, ``GPT2BPETokenizer`` and ``NullTokenizer``, as Megatron-LM 0.16's
 ``megatron/training/tokenizer/tokenizer.py`` defines them (its default, legacy path).
 
-Same interface as ``tokenizers.build``: ``vocab_size``, ``eod``, ``encode``, ``encode_batch``,
-``encode_packed``, ``decode`` and a JSON-able ``unique_identifiers``. ``Llama2Tokenizer``
-gives Megatron-LM's two sets of ids: its default tokenizer system's (sentencepiece's ids)
-and, with ``--legacy-tokenizer``, its legacy tokenizer's (BOS before every text), so
-``preprocess_data.py`` writes the documents Megatron-LM writes with the same flags.
-
-``tokenizers.build.build_tokenizer`` builds these too (it imports this module when asked
-for one); this module takes ``pack``, ``file_sha256`` and the type names from there. Imports
-neither torch nor megatron-core: preprocessing workers import it.
+Same interface as ``tokenizers.build``, which builds them through
+:func:`build_megatron_tokenizer`. ``Llama2Tokenizer`` gives both of Megatron-LM's id sets
+(sentencepiece's, and with ``--legacy-tokenizer`` a BOS before every text), so
+``preprocess_data.py`` writes what Megatron-LM writes with the same flags. Imports neither
+torch nor megatron-core: preprocessing workers import it.
 """
 
 from __future__ import annotations

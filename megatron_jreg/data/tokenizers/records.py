@@ -1,15 +1,10 @@
 """What a tokenizer's record says: which ids it holds, and the record this project wrote
 for the same files before records said so.
 
-A tokenizer's ``unique_identifiers`` is its record: megatron-core's ``GPTDataset`` folds it
-into its cache, and its sha256 (``identity``) pins a run in ``run_config.yaml``. Where
-Megatron-LM core_v0.16.1 gives one type two sets of ids (its default tokenizer system, and
-``--legacy-tokenizer``), the record names them in ``ids``: ``MEGATRON_CORE_IDS`` or
-``LEGACY_IDS``. Records written before then have no ``ids``; :class:`EarlierRecord` says
-what such a record held, so a run pinned to one is matched, or refused in one line with
-the flags that give its ids.
-
-Imports neither torch nor megatron-core: preprocessing workers import it.
+A tokenizer's ``unique_identifiers`` is its record: megatron-core's ``GPTDataset`` folds it into
+its cache, and its sha256 (:func:`identity`) pins a run in ``run_config.yaml``. A type with two
+sets of ids names them in ``ids`` (``MEGATRON_CORE_IDS`` or ``LEGACY_IDS``); an older record
+without ``ids`` is read through :class:`EarlierRecord`. Imports neither torch nor megatron-core.
 """
 
 from __future__ import annotations
