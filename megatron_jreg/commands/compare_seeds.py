@@ -3,17 +3,8 @@
     python tools/compare_seeds.py scores.csv [--confidence 0.95] [--json out.json]
     python tools/compare_seeds.py --baseline base.json --jreg jreg.json
 
-The CSV is long (columns seed, task, baseline, jreg) or wide (seed, <task>_baseline,
-<task>_jreg, ...); the JSON files are tools/eval_downstream.py's reports, paired by the
-runs' training seed; see docs/evaluation.md. Prints, per task and for the per-seed average
-over tasks: mean difference (jreg - baseline), t, df, one-sided p-value and the lower
-bound of the one-sided interval. A value that does not exist (the p-value when every
-difference is 0) prints as nan and is null in the JSON, as is an infinite t.
-
-Scores without a partner (a seed one side has and the other lacks, a task one side of a
-seed lacks, a seed missing a task of the average) are refused in one line naming them;
-``--allow-unpaired`` tests the pairs and names what it left out, on stdout and under the
-JSON's ``left_out`` key.
+The input formats, the printed table and the refusal of unpaired scores (``--allow-unpaired``)
+are described in docs/evaluation.md; the statistics are ``stats.seed_stats``'.
 """
 
 import os

@@ -34,8 +34,8 @@ class ImportConfig:
     pipeline_model_parallel_size: int = field(default=1, metadata={
         "metavar": "M", "help": "check that the layers split over M pipeline stages"})
     dtype: str = field(default="float32", metadata={
-        "choices": sorted(CHECKPOINT_DTYPES), "help": "dtype of the saved weights (bfloat16 sets --bf16 "
-        "in the run config)"})
+        "choices": sorted(CHECKPOINT_DTYPES),
+        "help": "dtype of the saved weights (bfloat16 sets --bf16 in the run config)"})
 
 
 def build_parser() -> ArgumentParser:

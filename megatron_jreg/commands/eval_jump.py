@@ -2,22 +2,10 @@
 
     python tools/eval_jump.py --hf-model DIR --text-file eval.txt --json out.json
     python tools/eval_jump.py --load CKPT --all-iterations --text-file eval.txt --plot traj.png
-    torchrun --nproc_per_node 4 tools/eval_jump.py --load CKPT --tensor-model-parallel-size 2 \\
-        --text-file eval.txt --json out.json        # TP2 x DP2
 
-The models come from :func:`megatron_jreg.analysis.hf_source.hf_entries` (``--hf-model``)
-or :func:`megatron_jreg.analysis.checkpoint_source.checkpoint_entries` (``--load``), one
-kind per run; the report format is in docs/evaluation.md.
-
-Every problem with the user's input surfaces as an :class:`InputError`, printed on one
-line of stderr with exit status 2; tables go to stdout, the progress bar to stderr.
-The evaluation text is read through once before any model loads, so a bad line (not
-UTF-8, malformed JSON) fails first.
-
-A measured model whose hidden states are not finite (NaN/inf weights, an overflow) still
-gets its tables and output files, with ``nan`` in tables and CSV and ``null`` in the
-JSON for every value it affects; then one line on stderr names the model and the layers,
-and the exit status is 3 (the trainer's status for a NaN loss).
+The models come from ``analysis.hf_source`` (``--hf-model``) or ``analysis.checkpoint_source``
+(``--load``), one kind per run; the report format and the exit statuses are in
+docs/evaluation.md and ``--help``.
 """
 
 from __future__ import annotations
@@ -83,7 +71,8 @@ class ModelRunFlags:
 class TextFlags:
     """The evaluation text: one of --text-file, --jsonl, --data-path."""
 
-    text_file: Optional[str] = setting(help="plain text, one document per line (blank lines skipped)")
+    text_file: Optional[str] = setting(
+        help="plain text, one document per line (blank lines skipped)")
     jsonl: Optional[str] = setting(help="JSON lines, the document under --json-key")
     json_key: str = setting("text", help="the JSONL key holding the text")
     data_path: Optional[str] = setting(
@@ -106,8 +95,10 @@ class OutputFlags:
         "the two models of this run (first is A)")
     json: Optional[str] = setting(
         metavar="OUT.json", help="write the report (a list when there are several)")
-    csv: Optional[str] = setting(metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows")
-    plot: Optional[str] = setting(metavar="OUT.png", help="plot Psi_l per layer, every model on one plot")
+    csv: Optional[str] = setting(
+        metavar="OUT.csv", help="write model,layer,displacement,jump_rate rows")
+    plot: Optional[str] = setting(
+        metavar="OUT.png", help="plot Psi_l per layer, every model on one plot")
     title: Optional[str] = setting(help="title of the plot")
     no_progress: bool = setting(False, help="no progress bar on stderr")
 
@@ -143,7 +134,8 @@ def model_entries(args: argparse.Namespace) -> List[SourceEntry]:
     given = [flag for flag, value in (("--hf-model", args.hf_model), ("--load", args.load))
              if value]
     if len(given) > 1:
-        raise InputError(f"{' and '.join(given)} were both given; measure one kind of model per run")
+        raise InputError(
+            f"{' and '.join(given)} were both given; measure one kind of model per run")
     run = {"include_final_norm": args.include_final_norm, "device": args.device,
            "dtype": args.dtype}
     # the model code after the flags: --help and a bad flag answer before it loads

@@ -1,12 +1,9 @@
-"""The exit statuses of the commands, and the wrapper that turns a user error into one.
+"""The exit statuses of the commands, and :func:`run_command`, which turns a user error into one.
 
-A command's body raises :class:`~megatron_jreg.errors.UserError` (or a subclass) for a
-problem with what the user gave; :func:`run_command` prints it on one line of stderr and
-returns ``USAGE``. So does an OS error of writing (a full disk, the file size limit, a
-read-only file system, a denied permission: ``errors.WRITE_ERRNOS``), wherever it is raised
-and however a library wrapped it: the line names the file, the cause and the fix
-(``errors.write_error_line``). Any other exception keeps its traceback: it is a bug or a
-system fault.
+A :class:`~megatron_jreg.errors.UserError`, or an OS error of writing (``errors.WRITE_ERRNOS``:
+a full disk, a denied permission, ...) however a library wrapped it, is printed on one line of
+stderr (naming the file, the cause and the fix: ``errors.write_error_line``) and returns
+``USAGE``; any other exception keeps its traceback: it is a bug or a system fault.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""Command-line flags generated from config dataclasses: one generator for the trainer and
-every tool, reading the field metadata of ``megatron_jreg.config.schema``.
+"""Command-line flags generated from config dataclasses, one generator for the trainer and
+every tool (the field metadata vocabulary is ``config.schema``'s).
 
-Trainer precedence: dataclass defaults < ``--model-preset`` sizes < ``--config FILE.yaml`` <
-flags. A field's flag is ``schema.flag_of``; a field with metadata ``cli=False`` (state the
-program sets, such as the built vocabulary size) has no flag but is kept in the saved YAML.
-Metadata ``const`` makes the flag a switch that stores that value (Megatron-LM's
-store_true/store_false flags, e.g. ``--disable-bias-linear`` storing False), ``switches``
-maps more flags to the value each stores, ``aliases`` gives other spellings. No flag may be
-abbreviated.
-
-The tools get their flags the same way from their config dataclasses (``tool_parser``): a
-field without a default is a required flag, a ``bool`` field that defaults to False is a
-switch, metadata ``positional=True`` makes a positional argument, ``group`` an argument
-group, ``exclusive`` a mutually exclusive group, ``metavar`` the placeholder; the help text
-is metadata ``help`` or else the field's docstring, followed by its default (metadata
-``default_help`` words it when the value alone says too little).
-
-The trainer's parser holds only the flags given (``argument_default=SUPPRESS``), each under
-``section.field``, so that "set" can be told from "left at its default"; a tool's parser
-holds every field's value under its own name.
-
-Every value is checked where it enters, by ``config.values``: a flag after argparse has
-converted it (a float must be finite; metadata ``min``, ``gt``, ``max``, ``lt`` bound it),
-a ``--config`` value against its field's type as well, named by its key
-(``config.yaml_settings``).
+The trainer's parser (:func:`parse`) keeps only the flags given, under ``section.field``, so
+"set" can be told from "left at its default"; precedence: defaults < ``--model-preset`` <
+``--config FILE.yaml`` < flags. A tool's parser (:func:`tool_parser`) holds every field's value
+under its own name. Values are checked where they enter (``config.values``).
 """
 
 from __future__ import annotations
@@ -105,6 +86,14 @@ def _claim(seen: Dict[str, str], field: dataclasses.Field, flag: str, title: Any
         seen[name] = owner
 
 
+# A field's flag is ``schema.flag_of``'s (no flag may be abbreviated); metadata ``cli=False``
+# gives none (state the program sets, kept in the saved YAML). ``const`` makes a switch storing
+# that value (Megatron-LM's store_true/store_false, e.g. --disable-bias-linear storing False),
+# ``switches`` maps more flags to the value each stores, ``aliases`` gives other spellings. In
+# a tool, a field without a default is a required flag and a bool defaulting to False a switch;
+# ``positional``, ``group``, ``exclusive`` and ``metavar`` shape the argument. The help is
+# metadata ``help`` or else the field's docstring, then its default (``default_help`` words it
+# when the value alone says too little).
 def add_fields(container: Any, cls: Type, title: str | None = None, *,
                groups: Dict[Any, Any] | None = None, seen: Dict[str, str] | None = None,
                given_only: bool = False) -> None:

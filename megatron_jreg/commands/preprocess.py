@@ -1,12 +1,10 @@
 """Tokenise raw text into megatron-core .bin/.idx datasets (Megatron-LM's flags).
 
-    python tools/preprocess_data.py --input DATA.jsonl --output-prefix OUT \\
-        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model \\
-        --workers 8 --append-eod
+    python tools/preprocess_data.py --input DATA.jsonl --output-prefix OUT --append-eod \\
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --workers 8
 
-The flags are the fields of :class:`PreprocessConfig`; the work is
-:func:`megatron_jreg.data.preprocess.run_preprocess`. Exit status: 0 ok, 2 a user error,
-130 Ctrl-C, 143 SIGTERM (partial outputs are removed on both).
+The flags are :class:`PreprocessConfig`'s fields; the work is ``data.preprocess.run_preprocess``.
+Exit status: 0 ok, 2 a user error, 130 Ctrl-C, 143 SIGTERM (partial outputs removed on both).
 """
 
 from __future__ import annotations

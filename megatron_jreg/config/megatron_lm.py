@@ -1,20 +1,10 @@
 """Megatron-LM's flags that need no setting of their own here: the table, in one place.
 
-Each row is one flag and what becomes of it:
-
-- ``ACCEPTED``: already what happens here (a fusion that is off, a log value that is
-  always shown); nothing is printed.
-- ``NOTED``: accepted; when given, the trainer prints one line saying what happens
-  instead (an implementation the device or this trainer does not have).
-- ``REFUSED``: changes the math and is not supported: a run that gives it stops before
-  any work with one line naming the flag and why.
-
-Flags with a setting of their own (architecture, schedule, data, overlap) live in their
-config sections; ``SECTION_FLAGS`` lists them for the docs. The rows become the fields
-of :class:`MegatronLMConfig`, so the trainer's parser (generated from the config
-dataclasses) takes them like any other flag. Adding a flag is adding a row.
-
-:func:`notes` gives the printed lines of a run, from its config and the flags it was given.
+Each row of ``TABLE`` is one flag: ``ACCEPTED`` (already what happens here), ``NOTED``
+(accepted, with a line the trainer prints: :func:`notes`) or ``REFUSED`` (changes the math: the
+run stops before any work). The rows become the fields of :class:`MegatronLMConfig`, so the
+generated parser takes them; adding a flag is adding a row. ``SECTION_FLAGS`` lists, for the
+docs, the Megatron-LM flags that have a setting in a config section.
 """
 
 from __future__ import annotations
@@ -157,7 +147,8 @@ SECTION_FLAGS: Dict[str, List[str]] = {
               "--moe-router-load-balancing-type", "--moe-ffn-hidden-size",
               "--moe-token-dispatcher-type", "--moe-grouped-gemm"],
     "parallel": ["--context-parallel-size", "--cp-comm-type",
-                 "--hierarchical-context-parallel-sizes", "--overlap-grad-reduce", "--overlap-param-gather",
+                 "--hierarchical-context-parallel-sizes", "--overlap-grad-reduce",
+                 "--overlap-param-gather",
                  "--recompute-activations", "--virtual-pipeline-model-parallel-size",
                  "--num-virtual-stages-per-pipeline-rank",
                  "--num-layers-per-virtual-pipeline-stage", "--sequence-parallel",
@@ -169,7 +160,8 @@ SECTION_FLAGS: Dict[str, List[str]] = {
                  "--global-batch-size"],
     "logging": ["--log-interval"],
     "data": ["--dataloader-type", "--tokenizer-type", "--vocab-file", "--merge-file",
-             "--legacy-tokenizer", "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"],
+             "--legacy-tokenizer", "--eod-mask-loss", "--reset-position-ids",
+             "--reset-attention-mask"],
     "checkpoint": ["--save-interval", "--use-checkpoint-args", "--no-ckpt-fully-parallel-save",
                    "--ckpt-fully-parallel-load", "--async-save", "--use-persistent-ckpt-worker"],
 }
@@ -232,9 +224,9 @@ LAYERNORM_RECOMPUTE_MOE = (
 def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: str) -> List[str]:
     """The lines the trainer prints for this run's Megatron-LM flags.
 
-    given: the settings as given per section (``commands.flags.parse``'s ``given``); impl: the resolved
-    transformer implementation; backend: the run's process-group backend ("nccl" or "gloo",
-    ``platform.device.backend``).
+    given: the settings as given per section (``commands.flags.parse``'s ``given``); impl: the
+    resolved transformer implementation; backend: the run's process-group backend ("nccl" or
+    "gloo", ``platform.device.backend``).
     """
     out = []
     compat, given_here = experiment.megatron_lm, given.get("megatron_lm", {})
@@ -247,7 +239,8 @@ def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: s
             continue
         out.append(f"{row.flag}{'' if row.kind is bool else f' {value}'}: {row.why}")
     model, parallel = experiment.model, experiment.parallel
-    if given.get("parallel", {}).get("sequence_parallel") and parallel.tensor_model_parallel_size == 1:
+    if (given.get("parallel", {}).get("sequence_parallel")
+            and parallel.tensor_model_parallel_size == 1):
         out.append("--sequence-parallel: turned off at --tensor-model-parallel-size 1, as in "
                    "Megatron-LM")
     saving = given.get("checkpoint", {})
@@ -263,7 +256,8 @@ def notes(experiment, given: Dict[str, Dict[str, object]], impl: str, backend: s
     groups = given.get("model", {}).get("num_query_groups")
     if groups and not model.group_query_attention and groups != model.num_attention_heads:
         out.append(f"--num-query-groups {groups}: ignored without --group-query-attention, as in "
-                   f"Megatron-LM: the attention has {model.num_attention_heads} groups, one per head")
+                   f"Megatron-LM: the attention has {model.num_attention_heads} groups, "
+                   "one per head")
     if (impl == "transformer_engine" and parallel.recompute_granularity == "selective"
             and "layernorm" in (parallel.recompute_modules or [])):
         out.append(LAYERNORM_RECOMPUTE_MOE if model.num_experts else LAYERNORM_RECOMPUTE)

@@ -50,8 +50,8 @@ def resolve_transformer_impl(impl: str) -> tuple:
         return "local", ("Transformer Engine is not installed; "
                          "pip install transformer-engine[pytorch] to use it")
     if impl == "transformer_engine" and not transformer_engine_available():
-        raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine installed; "
-                         "install it or use --transformer-impl local (or auto)")
+        raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine "
+                          "installed; install it or use --transformer-impl local (or auto)")
     return impl, "requested with --transformer-impl"
 
 
@@ -68,7 +68,8 @@ def resolve_attention_backend(backend: str, impl: str) -> tuple:
     if impl == "transformer_engine":
         if backend == "local":
             return "megatron", "requested with --attention-backend local"
-        return "transformer_engine", f"Transformer Engine's attention (--attention-backend {backend})"
+        return "transformer_engine", (
+            f"Transformer Engine's attention (--attention-backend {backend})")
     if backend in ("local", "unfused"):
         return "megatron", f"requested with --attention-backend {backend}"
     if backend in ("flash", "fused"):
@@ -95,7 +96,8 @@ class ModelConfig:
         "--model-preset", "tiny, 170m, 1b, 3b (Llama), gpt2-tiny, qwen3-tiny or mixtral-tiny: a "
         "bundle of the architecture flags (docs/megatron_lm_flags.md lists them); explicit "
         "flags override it"))
-    num_layers: int = field(default=4, metadata=option("--num-layers", "Transformer layers L", min=1))
+    num_layers: int = field(default=4, metadata=option(
+        "--num-layers", "Transformer layers L", min=1))
     hidden_size: int = field(default=64, metadata=option("--hidden-size", "hidden size", min=1))
     num_attention_heads: int = field(default=4, metadata=option(
         "--num-attention-heads", "attention heads", min=1))
@@ -103,9 +105,11 @@ class ModelConfig:
         "--num-query-groups", "key/value groups (grouped-query attention); default = heads", min=1))
     ffn_hidden_size: Optional[int] = field(default=None, metadata=option(
         "--ffn-hidden-size", "SwiGLU inner size; default 8/3 hidden rounded up to 256", min=1))
-    seq_length: int = field(default=128, metadata=option("--seq-length", "training sequence length", min=2))
+    seq_length: int = field(default=128, metadata=option(
+        "--seq-length", "training sequence length", min=2))
     max_position_embeddings: Optional[int] = field(default=None, metadata=option(
-        "--max-position-embeddings", "longest sequence the model serves; default seq length", min=1))
+        "--max-position-embeddings", "longest sequence the model serves; default seq length",
+        min=1))
     vocab_size: Optional[int] = field(default=None, metadata=option(
         "--vocab-size", "vocabulary size; default the tokenizer's", min=1))
     make_vocab_size_divisible_by: int = field(default=128, metadata=option(
@@ -116,10 +120,12 @@ class ModelConfig:
         "cli": False, "min": 1, "help": "embedding rows as built: resolved before any work "
         "(config.resolve; a loaded checkpoint's own when resuming) and saved in run_config.yaml"})
     rotary_base: int = field(default=10000, metadata=option("--rotary-base", "RoPE base", gt=0))
-    norm_epsilon: float = field(default=1e-5, metadata=option("--norm-epsilon", "RMSNorm epsilon", gt=0))
+    norm_epsilon: float = field(default=1e-5, metadata=option(
+        "--norm-epsilon", "RMSNorm epsilon", gt=0))
     init_method_std: float = field(default=0.02, metadata=option(
         "--init-method-std", "std of the normal weight init", gt=0))
-    hidden_dropout: float = field(default=0.0, metadata=option("--hidden-dropout", "dropout", min=0, lt=1))
+    hidden_dropout: float = field(default=0.0, metadata=option(
+        "--hidden-dropout", "dropout", min=0, lt=1))
     attention_dropout: float = field(default=0.0, metadata=option(
         "--attention-dropout", "attention dropout", min=0, lt=1))
     swiglu: bool = field(default=True, metadata=option(
@@ -151,7 +157,8 @@ class ModelConfig:
     kv_channels: Optional[int] = field(default=None, metadata=option(
         "--kv-channels", "head dim; only hidden size / heads (the default) is supported", min=1))
     rotary_percent: float = field(default=1.0, metadata=option(
-        "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported", gt=0, max=1))
+        "--rotary-percent", "share of the head dim RoPE rotates; only 1.0 is supported",
+        gt=0, max=1))
     attention_backend: str = field(default="auto", metadata=option(
         "--attention-backend", "auto (Transformer Engine's choice with TE; without it SDPA on "
         "every device), sdpa (PyTorch's "
@@ -191,7 +198,8 @@ class ModelConfig:
         config_values.check_fields(self)  # the metadata's bounds, however the config is built
         if self.model_preset is not None:
             if self.model_preset not in PRESETS:
-                raise ConfigError(f"--model-preset {self.model_preset!r}: choose one of {sorted(PRESETS)}")
+                raise ConfigError(
+                    f"--model-preset {self.model_preset!r}: choose one of {sorted(PRESETS)}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
@@ -209,7 +217,8 @@ class ModelConfig:
         if self.num_experts is not None:
             check_experts(self)
         self._check_architecture()
-        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+        if (self.max_position_embeddings is not None
+                and self.max_position_embeddings < self.seq_length):
             raise ConfigError(
                 f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
                 f"{self.seq_length}")
@@ -320,7 +329,8 @@ class JregConfig:
     def __post_init__(self):
         config_values.check_fields(self)
         if self.weighting not in WEIGHTINGS:
-            raise ConfigError(f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
+            raise ConfigError(
+                f"--jreg-weighting {self.weighting!r}: choose one of {sorted(WEIGHTINGS)}")
         if self.impl not in ("auto", "fused", "torch"):
             raise ConfigError(f"--jreg-impl {self.impl!r}: choose auto, fused or torch")
 

@@ -86,8 +86,8 @@ class ParallelConfig:
         cp, kinds = self.context_parallel_size, self.cp_comm_type
         if kinds is not None:
             if not kinds:
-                raise ConfigError(f"--cp-comm-type: no kind given; give one ({', '.join(CP_COMM_TYPES)}) "
-                                  "or one per layer, or drop it")
+                raise ConfigError(f"--cp-comm-type: no kind given; give one "
+                                  f"({', '.join(CP_COMM_TYPES)}) or one per layer, or drop it")
             kinds = ["all_gather" if k == "allgather" else k for k in kinds]
             unknown = [k for k in kinds if k not in CP_COMM_TYPES]
             if unknown:
@@ -110,7 +110,8 @@ class ParallelConfig:
         if len(kinds) not in (1, num_layers):
             raise ConfigError(f"--cp-comm-type: {len(kinds)} values for {num_layers} layers; "
                               "give one, or one per layer")
-        if self.context_parallel_size > 1 and not transformer_engine and set(kinds) != {"all_gather"}:
+        if (self.context_parallel_size > 1 and not transformer_engine
+                and set(kinds) != {"all_gather"}):
             other = next(k for k in kinds if k != "all_gather")
             raise ConfigError(f"--cp-comm-type {other} needs Transformer Engine's attention; "
                               "without it context parallelism all-gathers keys and values: pass "
@@ -127,15 +128,17 @@ class ParallelConfig:
         pp = self.pipeline_model_parallel_size
         if num_layers % pp:
             raise ConfigError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-        per_vp, stages = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_model_parallel_size
+                f"--num-layers {num_layers} is not divisible by "
+                f"--pipeline-model-parallel-size {pp}")
+        per_vp = self.num_layers_per_virtual_pipeline_stage
+        stages = self.virtual_pipeline_model_parallel_size
         if per_vp is not None and stages is not None:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
                              "--num-virtual-stages-per-pipeline-rank: pass one (as in Megatron-LM)")
         if stages is not None:
             if stages < 1 or (num_layers // pp) % stages:
-                raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide the "
-                                 f"{num_layers // pp} layers of each pipeline stage")
+                raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {stages} must divide "
+                                  f"the {num_layers // pp} layers of each pipeline stage")
             if stages > 1 and pp < 2:
                 raise ConfigError("--num-virtual-stages-per-pipeline-rank needs pipeline "
                                  "parallelism (PP > 1)")
@@ -143,7 +146,8 @@ class ParallelConfig:
         if per_vp is None:
             return None
         if pp < 2:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs pipeline parallelism (PP > 1)")
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs pipeline "
+                              "parallelism (PP > 1)")
         if (num_layers // pp) % per_vp:
             raise ConfigError(
                 f"--num-layers-per-virtual-pipeline-stage {per_vp} must divide the "

@@ -1,24 +1,10 @@
 """The one resolution of a run: every value derived from the settings, the inputs and the
-machine, computed once, before any work, into the run that trains and that its
-``run_config.yaml`` records.
+machine, computed once before any work into the run that trains and that ``run_config.yaml``
+records (the trainer calls :func:`resolve`).
 
-:func:`resolve` reads no file and imports nothing heavy: the caller gathers the facts
-(:class:`RunFacts`: the built tokenizer, what the machine runs, what the checkpoint it
-starts from holds) and passes them in. It never changes the settings it is given: each
-derived section is a new object (``dataclasses.replace``), so resolving the same settings
-with the same facts twice gives equal runs.
-
-Derived here:
-
-- the vocabulary: the tokenizer's, unless ``--vocab-size`` sets it (Megatron-LM's
-  NullTokenizer counts one more id than its ``--vocab-size``: the end of document);
-- the tokenizer identity the run trains with (recorded; resume and the tools compare it);
-- the transformer implementation ``--transformer-impl auto`` stands for on this machine;
-- the embedding rows: a resumed checkpoint's own, else the vocabulary padded to
-  ``--make-vocab-size-divisible-by`` (never a function of the parallel layout);
-- sequence parallelism, off at tensor-parallel size 1 (Megatron-LM's rule);
-- under ``--use-checkpoint-opt-param-scheduler``, the schedule the checkpoint keeps,
-  in steps where whole, else in samples.
+:func:`resolve` reads no file: the caller passes the facts in (:class:`RunFacts`: the built
+tokenizer, the machine, the checkpoint the run starts from) and gets new sections back, the
+settings it was given unchanged, so the same settings and facts always give equal runs.
 """
 
 from __future__ import annotations

@@ -48,9 +48,12 @@ class OptimConfig:
         "--lr-wsd-decay-samples", "WSD: samples of the final decay", min=1))
     lr_wsd_decay_style: str = field(default="exponential", metadata=option(
         "--lr-wsd-decay-style", "WSD: exponential, linear, cosine or minus_sqrt"))
-    weight_decay: float = field(default=0.01, metadata=option("--weight-decay", "AdamW weight decay", min=0))
-    adam_beta1: float = field(default=0.9, metadata=option("--adam-beta1", "Adam beta1", min=0, lt=1))
-    adam_beta2: float = field(default=0.999, metadata=option("--adam-beta2", "Adam beta2", min=0, lt=1))
+    weight_decay: float = field(default=0.01, metadata=option(
+        "--weight-decay", "AdamW weight decay", min=0))
+    adam_beta1: float = field(default=0.9, metadata=option(
+        "--adam-beta1", "Adam beta1", min=0, lt=1))
+    adam_beta2: float = field(default=0.999, metadata=option(
+        "--adam-beta2", "Adam beta2", min=0, lt=1))
     adam_eps: float = field(default=1e-8, metadata=option("--adam-eps", "Adam epsilon", gt=0))
     clip_grad: float = field(default=1.0, metadata=option(
         "--clip-grad", "global grad-norm clip (0 = off)", min=0))
@@ -70,11 +73,13 @@ class OptimConfig:
 
     def __post_init__(self):
         config_values.check_fields(self)  # the metadata's bounds, however the config is built
-        if self.lr_decay_style not in ("cosine", "linear", "constant", "WSD", "inverse-square-root"):
+        if self.lr_decay_style not in ("cosine", "linear", "constant", "WSD",
+                                       "inverse-square-root"):
             raise ConfigError(
                 f"--lr-decay-style {self.lr_decay_style!r}: choose cosine, linear, constant or WSD")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
+            raise ConfigError(
+                f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
         if min(self.lr_warmup_iters, self.lr_warmup_samples, self.lr_warmup_fraction or 0) < 0:
             raise ConfigError("--lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction "
                              "must be >= 0")
@@ -90,8 +95,9 @@ class OptimConfig:
                 flag = unit.replace("_", "-")
                 raise ConfigError(f"--lr-{flag}-iters and --lr-{flag}-samples: pass one")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
-                             "contradict each other; pass one")
+            raise ConfigError("--override-opt-param-scheduler and "
+                              "--use-checkpoint-opt-param-scheduler contradict each other; "
+                              "pass one")
 
     def schedule_samples(self, train_samples: int, global_batch: int) -> dict:
         """The schedule's lengths in samples, by Megatron-LM's rule (its
@@ -118,7 +124,8 @@ class OptimConfig:
             setattr(self, name, value)
 
     def scheduler_mode(self) -> str:
-        """How a resumed schedule is reconciled with the flags (checkpoint.scheduler_state.load_scheduler)."""
+        """How a resumed schedule is reconciled with the flags
+        (checkpoint.scheduler_state.load_scheduler)."""
         if self.override_opt_param_scheduler:
             return "override"
         return "checkpoint" if self.use_checkpoint_opt_param_scheduler else "strict"
@@ -208,8 +215,8 @@ class DataConfig:
     """Indexed datasets from tools/preprocess_data.py and their tokenizer."""
 
     data_path: Optional[List[str]] = field(default=None, metadata=option(
-        "--data-path", "dataset prefixes, optionally weighted: 0.7 a_text_document 0.3 b_text_document",
-        nargs="+"))
+        "--data-path", "dataset prefixes, optionally weighted: "
+        "0.7 a_text_document 0.3 b_text_document", nargs="+"))
     split: str = field(default="969,30,1", metadata=option("--split", "train,valid,test weights"))
     data_cache_path: Optional[str] = field(default=None, metadata=option(
         "--data-cache-path", "where sample indices are cached; default beside the data"))
@@ -227,8 +234,8 @@ class DataConfig:
         "end of document, Llama2Tokenizer's with BOS first, HuggingFaceTokenizer's with its "
         "special tokens; the model's vocabulary is the same either way", const=True))
     dataloader_type: str = field(default="single", metadata=option(
-        "--dataloader-type", "single (in order) or cyclic (Megatron-LM's shuffled order, reshuffled "
-        "each epoch)"))
+        "--dataloader-type", "single (in order) or cyclic (Megatron-LM's shuffled order, "
+        "reshuffled each epoch)"))
     eod_mask_loss: bool = field(default=False, metadata=option(
         "--eod-mask-loss", "no loss where the input token is the end of a document (the "
         "prediction of the next document's first token); the end-of-document target still "
@@ -268,8 +275,8 @@ class DataConfig:
         of an imported model, read with the class itself, has none)."""
         data = cls(**values)
         if not data.data_path:
-            raise ConfigError("--data-path is missing; pass the prefix tools/preprocess_data.py wrote "
-                             "(e.g. data/demo_text_document)")
+            raise ConfigError("--data-path is missing; pass the prefix tools/preprocess_data.py "
+                              "wrote (e.g. data/demo_text_document)")
         return data
 
 
@@ -277,7 +284,8 @@ class DataConfig:
 class CheckpointConfig:
     """dist-checkpointing (torch_dist) in Megatron's directory layout."""
 
-    save: Optional[str] = field(default=None, metadata=option("--save", "checkpoint directory to write"))
+    save: Optional[str] = field(default=None, metadata=option(
+        "--save", "checkpoint directory to write"))
     load: Optional[str] = field(default=None, metadata=option(
         "--load", "checkpoint directory to resume from (the latest complete iteration)"))
     save_interval: Optional[int] = field(default=None, metadata=option(
@@ -362,7 +370,8 @@ class LoggingConfig:
         "already hold such lines)"))
     wandb_project: Optional[str] = field(default=None, metadata=option(
         "--wandb-project", "also log to Weights & Biases (needs wandb installed)"))
-    wandb_exp_name: Optional[str] = field(default=None, metadata=option("--wandb-exp-name", "W&B run name"))
+    wandb_exp_name: Optional[str] = field(default=None, metadata=option(
+        "--wandb-exp-name", "W&B run name"))
     wandb_save_dir: Optional[str] = field(default=None, metadata=option(
         "--wandb-save-dir", "where W&B writes its local files; default --save's wandb/ directory "
         "(as in Megatron-LM), without --save wandb's own (./wandb)"))

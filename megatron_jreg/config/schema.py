@@ -1,15 +1,10 @@
-"""The metadata vocabulary of a config field, shared by the trainer and every tool.
+"""The metadata vocabulary of a config field, shared by the trainer and every tool:
 
-A field's metadata says how it is set and checked:
-
-- ``flag``: its command-line flag (Megatron-LM's name where there is one), else
-  ``--field-name``; ``aliases``: other spellings; ``positional=True``: a positional
-  argument instead; ``cli=False``: no flag (state the program sets, kept in YAML);
-- ``const``: the flag is a switch storing this value; ``switches``: more flags, each
-  storing one value; ``action``: an argparse action of its own;
-- ``choices``, ``min`` / ``gt`` / ``max`` / ``lt``, ``finite`` (``config.values``);
-- ``nargs``, ``metavar``, ``help`` (else the field's docstring), ``default_help``;
-- ``group`` (an argument group) and ``exclusive`` (a mutually exclusive group).
+``flag`` (else ``--field-name``), ``aliases``, ``positional=True``, ``cli=False`` (no flag: state
+the program sets, kept in YAML); ``const`` and ``switches`` (switches storing a value),
+``action``; ``choices``, ``min``/``gt``/``max``/``lt``, ``finite`` (``config.values``);
+``nargs``, ``metavar``, ``help`` (else the field's docstring), ``default_help``; ``group`` and
+``exclusive`` (argument groups).
 """
 
 from __future__ import annotations

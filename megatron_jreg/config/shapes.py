@@ -1,13 +1,7 @@
-"""Shape rules megatron-core meets only while it builds the model or runs its first forward
-(an assertion or a size mismatch, after the imports, the tokenizer and the process groups),
-checked where the settings are read: each is one line naming the flags and values that fit.
-
-The head size is the model config's own rule (``ModelConfig``, so the trainer, a
-``--use-checkpoint-args`` run, eval_jump ``--load`` and the converters all read it);
-the tensor-parallel split of the MLP is the trainer's layout check
-(``ExperimentConfig._check_layout``). The fused JREG kernel has no shape rule: it takes any
-hidden size (a row that is not a whole number of 16-byte packs takes the scalar loop) in
-fp32, fp16, bf16 and fp64.
+"""Shape rules megatron-core meets only while it builds the model or runs its first forward,
+checked where the settings are read, each failure one line naming the flags and values that
+fit: :func:`check_head_size` (``ModelConfig``) and :func:`check_tensor_split` (the trainer's
+layout check, ``ExperimentConfig._check_layout``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""The value check every config field gets where its value enters: a flag, a ``--config``
-YAML key, a tool's flag (``megatron_jreg.commands.flags`` and ``config.yaml_settings`` call
-:func:`check_value`).
+"""The value check every config field gets where its value enters: a flag or a tool's flag
+(``commands.flags`` calls :func:`check_range`), a ``--config`` YAML key (``config.yaml_settings``
+calls :func:`check_value`) and a config's ``__post_init__`` (:func:`check_fields`).
 
-A field declares its allowed values in its metadata, one small vocabulary:
-
-- ``min`` / ``max``: inclusive bounds (``min=1`` for a size);
-- ``gt`` / ``lt``: exclusive bounds (``gt=0`` for an epsilon, ``min=0, lt=1`` for a dropout);
-- ``finite=False``: a float that may be inf or nan (every other float must be finite);
-- ``choices``: the allowed values (argparse checks flags; this checks YAML too).
-
-A config's ``__post_init__`` calls :func:`check_fields` too, so a config built another way
-(a preset, a checkpoint's settings, a converter, a test) meets the same bounds.
-
-The bounds apply to each element of a list and never to None (an Optional field's "unset").
-Messages name where the value came from (the flag, or ``--config FILE: key``), the value and
-what is allowed, in one line: ``--rotary-base must be > 0, got 0``.
+Metadata ``min``/``max`` (inclusive), ``gt``/``lt`` (exclusive), ``finite=False`` (a float that
+may be inf or nan) and ``choices`` bound each element of a list and never None; a message names
+the source, the value and what is allowed: ``--rotary-base must be > 0, got 0``.
 """
 
 from __future__ import annotations
@@ -131,8 +121,10 @@ def allowed(meta: Mapping[str, Any]) -> str:
 
 
 def _in_range(value: Any, meta: Mapping[str, Any]) -> bool:
-    return not (("min" in meta and value < meta["min"]) or ("gt" in meta and value <= meta["gt"])
-                or ("max" in meta and value > meta["max"]) or ("lt" in meta and value >= meta["lt"]))
+    return not (("min" in meta and value < meta["min"])
+                or ("gt" in meta and value <= meta["gt"])
+                or ("max" in meta and value > meta["max"])
+                or ("lt" in meta and value >= meta["lt"]))
 
 
 def check_range(where: str, value: Any, meta: Mapping[str, Any]) -> None:

@@ -118,8 +118,8 @@ def from_yaml(path: str, sections: Sections) -> Dict[str, Dict[str, Any]]:
     def take(section: str, name: str, value: Any, where: str) -> None:
         key = where.split(": ", 1)[1]
         if (section, name) in set_by:  # a flat key and its sectioned twin, or two spellings
-            raise ConfigError(f"--config {path}: {section}.{name} is set twice ({set_by[section, name]} "
-                             f"and {key}); keep one")
+            raise ConfigError(f"--config {path}: {section}.{name} is set twice "
+                              f"({set_by[section, name]} and {key}); keep one")
         set_by[section, name] = key
         # the check a flag gets from argparse and its metadata, named by the key
         out[section][name] = values.check_value(

@@ -1,17 +1,10 @@
 """Core attention through PyTorch's ``scaled_dot_product_attention`` for the local spec.
 
-megatron-core 0.16.1's local ``DotProductAttention`` builds the [b, n, s, s] score matrix
-with ``baddbmm``, a softmax and a ``bmm``; it never calls PyTorch's fused attention. Without
-Transformer Engine that is the attention a run gets: slow at s = 2048, and the score
-matrix dominates activation memory. :class:`SDPAttention` has the same constructor, inputs
-and output, and calls ``torch.nn.functional.scaled_dot_product_attention``, which runs
-FlashAttention or the memory-efficient kernel on GPUs (the math kernel on CPU).
-It is swapped in through the layer spec (``model/builder.py``), like the JREG layer.
-
-Shapes: query [sq, b, np, hn], key and value [sk, b, ng, hn] (this rank's heads and
-query groups, and its part of the sequence under context parallelism); output
-[sq, b, np * hn]. Under context parallelism the keys and values of the whole sequence are
-all-gathered over the CP group (:mod:`megatron_jreg.model.context_parallel`).
+:class:`SDPAttention` has the constructor, inputs and output of megatron-core's local
+``DotProductAttention`` and is swapped in through the layer spec (``model.builder``). Shapes:
+query [sq, b, np, hn], key and value [sk, b, ng, hn] (this rank's heads and query groups, and
+its part of the sequence under context parallelism: ``model.context_parallel``); output
+[sq, b, np * hn].
 """
 
 from __future__ import annotations
@@ -55,12 +48,15 @@ class SDPAttention(MegatronModule):
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  pg_collection=None):
         super().__init__(config=config)
-        cp_comm_type = cp_comm_type[layer_number - 1] if isinstance(cp_comm_type, list) else cp_comm_type
+        if isinstance(cp_comm_type, list):
+            cp_comm_type = cp_comm_type[layer_number - 1]
         if config.context_parallel_size > 1 and cp_comm_type not in (None, "all_gather"):
             raise ValueError(f"SDPA attention: --cp-comm-type {cp_comm_type} needs Transformer "
-                             "Engine's attention; this one all-gathers keys and values (all_gather)")
+                             "Engine's attention; this one all-gathers keys and values "
+                             "(all_gather)")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"SDPA attention: softmax_type {config.softmax_type!r} is not supported")
+            raise ValueError(
+                f"SDPA attention: softmax_type {config.softmax_type!r} is not supported")
         if getattr(config, "window_size", None) is not None:
             raise ValueError("SDPA attention: sliding-window attention is not supported")
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding):
@@ -83,13 +79,17 @@ class SDPAttention(MegatronModule):
         # the scores by the layer number and multiplies them back inside its softmax)
         self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
                               else softmax_scale)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (config.attention_dropout if attention_dropout is None
+                          else attention_dropout)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
-                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None,
+                packed_seq_params=None) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPA attention: packed sequences and attention bias are not supported")
+            raise ValueError(
+                "SDPA attention: packed sequences and attention bias are not supported")
         mask_type = attn_mask_type or self.attn_mask_type
         sq, b = query.shape[:2]
         if self.cp_group is not None:  # the whole sequence's keys and values, in order

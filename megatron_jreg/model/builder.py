@@ -217,8 +217,10 @@ def build_model(
                 transformer_layer_spec=block_spec(model, config, tracker, stage, wgrad_fusion),
                 vocab_size=vocab,
                 max_sequence_length=model.max_positions,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                pre_process=parallel_state.is_pipeline_first_stage(
+                    ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(
+                    ignore_virtual=False, vp_stage=stage),
                 share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
                 position_embedding_type=model.position_embedding_type,
                 rotary_base=model.rotary_base,
@@ -241,4 +243,5 @@ def causal_attention_mask(seq_length: int, device=None) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def _causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
-    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
+    ones = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device)
+    return torch.triu(ones, 1)[None, None]

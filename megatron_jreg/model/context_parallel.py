@@ -1,14 +1,10 @@
-"""Causal attention over a sequence split across the context-parallel (CP) group, for the
-SDPA attention (``model/attention.py``); Transformer Engine's attention does its own.
+"""Causal attention over a sequence split across the context-parallel (CP) group, for the SDPA
+attention (``model/attention.py``); Transformer Engine's attention does its own.
 
-The split is megatron-core's (:mod:`megatron_jreg.ops.context_chunks`): 2·CP chunks, rank
-i holding chunks i and 2·CP−1−i, so every rank has the same causal work.
-Each rank all-gathers the keys and values of the whole sequence (their gradients are
-reduce-scattered back in the backward pass) and attends its two query chunks, each to the
-keys up to its own end.
-
-Shapes: query [b, np, sq, hn] with sq = 2·L this rank's tokens; key and value as gathered
-by :func:`gather_sequence`, [b, ng, 2·CP·L, hn] in sequence order.
+With megatron-core's split (``ops.context_chunks``: rank i holds chunks i and 2·CP−1−i of 2·CP),
+each rank all-gathers the keys and values of the whole sequence (gradients reduce-scattered
+back) and attends its two query chunks, each to the keys up to its own end. Shapes: query
+[b, np, sq, hn] (sq = 2·L); key and value [b, ng, 2·CP·L, hn] (:func:`gather_sequence`).
 """
 
 from __future__ import annotations

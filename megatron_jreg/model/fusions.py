@@ -1,18 +1,6 @@
-"""megatron-core's fused kernels a run uses: each on where what it needs is installed, as
-Megatron-LM has them on by default, and each with the reason the start-up line gives.
-
-- RoPE fusion (``apply_rope_fusion``): megatron-core's fused RoPE is Transformer Engine's
-  kernel (``rope_utils.fused_apply_rotary_pos_emb``, None without TE; TransformerConfig
-  refuses the setting then). It is on where Transformer Engine builds the layers: the local
-  implementation is the run without TE, and TE's kernel is CUDA only.
-- Gradient-accumulation fusion (``gradient_accumulation_fusion``): the weight gradient is
-  accumulated into the fp32 ``main_grad`` inside the GEMM. Transformer Engine's linears do
-  it themselves (``fuse_wgrad_accumulation``); megatron-core's own linears (every linear of
-  the local spec, and the model's output layer under every implementation) need apex's
-  ``fused_weight_gradient_mlp_cuda`` and refuse the setting without it. So the decoder
-  layers and the output layer are decided apart: the model's TransformerConfig holds the
-  output layer's setting and the TE layers are built with a copy holding theirs
-  (:class:`megatron_jreg.model.jreg_layer.JregTransformerLayer`).
+"""megatron-core's fused kernels a run uses (RoPE, gradient-accumulation fusion): each on where
+what it needs is installed, as Megatron-LM has them on by default, and each with the reason the
+start-up line gives. ``model.builder`` calls :func:`decide`.
 """
 
 from __future__ import annotations
@@ -61,6 +49,9 @@ class Fusions:
                 f"gradient-accumulation fusion: {wgrad} ({self.wgrad_why})"]
 
 
+# megatron-core's fused RoPE is Transformer Engine's kernel (rope_utils.fused_apply_rotary_pos_emb,
+# None without TE; TransformerConfig refuses the setting then): on where TE builds the layers
+# (the local implementation is the run without TE, and TE's kernel is CUDA only).
 def _rope(model: ModelConfig, impl: str, disabled: bool) -> tuple:
     if model.position_embedding_type != "rope":
         return False, f"no RoPE: --position-embedding-type {model.position_embedding_type}"
@@ -75,6 +66,12 @@ def _rope(model: ModelConfig, impl: str, disabled: bool) -> tuple:
     return True, "Transformer Engine's kernel; --no-rope-fusion turns it off"
 
 
+# The weight gradient accumulated into the fp32 main_grad inside the GEMM: Transformer
+# Engine's linears do it themselves (fuse_wgrad_accumulation); megatron-core's own linears
+# (every linear of the local spec, and the output layer under every implementation) need apex's
+# kernel and refuse the setting without it. So the decoder layers and the output layer are
+# decided apart: the model's TransformerConfig holds the output layer's setting and the TE
+# layers are built with a copy holding theirs (model.jreg_layer.JregTransformerLayer).
 def _wgrad(impl: str, disabled: bool) -> tuple:
     if disabled:
         return False, False, "--no-gradient-accumulation-fusion"

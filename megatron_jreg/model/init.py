@@ -1,12 +1,10 @@
 """Initialisation that gives the same model under every TP/PP/VPP layout.
 
-megatron-core draws each rank's shard from that rank's RNG stream, so a TP=2 model starts
-from other weights than the TP=1 model of the same seed. Here every logical weight is drawn
-from a generator seeded by (seed, its dist-checkpointing key, its layer), and each rank
-keeps its slice: TP1, TP2, PP2 and interleaved runs of one seed start identical (needs the
-same padded vocabulary, e.g. an explicit --vocab-size), on a CPU and on any GPU alike. Megatron's rules are kept: normal
-(0, std) weights, std / sqrt(2 L) for the output projections of attention and MLP (experts
-included), norms 1, biases 0.
+Every logical weight is drawn from a generator seeded by (seed, its dist-checkpointing key, its
+layer) and each rank keeps its slice, so runs of one seed start identical under any layout and
+on any device (given the same padded vocabulary, e.g. an explicit --vocab-size). Megatron's
+rules are kept: normal (0, std) weights, std / sqrt(2 L) for the output projections of
+attention and MLP (experts included), norms 1, biases 0.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """JREG inside megatron-core: a TransformerLayer that measures and penalises its displacement.
 
-Each layer computes Psi_l = mean over tokens of (1 - cos(h_{l-1}, h_l)) / 2 on the rank and
-pipeline stage where it runs. The penalty lambda * w_l * Psi_l is attached to the layer's
-output with ``megatron_jreg.ops.attach_penalty`` (identity forward; backward injects the
-penalty's gradient), the way megatron-core carries MoE auxiliary losses: the last stage's
-loss never needs another stage's tensors. The mean over tokens, the layer weights and R are
-``megatron_jreg.jreg``'s functions.
-
-Hidden states are [s, b, h]. Under sequence parallelism each TP rank holds s/tp tokens, and
-under context parallelism each CP rank two of 2·CP chunks of the sequence: the token mean
-divides by the whole micro-batch's count, and each rank's share is summed over the TP and
-CP groups. The penalty's gradient stays on the rank that holds the tokens. Without SP the
-states are replicated over TP and TP rank 0's value is logged. The logged
-values are a :class:`megatron_jreg.ops.psi_accumulator.PsiAccumulator`, eval_jump's too.
+Each layer computes Psi_l on the rank and pipeline stage where it runs and attaches
+lambda * w_l * Psi_l to its output with ``ops.attach_penalty`` (identity forward; backward
+injects the penalty's gradient), as megatron-core carries MoE auxiliary losses. The math is
+``megatron_jreg.jreg``'s; the logged values are an ``ops.psi_accumulator.PsiAccumulator``.
+``model.builder`` puts the layer into the spec.
 """
 
 from __future__ import annotations
@@ -107,7 +99,8 @@ class JregTracker:
                 f"{tokens_shape} ([s, b]); set_token_mask takes [b, s] of the whole sequence")
         return mask.to(device=hidden.device), count
 
-    def observe(self, layer_number: int, h_prev: torch.Tensor, h_next: torch.Tensor) -> torch.Tensor:
+    def observe(self, layer_number: int, h_prev: torch.Tensor,
+                h_next: torch.Tensor) -> torch.Tensor:
         """Measure layer ``layer_number`` (global, 1-based) and attach its penalty.
 
         Returns ``h_next``, carrying the penalty's gradient when grad is enabled.
@@ -186,7 +179,8 @@ def reduce_stats(stats: torch.Tensor) -> torch.Tensor:
     over the TP, PP and DP ranks (with the CP ranks, which hold the same batch's other
     chunks): one all-reduce per group, whatever the number of steps. Collective: every rank
     calls it."""
-    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+    if (dist.is_available() and dist.is_initialized()
+            and parallel_state.model_parallel_is_initialized()):
         for group in (parallel_state.get_tensor_model_parallel_group(),
                       parallel_state.get_pipeline_model_parallel_group(),
                       parallel_state.get_data_parallel_group(with_context_parallel=True)):
@@ -223,7 +217,8 @@ class JregTransformerLayer(TransformerLayer):
         self.jreg_tracker = jreg_tracker
 
     def forward(self, *args, **kwargs):
-        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [s, b, h]
+        # [s, b, h]
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         output, context = super().forward(*args, **kwargs)
         if self.jreg_tracker is not None:
             output = self.jreg_tracker.observe(self.layer_number, hidden_states, output)

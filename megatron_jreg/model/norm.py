@@ -1,17 +1,9 @@
 """RMSNorm and LayerNorm for the local (non-Transformer-Engine) layer spec, sequence-parallel aware.
 
-megatron-core 0.16.1's local spec builds its norms with ``WrappedTorchNorm``
-(``megatron/core/transformer/torch_norm.py:32``), which asserts
-``not config.sequence_parallel``; its block-level final norm is ``FusedLayerNorm`` when
-Apex is installed (``transformer/transformer_block.py:63``), which has no RMSNorm. So a
-``--sequence-parallel`` run without Transformer Engine dies at model build on any device.
-
-Sequence parallelism needs nothing from the norm's arithmetic: each TP rank normalises
-its own slice of the sequence. It needs the parameters marked ``sequence_parallel`` so
-that ``finalize_model_grads`` all-reduces their gradients over the TP group (each rank saw
-only its tokens). The norms are swapped in through the layer and block specs
-(``model/builder.py``), on every device. Query/key norms (``--qk-layernorm``) are the same
-classes at head size; megatron all-reduces their gradients over TP by name.
+megatron-core 0.16.1's local norms refuse ``--sequence-parallel`` (``WrappedTorchNorm`` asserts
+against it; ``FusedLayerNorm`` has no RMSNorm). These are torch's norms with their parameters
+marked ``sequence_parallel``, so ``finalize_model_grads`` all-reduces their gradients over TP;
+``model.builder`` swaps them in through the layer and block specs, on every device.
 """
 
 from __future__ import annotations
@@ -39,8 +31,9 @@ class RMSNorm(torch.nn.RMSNorm):
     so checkpoints written with either load into the other.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5,
+                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                 normalization: str = "RMSNorm"):
         _check(config, zero_centered_gamma, "RMSNorm")
         # in the model's dtype, as megatron's own layers are built (a bf16 evaluation model
         # has no Float16Module to cast it; fp32 weights under bf16 inputs miss torch's
@@ -55,8 +48,9 @@ class LayerNorm(torch.nn.LayerNorm):
     Same parameter names and math as ``WrappedTorchNorm`` builds for LayerNorm.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5,
+                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                 normalization: str = "LayerNorm"):
         _check(config, zero_centered_gamma, "LayerNorm")
         super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         _mark_sequence_parallel(self, config)

@@ -1,13 +1,10 @@
-"""The weights a ModelConfig builds, as shapes, without building them.
+"""The weights a ModelConfig builds, as shapes, without building them (pure arithmetic: imports
+neither megatron-core nor torch).
 
-:func:`weight_shapes` gives the global shape of each weight of the GPT model under the key
-megatron-core's dist-checkpointing saves it with: one stack per layer weight
-(``decoder.layers.self_attention.linear_qkv.weight`` is ``[L, (heads + 2 groups) d, h]``),
-the experts of a mixture-of-experts layer stacked again (``[L, E, ...]``). A checkpoint's
-``.metadata`` lists the same keys, so a config can be compared with a checkpoint before
-anything is built (``checkpoint.claims``), and :func:`parameter_count` says how big a model
-is before it is built (the trainer's out-of-memory line). Pure arithmetic: imports neither
-megatron-core nor torch.
+:func:`weight_shapes` gives each weight's global shape under its dist-checkpointing key (one
+stack per layer weight, ``[L, ...]``; experts stacked again, ``[L, E, ...]``), so a config can
+be compared with a checkpoint's ``.metadata`` (``checkpoint.claims``); :func:`parameter_count`
+sizes a model before it is built (the trainer's out-of-memory line).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Per-token displacement psi = (1 - cos(a, b)) / 2: fused kernel and PyTorch reference.
+"""Per-token displacement psi = (1 - cos(a, b)) / 2: fused kernel and PyTorch reference together.
 
-As in flash-attention/apex, the kernel, its autograd op and the reference sit together:
-
-- ``megatron_jreg._C`` (csrc/): the raw kernels, CPU (C++/OpenMP) and CUDA.
-- ``torch.ops.megatron_jreg.token_displacement_{fwd,bwd}``: the kernels as
-  ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces them.
-- ``FusedTokenDisplacement``: the autograd op over the two. It saves ``a`` and ``b`` (which
-  the model keeps alive anyway) and three fp32 scalars per token, nothing of size
-  ``[tokens, h]``; the reference path keeps float64 copies of both inputs for backward.
-  Both take the per-token sums in float64, for every input dtype.
-
-- ``token_displacement_reference``: the same psi in plain PyTorch, what the kernel is
-  tested against; ``impl="torch"`` selects it.
-
-``token_displacement`` dispatches between the two; ``displacement`` is a layer's mean Psi
-over its counted tokens (the mean itself is ``megatron_jreg.jreg.masked_mean``).
+``megatron_jreg._C`` (csrc/) holds the CPU and CUDA kernels, registered as the custom ops
+``torch.ops.megatron_jreg.token_displacement_{fwd,bwd}`` (with fake implementations, so
+``torch.compile`` traces them); :class:`FusedTokenDisplacement` is the autograd op over them and
+:func:`token_displacement_reference` the plain-PyTorch psi it is tested against.
+:func:`token_displacement` dispatches between the two; :func:`displacement` is a layer's mean.
 """
 
 from __future__ import annotations
@@ -110,6 +100,9 @@ def _fused_backward_fake(
     )
 
 
+# Memory: the fused op saves a and b (which the model keeps alive anyway) and three fp32
+# scalars per token, nothing of size [tokens, h]; the reference keeps float64 copies of both
+# inputs for backward. Both take the per-token sums in float64, for every input dtype.
 class FusedTokenDisplacement(torch.autograd.Function):
     """psi = (1 - cos(a, b)) / 2 per token through the fused kernel; differentiable in a and b.
 

@@ -22,7 +22,8 @@ class _PenaltyCarrier(torch.autograd.Function):
         return h
 
     @staticmethod
-    def backward(ctx, grad_h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def backward(ctx, grad_h: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         (penalty,) = ctx.saved_tensors
         scale = ctx.scale
         if isinstance(scale, torch.Tensor):  # a loss scale on the device: no wait for it

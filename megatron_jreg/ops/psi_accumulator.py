@@ -1,21 +1,9 @@
 """Per-layer sums of psi and their counts, kept on the device and reduced over process groups.
 
-The one accumulator of Psi_l. The trainer's tracker adds each micro-batch's Psi_l (this
-rank's share of it) with a count of one micro-batch; eval_jump adds each batch's sum of
-psi over its counted tokens with the number of those tokens. Either way Psi_l is the sum
-over ranks of the sums divided by the sum over ranks of the counts.
-
-Counting once. The data gives a ``[b, s]`` token mask; a rank's hidden states are
-``[s, b, h]``, and under sequence parallelism each tensor-parallel rank holds its chunk
-of the sequence, ``[s / tp, b, h]``; under context parallelism each CP rank holds two of
-2·CP chunks of it, ``[s / cp, b, h]``, split further over TP under sequence parallelism
-(:func:`local_token_mask` slices the mask the same way). Without sequence parallelism the
-TP ranks hold the same tokens. A rank adds only its own share: a chunk of split tokens
-(over CP, or over TP under SP) is its own; replicated tokens are TP rank 0's, and the
-other TP ranks add nothing (:func:`owns_tokens`). A micro-batch as a unit is held by every
-TP and CP rank, so TP rank 0 of CP rank 0 counts it. Each decoder layer lives on one
-pipeline stage and data-parallel ranks hold disjoint batches, so summing the shares over
-the TP, PP and DP-with-CP groups (:meth:`PsiAccumulator.reduce`) counts every token once.
+The one accumulator of Psi_l: the trainer's tracker (``model.jreg_layer``) adds each
+micro-batch's Psi_l (this rank's share) with a count of one, eval_jump each batch's sum of psi
+with its number of counted tokens. Psi_l is the sum over ranks of the sums divided by the sum
+over ranks of the counts.
 """
 
 from __future__ import annotations
@@ -32,6 +20,13 @@ from megatron_jreg.ops.displacement import token_displacement
 Number = Union[int, float, torch.Tensor]
 
 
+# Counting once. The data gives a [b, s] token mask; a rank's hidden states are [s, b, h],
+# [s / tp, b, h] under sequence parallelism, and under context parallelism two of 2·CP chunks,
+# [s / cp, b, h], split further over TP under SP (local_token_mask slices the mask the same
+# way). A chunk of split tokens is its rank's own; replicated tokens (TP without SP) are TP
+# rank 0's (owns_tokens). A micro-batch as a unit is counted by TP rank 0 of CP rank 0. Each
+# layer lives on one pipeline stage and DP ranks hold disjoint batches, so summing the shares
+# over the TP, PP and DP-with-CP groups (PsiAccumulator.reduce) counts every token once.
 def local_token_mask(mask: torch.Tensor, sequence_parallel: bool, tp_rank: int = 0,
                      tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
     """``mask`` [b, s] -> this rank's [s_local, b] (contiguous): the whole sequence, or the

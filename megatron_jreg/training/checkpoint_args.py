@@ -1,14 +1,10 @@
 """``--use-checkpoint-args``: the architecture from the checkpoint a run starts from.
 
-Megatron-LM's flag: the model's shape comes from the checkpoint instead of the command
-line. The checkpoint is ``--load``'s when it holds one (a resumed run), else
-``--pretrained-checkpoint``'s (an imported Hugging Face model, a pretraining run to
-fine-tune). Its architecture fields replace the model flags; a flag given on the command
-line (or in ``--config``) for one of them must agree with the checkpoint, else the run
-stops naming the flag. ``--seq-length`` and the fields that do not change the weights
-(dropout, precision, attention implementation, MoE dispatch) are the run's own, with the
-trainer's defaults. Without a tokenizer flag the tokenizer is the checkpoint's too (the
-files an imported model carries in its ``tokenizer/`` directory).
+As in Megatron-LM, the checkpoint's architecture fields (``--load``'s checkpoint, else
+``--pretrained-checkpoint``'s) replace the model flags; a flag given for one of them must agree,
+else the run stops naming it. ``--seq-length`` and the fields that leave the weights alone
+(dropout, precision, attention implementation, MoE dispatch) stay the run's own. Without a
+tokenizer flag the tokenizer is the checkpoint's too.
 """
 
 from __future__ import annotations
@@ -92,8 +88,8 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]],
     model, given = saved["model"], values["model"]
     where = f"(--use-checkpoint-args takes the architecture from {flag} {root})"
     if given.get("model_preset"):
-        raise ConfigError(f"--model-preset {given['model_preset']} conflicts with --use-checkpoint-args "
-                         f"{where}; drop it")
+        raise ConfigError(f"--model-preset {given['model_preset']} conflicts with "
+                          f"--use-checkpoint-args {where}; drop it")
 
     def resolved(name: str, value):  # --kv-channels unset means hidden / heads
         return model.head_dim if name == "kv_channels" and value is None else value
@@ -110,8 +106,9 @@ def apply_checkpoint_args(values: Dict[str, Dict[str, object]],
 
     for name in ARCHITECTURE_FIELDS:
         if name in given and resolved(name, given[name]) != saved_value(name):
-            raise ConfigError(f"{flag_of(_FIELDS[name])} {given[name]} differs from the checkpoint's "
-                             f"{saved_value(name)} {where}; drop {flag_of(_FIELDS[name])}")
+            raise ConfigError(f"{flag_of(_FIELDS[name])} {given[name]} differs from the "
+                              f"checkpoint's {saved_value(name)} {where}; "
+                              f"drop {flag_of(_FIELDS[name])}")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                 if f.default is not dataclasses.MISSING}
     merged = {**{k: defaults[k] for k in RUN_FIELDS if k in defaults},

@@ -253,8 +253,10 @@ class Checkpointer:
             raise ConfigError(f"{flag} {root}: {earlier}")
         if differ:
             fix = ("pass the pretraining run's model flags (or its --model-preset)" if weights_only
-                   else "pass the model flags the checkpoint was trained with (or --use-checkpoint-args)")
-            raise ConfigError(f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; {fix}")
+                   else "pass the model flags the checkpoint was trained with "
+                   "(or --use-checkpoint-args)")
+            raise ConfigError(
+                f"{flag} {root}: the checkpoint's model differs: {'; '.join(differ)}; {fix}")
         theirs, ours = saved["data"], data
         pinned = theirs.tokenizer_identity or _identity_of(saved)  # None: cannot be known
         if pinned is None:
@@ -270,13 +272,15 @@ class Checkpointer:
         was = describe_tokenizer(theirs.tokenizer_type, saved["model"].vocab_size, pinned)
         now = describe_tokenizer(ours.tokenizer_type, tokenizer.vocab_size, identity)
         if self.cfg.allow_tokenizer_change:
-            print_rank_0(f"tokenizer: {now} instead of the checkpoint's {was} (--allow-tokenizer-change)")
+            print_rank_0(
+                f"tokenizer: {now} instead of the checkpoint's {was} (--allow-tokenizer-change)")
             return
         place = ours.tokenizer_model
         if place and theirs.tokenizer_model and _same_file(place, theirs.tokenizer_model):
-            raise ConfigError(f"{flag} {root}: the tokenizer {place} changed since the checkpoint was "
-                             f"trained (then {was}, now {now}); restore the file the run trained "
-                             "with, or pass --allow-tokenizer-change to go on with this one")
+            raise ConfigError(f"{flag} {root}: the tokenizer {place} changed since the checkpoint "
+                              f"was trained (then {was}, now {now}); restore the file the run "
+                              "trained with, or pass --allow-tokenizer-change to go on with "
+                              "this one")
         raise ConfigError(
             f"{flag} {root}: the checkpoint was trained with tokenizer {was}, this run has {now}; "
             "pass the checkpoint's tokenizer flags (--use-checkpoint-args takes them from it), "
@@ -291,7 +295,8 @@ class Checkpointer:
         fully = self.cfg.dist_ckpt_optim_fully_reshardable
         # Megatron-LM's fields: it resumes, converts and reads --use-checkpoint-args from them
         common = {"args": megatron_lm_args(self.experiment, world_size=dist.get_world_size(),
-                                           consumed_samples=consumed_samples, fully_reshardable=fully),
+                                           consumed_samples=consumed_samples,
+                                           fully_reshardable=fully),
                   "checkpoint_version": CHECKPOINT_VERSION,
                   "num_floating_point_operations_so_far": float(flops_so_far)}
         t0 = time.time()

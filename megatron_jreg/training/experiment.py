@@ -68,8 +68,8 @@ class ExperimentConfig:
         cp = self.parallel.context_parallel_size
         if self.model.seq_length % (2 * cp) and cp > 1:
             raise ConfigError(f"--seq-length {self.model.seq_length} must be a multiple of 2 x "
-                             f"--context-parallel-size = {2 * cp} (each CP rank holds 2 of {2 * cp} "
-                             "equal chunks of every sequence); change one of them")
+                              f"--context-parallel-size = {2 * cp} (each CP rank holds 2 of "
+                              f"{2 * cp} equal chunks of every sequence); change one of them")
 
     # ---- construction and YAML ----------------------------------------------------------
     @classmethod
@@ -149,7 +149,8 @@ class ExperimentConfig:
         self._check_layout(world)
         self._check_schedule()
         if (self.checkpoint.load and not self.checkpoint.pretrained_checkpoint
-                and not loads_own_save(self.checkpoint) and not os.path.isdir(self.checkpoint.load)):
+                and not loads_own_save(self.checkpoint)
+                and not os.path.isdir(self.checkpoint.load)):
             raise ConfigError(missing_directory("--load", self.checkpoint.load))
         if self.logging.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ConfigError("--wandb-project needs wandb installed: pip install wandb "
@@ -230,8 +231,9 @@ class ExperimentConfig:
         self._check_context_parallel()
         if parallel.sequence_parallel and (model.seq_length // cp) % tp:
             raise ConfigError(f"--seq-length {model.seq_length} must be divisible by TP {tp} "
-                             "under --sequence-parallel"
-                             + (f" x CP {cp} (each CP rank's part splits over TP)" if cp > 1 else ""))
+                              "under --sequence-parallel"
+                              + (f" x CP {cp} (each CP rank's part splits over TP)"
+                                 if cp > 1 else ""))
         if world % (tp * pp * cp):
             raise ConfigError(f"{world} processes cannot hold TP {tp} x PP {pp}"
                              + (f" x CP {cp}" if cp > 1 else "") + "; launch a multiple")
@@ -254,8 +256,8 @@ class ExperimentConfig:
             return
         attention = core_attention(model)[0]
         if attention == "megatron":
-            raise ConfigError(f"--attention-backend {model.attention_backend}: megatron-core's local "
-                             "attention has no context parallelism; drop the flag (SDPA, or "
+            raise ConfigError(f"--attention-backend {model.attention_backend}: megatron-core's "
+                             "local attention has no context parallelism; drop the flag (SDPA, or "
                              "Transformer Engine's attention) or --context-parallel-size")
         kinds = self.parallel.cp_comm_types(model.num_layers, attention == "transformer_engine")
         # all-to-all exchanges heads for sequence: each rank's heads (and K/V groups) must

@@ -1,15 +1,10 @@
-"""What a run reports, under one vocabulary, and the sinks that write it.
+"""What a run reports, under one vocabulary (:data:`METRICS`), and the sinks that write it: the
+JSONL metrics file, TensorBoard, W&B and the console line, each under its own names.
 
-A record is ``(phase, iteration, values)``: ``phase`` is "train" or "validation" and
-``values`` maps the internal keys of :data:`METRICS` to numbers (``psi``: a list, one per
-layer). Each sink writes a record under its own conventional names, all read from the one
-table below: the JSONL metrics file (``lm_loss``, ``validation_lm_loss``), TensorBoard and
-W&B (Megatron-LM's tags: ``lm loss``, ``validation/lm loss``) and the console line
-(``lm loss 5.123456``). A value of None was not measured and every sink leaves it out,
-except the LM loss, which the JSONL file writes as null: a step with no loss token to
-average over (0/0) is logged, and skipped, never given a number. Each JSONL line carries the
-run's id (``run_id``, one per run, the same on every rank) so that two runs appending to one
-``--metrics-file`` stay apart.
+A record is ``(phase, iteration, values)``. A value of None was not measured and every sink
+leaves it out, except the LM loss, which the JSONL file writes as null (a step with no loss
+token). Each JSONL line carries the run's ``run_id``, so runs sharing a ``--metrics-file`` stay
+apart.
 """
 
 from __future__ import annotations
@@ -60,7 +55,8 @@ METRICS: Dict[str, Sequence[Metric]] = {
         Metric("tokens_per_s", jsonl="tokens_per_s", tensorboard="throughput/tokens_per_s",
                console="tokens/s {:,.0f}"),
         Metric("tflops_per_gpu", console="TFLOP/s/GPU {:.1f}"),
-        Metric("memory_gib", jsonl="memory_gib", tensorboard="memory/GiB", console="mem {:.2f} GiB"),
+        Metric("memory_gib", jsonl="memory_gib", tensorboard="memory/GiB",
+               console="mem {:.2f} GiB"),
         Metric("skipped", console="skipped {}"),
         # seconds of the window spent evaluating and saving: not in tokens/s
         Metric("eval_seconds", jsonl="eval_seconds", tensorboard="time/eval_seconds",

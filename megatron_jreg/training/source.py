@@ -1,15 +1,9 @@
-"""What a run starts from, each made once before the run is resolved: the checkpoint it
-loads (chosen and read once) and its tokenizer.
+"""What a run starts from, each made once before the run is resolved: the checkpoint it loads
+(:func:`choose`, :func:`read`, :func:`starting_point`) and its tokenizer (:func:`run_tokenizer`).
 
-The checkpoint:
-
-``--load`` when it holds a checkpoint (a resumed run, also one begun from
-``--pretrained-checkpoint``: a requeued fine-tuning job continues exactly); else
-``--pretrained-checkpoint``, weights only. ``--finetune`` without ``--pretrained-checkpoint``
-loads ``--load``'s weights only (Megatron-LM's meaning). The choice and the read (catalog,
-trusted open, descriptor: ``checkpoint.formats.read``) happen once per process, at parse
-time under ``--use-checkpoint-args`` or when the plan is made; everything after reads the
-frozen :class:`StartingPoint`.
+``--load`` when it holds a checkpoint, else ``--pretrained-checkpoint`` (weights only); the
+choice and the read happen once per process, and everything after reads the frozen
+:class:`StartingPoint`.
 """
 
 from __future__ import annotations
@@ -71,6 +65,11 @@ def loads_own_save(c) -> bool:
     return bool(c.load and c.save and os.path.realpath(c.load) == os.path.realpath(c.save))
 
 
+# --load holding a checkpoint is a resumed run (also one begun from --pretrained-checkpoint: a
+# requeued fine-tuning job continues exactly); --finetune without --pretrained-checkpoint loads
+# --load's weights only (Megatron-LM's meaning). The choice and the read (catalog, trusted open,
+# descriptor: checkpoint.formats.read) happen at parse time under --use-checkpoint-args, else
+# when the plan is made.
 def choose(c, load_catalog: Optional[catalog.Catalog] = None) -> Optional[Choice]:
     """The directory the checkpoint section ``c`` loads, or None (a run from scratch: also
     one whose ``--load`` is its own ``--save`` holding no checkpoint yet); ``load_catalog``:
@@ -80,7 +79,8 @@ def choose(c, load_catalog: Optional[catalog.Catalog] = None) -> Optional[Choice
     else:
         found = bool(c.load)
     if found:
-        return Choice("--load", c.load, c.ckpt_step, bool(c.finetune and not c.pretrained_checkpoint))
+        return Choice("--load", c.load, c.ckpt_step,
+                      bool(c.finetune and not c.pretrained_checkpoint))
     if c.pretrained_checkpoint:
         return Choice("--pretrained-checkpoint", c.pretrained_checkpoint, None, True)
     return None
@@ -92,7 +92,8 @@ def read(choice: Choice, verify: bool) -> StartingPoint:
     try:
         return StartingPoint(choice, formats.read(choice.root, choice.step, verify=verify))
     except CheckpointFault as fault:
-        raise fault.reword(Wording(root=choice.flag))
+        fault.reword(Wording(root=choice.flag))  # the same fault, phrased with the flag
+        raise
 
 
 def starting_point(c, already: Optional[StartingPoint] = None) -> Optional[StartingPoint]:
@@ -111,7 +112,8 @@ def starting_point(c, already: Optional[StartingPoint] = None) -> Optional[Start
     try:
         now = catalog.scan(choice.root).resolve(choice.step)
     except CheckpointFault as fault:
-        raise fault.reword(Wording(root=choice.flag))
+        fault.reword(Wording(root=choice.flag))  # the same fault, phrased with the flag
+        raise
     if now.iteration != read_then.iteration:
         raise CheckpointChanged(
             f"{choice.flag} {choice.root} changed while this run started: --use-checkpoint-args "

@@ -1,9 +1,4 @@
-"""The training loop: megatron-core model, DDP, optimizer and schedules, with JREG metrics.
-
-The pieces live beside it: the experiment config and its checks (``experiment``), the
-optimizer and schedule (``optimizer``), one step's forward/backward (``step``), checkpoints
-(``checkpointing``), metrics and their sinks (``metrics``), batches (``megatron_jreg.data``).
-"""
+"""The training loop (``Trainer``, ``run``): model, DDP, optimizer, schedules and JREG metrics."""
 
 from __future__ import annotations
 
@@ -71,7 +66,7 @@ class Trainer:
         self.cfg = experiment
         self.train_cfg = experiment.training  # steps, batches, evaluation: read every step
         self.iteration = 0
-        self.consumed_samples = self.consumed_tokens = 0  # tokens: a count (--seq-length may change)
+        self.consumed_samples = self.consumed_tokens = 0  # tokens counted (--seq-length may change)
         self.flops_so_far = 0.0  # model FLOPs of the steps taken (Megatron-LM's running total)
         self.skipped_steps = self.no_loss_token_steps = 0
         self.checkpoints = Checkpointer(experiment)
@@ -92,7 +87,7 @@ class Trainer:
                          "run's --save); starting from scratch")
         self.tokenizer, model = run_tokenizer(self.cfg.data, self.cfg.model)
         raw = dataclasses.replace(self.cfg, model=model)
-        self.checkpoints.check_source(self.tokenizer)  # first: a changed tokenizer explains the rest
+        self.checkpoints.check_source(self.tokenizer)  # first: a new tokenizer explains the rest
         raw.validate(tokenizer_vocab_size=self.tokenizer.vocab_size)
         impl, impl_why = resolve_transformer_impl(raw.model.transformer_impl)
         cfg = self.cfg = resolve(raw, RunFacts(
@@ -106,7 +101,8 @@ class Trainer:
             raise ConfigError(misfit.line)
         self.device = platform_device.current_device()
         check_outputs(self.cfg.outputs())
-        check_data_against_run(cfg.data_prefixes(), self.tokenizer.vocab_size, cfg.data.data_cache_path,
+        check_data_against_run(cfg.data_prefixes(), self.tokenizer.vocab_size,
+                               cfg.data.data_cache_path,
                                (cfg.data.split, cfg.model.seq_length) if cfg.data.sft else None)
         if cfg.jreg.impl == "fused" and not fused_available(self.device):
             raise ConfigError(
@@ -140,16 +136,18 @@ class Trainer:
         self._build_data()
         if self.checkpoints.start is not None:
             resumed = self.checkpoints.load(self.model, self.optimizer, self.scheduler)
-            if resumed is None:  # weights only: the fp32 main params still hold the pre-load weights
+            if resumed is None:  # weights only: the fp32 main params hold the pre-load weights
                 self.optimizer.reload_model_params()  # (as Megatron-LM does after such a load)
             else:
                 self.iteration, state = resumed
                 self.consumed_samples = state["consumed_samples"]
                 tokens, flops = state["consumed_tokens"], state["flops_so_far"]  # None: not saved
-                self.consumed_tokens = self.consumed_samples * cfg.model.seq_length if tokens is None else tokens
-                self.flops_so_far = self.consumed_tokens * self._flops_per_token() if flops is None else flops
-        self.metrics = build_metrics_logger(cfg.logging, self.train_cfg.train_iters, dist.get_rank(),
-                                            cfg.to_dict(), cfg.wandb_dir())
+                self.consumed_tokens = (self.consumed_samples * cfg.model.seq_length
+                                        if tokens is None else tokens)
+                self.flops_so_far = (self.consumed_tokens * self._flops_per_token()
+                                     if flops is None else flops)
+        self.metrics = build_metrics_logger(cfg.logging, self.train_cfg.train_iters,
+                                            dist.get_rank(), cfg.to_dict(), cfg.wandb_dir())
         self.signals = SignalFlag(self.train_cfg.exit_signal_handler,
                                   extra=(getattr(signal, self.train_cfg.exit_signal),))
 
@@ -161,8 +159,9 @@ class Trainer:
         chunks = build_model(cfg.model, cfg.parallel, self.tracker, config, self.fusions)
         for chunk in chunks:
             chunk.to(self.device)
-        if self.checkpoints.start is None:  # unless a load overwrites every weight (a 20-30 s draw at 3B)
-            layout_invariant_init(chunks, self.train_cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
+        if self.checkpoints.start is None:  # a load sets every weight: no 20-30 s draw at 3B
+            layout_invariant_init(chunks, self.train_cfg.seed, cfg.model.init_method_std,
+                                  cfg.model.num_layers)
         if cfg.model.bf16 or cfg.model.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
         self.model = data_parallel.wrap(chunks, config, cfg)
@@ -190,8 +189,8 @@ class Trainer:
                          "token positions are padding")
         else:
             self.train_ds, self.valid_ds, _ = build_gpt_datasets(
-                self.cfg.gpt_data_config(), self.tokenizer, t.train_iters * g, valid_samples or None,
-                None)
+                self.cfg.gpt_data_config(), self.tokenizer, t.train_iters * g,
+                valid_samples or None, None)
         no_valid = "the --split gives no validation data"
         if self.cfg.data.sft and self.valid_ds is not None and not self.valid_ds.has_loss_token():
             self.valid_ds = None  # its every batch would be skipped: a loss that is never there
@@ -245,7 +244,8 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += t.global_batch_size
         self.consumed_tokens += t.global_batch_size * self.cfg.model.seq_length
-        self.flops_so_far += t.global_batch_size * self.cfg.model.seq_length * self._flops_per_token()
+        self.flops_so_far += (t.global_batch_size * self.cfg.model.seq_length
+                              * self._flops_per_token())
         self.skipped_steps += not success
         self.no_loss_token_steps += empty
         step["skipped"] = not success
@@ -265,7 +265,8 @@ class Trainer:
                 batches = self._batches(self.valid_ds, i * t.global_batch_size)
                 out = forward_backward(self.model, batches, self.cfg.model.seq_length,
                                        t.micro_batch_size, self.tracker, forward_only=True,
-                                       per_token_loss=self.cfg.per_token_loss(), reduce_metrics=False)
+                                       per_token_loss=self.cfg.per_token_loss(),
+                                       reduce_metrics=False)
                 if not out["no_loss_tokens"]:
                     batches_read.append(dict(out))
         for chunk in self.model:
@@ -277,13 +278,13 @@ class Trainer:
                                   self.cfg.model.num_layers)
 
     def _log_window(self, window: List[Dict], elapsed: float, outside: Dict[str, float]) -> None:
-        """Log the steps of ``window``: ``elapsed`` seconds of training steps (tokens/s counts
-        these only); ``outside``: the seconds of evaluation and saving within the window,
-        logged apart."""
+        """Log the steps of ``window``: ``elapsed`` seconds of training steps (tokens/s counts these
+        only); ``outside``: the seconds of evaluation and saving within the window, logged apart."""
         cfg = self.cfg
         reduce_window(window, self.tracker, self.dp_size)
         values = jreg_summary(window, cfg.model.num_layers, cfg.jreg.lam)
-        tps = len(window) * self.train_cfg.global_batch_size * cfg.model.seq_length / max(elapsed, 1e-9)
+        tokens = len(window) * self.train_cfg.global_batch_size * cfg.model.seq_length
+        tps = tokens / max(elapsed, 1e-9)
         tflops = self._flops_per_token() * tps / dist.get_world_size() / 1e12
         skipped = sum(w["skipped"] for w in window)
         values.update(consumed_samples=self.consumed_samples,
@@ -305,13 +306,13 @@ class Trainer:
                               self.consumed_samples, self.consumed_tokens, self.flops_so_far)
 
     def train(self) -> int:
-        cfg, t = self.cfg, self.train_cfg
-        p = cfg.parallel
+        cfg, t, p = self.cfg, self.train_cfg, self.cfg.parallel
         cp = f"CP {p.context_parallel_size}, " if p.context_parallel_size > 1 else ""
         print_rank_0(
-            f"training {self.num_params / 1e6:.2f}M parameters on this rank, world {dist.get_world_size()} "
-            f"(TP {p.tensor_model_parallel_size}, PP {p.pipeline_model_parallel_size}, {cp}DP "
-            f"{self.dp_size}), {self.num_microbatches} micro-batches per step, JREG lambda {cfg.jreg.lam}")
+            f"training {self.num_params / 1e6:.2f}M parameters on this rank, "
+            f"world {dist.get_world_size()} (TP {p.tensor_model_parallel_size}, "
+            f"PP {p.pipeline_model_parallel_size}, {cp}DP {self.dp_size}), "
+            f"{self.num_microbatches} micro-batches per step, JREG lambda {cfg.jreg.lam}")
         window: List[Dict] = []
         # the window's wall time less its evaluations and saves (``outside``, logged apart)
         # is what tokens/s divides by
@@ -378,10 +379,9 @@ class Trainer:
 
 
 def run(experiment: ExperimentConfig) -> int:
-    """Set up and train a parsed experiment (``megatron_jreg.train.main``). Exit 2 on a
-    user error (a setting, an input, a checkpoint: ``errors.UserError``) or a missing file,
-    3 on a non-finite step (with --exit-on-nan); any other exception is a bug and keeps its
-    traceback."""
+    """Set up and train a parsed experiment (``megatron_jreg.train.main``). Exit 2 on a user error
+    (a setting, an input, a checkpoint: ``errors.UserError``) or a missing file, 3 on a non-finite
+    step (with --exit-on-nan); any other exception is a bug and keeps its traceback."""
     trainer = Trainer(experiment)
     try:
         trainer.setup()

@@ -21,7 +21,8 @@ def reduce_window(window: List[Dict], tracker: JregTracker, dp_size: int) -> Non
         return
     losses = torch.stack([w.pop("lm_loss") for w in steps])  # [n] float64
     dist.all_reduce(losses, group=parallel_state.get_pipeline_model_parallel_group())
-    dist.all_reduce(losses, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    dist.all_reduce(losses,
+                    group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     psi = psi_means(reduce_stats(torch.stack([w.pop("jreg_stats") for w in steps])))
     for w, loss, values in zip(steps, (losses / dp_size).tolist(), psi.tolist()):
         w.update(tracker.values(values), lm_loss=loss)
