@@ -102,10 +102,12 @@ class ParallelConfig:
             raise ConfigError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
                               "(as in Megatron-LM); add it or choose p2p")
 
-    def cp_comm_types(self, num_layers: int, transformer_engine: bool):
-        """megatron's ``cp_comm_type`` (one string, or one per layer) for the attention
-        that runs: Megatron-LM's default p2p with Transformer Engine, all_gather without it
-        (the only kind that attention has)."""
+    def cp_comm_types(self, num_layers: int, transformer_engine: bool) -> str:
+        """megatron's ``cp_comm_type`` for the attention that runs: Megatron-LM's default
+        p2p with Transformer Engine, all_gather without it (the only kind that attention
+        has). One value per layer is taken when they are all one kind: megatron-core 0.16.1
+        reads layer N's entry of a list at index N (``TransformerLayer``, layers counted
+        from 1), which shifts every layer's kind and fails at the last."""
         kinds = self.cp_comm_type or ["p2p" if transformer_engine else "all_gather"]
         if len(kinds) not in (1, num_layers):
             raise ConfigError(f"--cp-comm-type: {len(kinds)} values for {num_layers} layers; "
@@ -116,7 +118,11 @@ class ParallelConfig:
             raise ConfigError(f"--cp-comm-type {other} needs Transformer Engine's attention; "
                               "without it context parallelism all-gathers keys and values: pass "
                               "--cp-comm-type all_gather or drop the flag")
-        return kinds[0] if len(kinds) == 1 else list(kinds)
+        if len(set(kinds)) > 1:
+            raise ConfigError(f"--cp-comm-type {' '.join(kinds)}: layers of different kinds are "
+                              "not supported (megatron-core 0.16.1 gives each layer the next "
+                              "layer's kind and fails at the last); give one kind for all layers")
+        return kinds[0]
 
     def data_parallel_size(self, world: int) -> int:
         """Data-parallel ranks of ``world`` processes: what TP x PP x CP leaves (at least 1)."""

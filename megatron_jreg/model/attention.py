@@ -48,8 +48,6 @@ class SDPAttention(MegatronModule):
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  pg_collection=None):
         super().__init__(config=config)
-        if isinstance(cp_comm_type, list):
-            cp_comm_type = cp_comm_type[layer_number - 1]
         if config.context_parallel_size > 1 and cp_comm_type not in (None, "all_gather"):
             raise ValueError(f"SDPA attention: --cp-comm-type {cp_comm_type} needs Transformer "
                              "Engine's attention; this one all-gathers keys and values "

@@ -259,19 +259,18 @@ class ExperimentConfig:
             raise ConfigError(f"--attention-backend {model.attention_backend}: megatron-core's "
                              "local attention has no context parallelism; drop the flag (SDPA, or "
                              "Transformer Engine's attention) or --context-parallel-size")
-        kinds = self.parallel.cp_comm_types(model.num_layers, attention == "transformer_engine")
+        kind = self.parallel.cp_comm_types(model.num_layers, attention == "transformer_engine")
         # all-to-all exchanges heads for sequence: each rank's heads (and K/V groups) must
         # split over the CP ranks of the exchange (a2a+p2p's first level), as TE requires
         tp = self.parallel.tensor_model_parallel_size
         heads, groups = model.num_attention_heads // tp, model.query_groups // tp
-        for kind in sorted({kinds} if isinstance(kinds, str) else set(kinds)):
-            size = {"a2a": cp, "a2a+p2p": (self.parallel.hierarchical_context_parallel_sizes
-                                            or [cp])[0]}.get(kind)
-            if size and (heads % size or groups % size):
-                raise ConfigError(
-                    f"--cp-comm-type {kind} splits each TP rank's {heads} attention heads and "
-                    f"{groups} query groups over {size} CP ranks, which must divide both; use "
-                    "--cp-comm-type p2p or all_gather, or another --context-parallel-size")
+        size = {"a2a": cp, "a2a+p2p": (self.parallel.hierarchical_context_parallel_sizes
+                                        or [cp])[0]}.get(kind)
+        if size and (heads % size or groups % size):
+            raise ConfigError(
+                f"--cp-comm-type {kind} splits each TP rank's {heads} attention heads and "
+                f"{groups} query groups over {size} CP ranks, which must divide both; use "
+                "--cp-comm-type p2p or all_gather, or another --context-parallel-size")
 
     def _check_experts(self, dp: int) -> None:
         """Mixture-of-experts settings that only fail inside megatron's forward otherwise."""

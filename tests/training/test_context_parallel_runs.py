@@ -165,6 +165,11 @@ def test_all_gather_is_what_the_sdpa_attention_runs(demo_data, monkeypatch):
     (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "4",
       "--hierarchical-context-parallel-sizes", "4", "1"],
      "--cp-comm-type a2a+p2p splits each TP rank's 4 attention heads and 2 query groups over 4"),
+    # megatron-core 0.16.1 reads a per-layer list one layer off: mixed kinds are refused,
+    # one kind given per layer is that kind
+    (["--cp-comm-type", "p2p", "a2a", "p2p", "p2p", "--context-parallel-size", "2"],
+     "--cp-comm-type p2p a2a p2p p2p: layers of different kinds are not supported"),
+    (["--cp-comm-type", "a2a", "a2a", "a2a", "a2a", "--context-parallel-size", "2"], None),
     (["--cp-comm-type", "a2a", "--context-parallel-size", "2"], None),
     (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "4",
       "--hierarchical-context-parallel-sizes", "2", "2"], None),
@@ -186,3 +191,12 @@ def test_transformer_engine_all_to_all_needs_heads_per_cp_rank(demo_data, extra,
     with pytest.raises(ValueError) as exc:
         run.validate(tokenizer_vocab_size=259)
     assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_one_kind_per_layer_trains(demo_data, tmp_path):
+    """A --cp-comm-type list of one kind per layer is that kind (megatron-core 0.16.1 read
+    the list one layer off and failed at the last layer's index)."""
+    metrics = tmp_path / "m.jsonl"
+    train(base_args(demo_data, train_iters=1, metrics_file=metrics, context_parallel_size=2)
+          + ["--cp-comm-type"] + ["all_gather"] * 4, nproc=2)
+    assert len(read_metrics(metrics)) == 1
